@@ -1,0 +1,5 @@
+import sys
+
+from pjray.cli import main
+
+sys.exit(main())

@@ -1,0 +1,306 @@
+"""Load a judge (model + processor) from a local HF directory or a hub id, one path for both.
+
+The same functions serve the tiny random VLMs built by `pjray.models.tiny` and real checkpoints
+such as `Qwen/Qwen3-VL-4B-Thinking`. The processor is always built from the PIL image processor
+and the tokenizer, never through `AutoProcessor`:
+
+* the stock Qwen*-VL processors require a video processor, which exists only as a torchvision
+  class, and torchvision does not import beside the CPU torch wheel;
+* `AutoProcessor` on a directory whose processor it cannot build silently returns the bare
+  tokenizer, which then fails much later, far from the cause;
+* one preprocessing path means CPU tests and GPU runs feed the model identical pixel values.
+
+Judges see images only, so the processors here carry no video processor at all.
+
+Prompt text and model inputs are kept apart on purpose (see DESIGN "Known traps"):
+`render_chat` returns the raw chat text with ONE un-expanded image placeholder, which is what
+vLLM wants next to `multi_modal_data`; `processor_inputs` expands the placeholder into the
+per-image number of image-pad tokens for the HF model (trainer and CPU rollouts).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import PIL.Image
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel
+from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.processing_utils import ProcessorMixin
+
+from pjray.types import JudgePrompt
+
+__all__ = [
+    "IMAGE_ONLY_PROCESSORS",
+    "ImageOnlyQwen2VLProcessor",
+    "ImageOnlyQwen2_5_VLProcessor",
+    "ImageOnlyQwen3VLProcessor",
+    "decode_image",
+    "image_token_count",
+    "load_judge",
+    "load_processor",
+    "mm_token_type_ids",
+    "processor_inputs",
+    "render_chat",
+]
+
+THINK_PREFIX = "<think>\n"
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------------
+# Processors
+# --------------------------------------------------------------------------------------------
+
+
+class _ImageOnlyMixin:
+    """Drops `video_processor` from the processor's signature.
+
+    `ProcessorMixin` derives its sub-processors from the `__init__` signature, so without the
+    parameter it neither builds, checks, saves nor reloads a video processor. `from_pretrained`
+    loads the PIL image processor explicitly: the auto class would pick the torchvision one
+    whenever torchvision is installed, even when it cannot be imported (the CPU machines).
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):  # noqa: D107
+        super().__init__(  # type: ignore[call-arg]
+            image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs
+        )
+
+    @classmethod
+    def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
+        kwargs.pop("subfolder", None)
+        image_processor = _load_pil_image_processor(pretrained_model_name_or_path, processor_dict, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)
+        # Order follows the `__init__` signature (image_processor, tokenizer).
+        return [image_processor, tokenizer]
+
+
+class ImageOnlyQwen2VLProcessor(_ImageOnlyMixin, Qwen2VLProcessor):
+    """`Qwen2VLProcessor` without a video processor."""
+
+
+class ImageOnlyQwen2_5_VLProcessor(_ImageOnlyMixin, Qwen2_5_VLProcessor):
+    """`Qwen2_5_VLProcessor` without a video processor."""
+
+
+class ImageOnlyQwen3VLProcessor(_ImageOnlyMixin, Qwen3VLProcessor):
+    """`Qwen3VLProcessor` without a video processor."""
+
+
+# model_type (config.json) -> processor class. Qwen3-VL-MoE shares the Qwen3-VL processor.
+IMAGE_ONLY_PROCESSORS: dict[str, type[ProcessorMixin]] = {
+    "qwen2_vl": ImageOnlyQwen2VLProcessor,
+    "qwen2_5_vl": ImageOnlyQwen2_5_VLProcessor,
+    "qwen3_vl": ImageOnlyQwen3VLProcessor,
+    "qwen3_vl_moe": ImageOnlyQwen3VLProcessor,
+}
+
+
+def _load_pil_image_processor(
+    path: str | os.PathLike, processor_dict: dict[str, Any] | None = None, **kwargs: Any
+) -> Qwen2VLImageProcessorPil:
+    """The Qwen2-VL PIL image processor (used by Qwen2-, 2.5- and 3-VL) configured from `path`.
+
+    Newer saves nest the image processor's settings in `processor_config.json`; released
+    checkpoints keep them in `preprocessor_config.json`, which `from_pretrained` reads.
+    """
+    nested = (processor_dict or {}).get("image_processor")
+    if isinstance(nested, dict):
+        settings = {k: v for k, v in nested.items() if k not in ("image_processor_type", "processor_class")}
+        return Qwen2VLImageProcessorPil(**settings)
+    return Qwen2VLImageProcessorPil.from_pretrained(path, **kwargs)
+
+
+def _model_type(path: str | os.PathLike) -> str:
+    local_config = Path(path) / "config.json"
+    if local_config.is_file():
+        # A local dir: read the json directly, no need to build a config object.
+        return json.loads(local_config.read_text())["model_type"]
+    return AutoConfig.from_pretrained(str(path)).model_type
+
+
+def load_processor(path: str | os.PathLike) -> ProcessorMixin:
+    """The image-only processor of the judge at `path` (local dir or hub id).
+
+    Has `.tokenizer`, `.image_processor`, and `__call__(text=..., images=...)` returning
+    input_ids, attention_mask, mm_token_type_ids, pixel_values and image_grid_thw.
+    """
+    model_type = _model_type(path)
+    try:
+        processor_cls = IMAGE_ONLY_PROCESSORS[model_type]
+    except KeyError:
+        raise ValueError(
+            f"{path}: model_type {model_type!r} is not a supported judge architecture; "
+            f"supported: {sorted(IMAGE_ONLY_PROCESSORS)}"
+        ) from None
+    processor = processor_cls.from_pretrained(str(path))
+    if processor.tokenizer.pad_token_id is None:
+        # Batched inputs need a pad id; Qwen checkpoints pad with <|endoftext|>.
+        processor.tokenizer.pad_token = "<|endoftext|>"
+    return processor
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+
+def load_judge(
+    path: str | os.PathLike,
+    dtype: str = "float32",
+    device: str | torch.device = "cpu",
+    trainable: bool = True,
+    attn_implementation: str | None = None,
+) -> tuple[PreTrainedModel, ProcessorMixin]:
+    """Load the judge at `path` as `(model, processor)`.
+
+    `trainable=False` puts the model in eval mode with gradients off (reference / rollout copy).
+    `attn_implementation` is passed through ("sdpa", "flash_attention_2", ...); None = default.
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    processor = load_processor(path)
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype]}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    # AutoModelForImageTextToText maps qwen2_vl, qwen2_5_vl, qwen3_vl (and _moe) to their
+    # *ForConditionalGeneration classes in transformers 5.x.
+    model = AutoModelForImageTextToText.from_pretrained(str(path), **kwargs)
+    model.to(device)
+    model.train(trainable)
+    model.requires_grad_(trainable)
+    return model, processor
+
+
+# --------------------------------------------------------------------------------------------
+# Prompts and inputs
+# --------------------------------------------------------------------------------------------
+
+
+def _chat_template(processor: ProcessorMixin) -> str:
+    template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    if not template:
+        raise ValueError("the processor has no chat template (neither processor- nor tokenizer-level)")
+    return template
+
+
+def render_chat(processor: ProcessorMixin, prompt: JudgePrompt, think_prefix: bool = True) -> str:
+    """The judge's prompt text: system + user turn + generation prompt (+ "<think>\\n").
+
+    When `prompt.image` is set, the user turn starts with ONE un-expanded image placeholder
+    (`<|vision_start|><|image_pad|><|vision_end|>` for Qwen). Thinking checkpoints whose template
+    already opens `<think>` in the generation prompt do not get a second one.
+    """
+    user_content: list[dict[str, Any]] = []
+    if prompt.image is not None:
+        user_content.append({"type": "image"})
+    user_content.append({"type": "text", "text": prompt.user})
+    messages: list[dict[str, Any]] = []
+    if prompt.system:
+        messages.append({"role": "system", "content": [{"type": "text", "text": prompt.system}]})
+    messages.append({"role": "user", "content": user_content})
+    text = processor.tokenizer.apply_chat_template(
+        messages, chat_template=_chat_template(processor), tokenize=False, add_generation_prompt=True
+    )
+    if not isinstance(text, str):
+        raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
+    if think_prefix and not text.rstrip().endswith("<think>"):
+        text += THINK_PREFIX
+    return text
+
+
+def decode_image(b: bytes) -> PIL.Image.Image:
+    """Decode encoded image bytes (PNG, JPEG, ...) into an RGB PIL image; ValueError if corrupt."""
+    if not isinstance(b, (bytes, bytearray, memoryview)):
+        raise ValueError(f"image must be encoded bytes, got {type(b).__name__}")
+    data = bytes(b)
+    if not data:
+        raise ValueError("could not decode image: 0 bytes")
+    try:
+        with PIL.Image.open(io.BytesIO(data)) as img:
+            img.load()  # open() is lazy: force the decode so truncated data fails here
+            return img.convert("RGB")
+    except (PIL.UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise ValueError(f"could not decode image ({len(data)} bytes, starting {data[:8]!r}): {e}") from e
+
+
+def _as_image(image: bytes | PIL.Image.Image) -> PIL.Image.Image:
+    return image.convert("RGB") if isinstance(image, PIL.Image.Image) else decode_image(image)
+
+
+def image_token_count(processor: ProcessorMixin, image: bytes | PIL.Image.Image) -> int:
+    """How many image-pad tokens one image expands to: grid t*h*w / merge_size**2."""
+    out = processor.image_processor(images=[_as_image(image)], return_tensors="pt")
+    merge = processor.image_processor.merge_size
+    return int(out["image_grid_thw"][0].prod().item()) // (merge * merge)
+
+
+def mm_token_type_ids(processor: ProcessorMixin, input_ids: torch.Tensor) -> torch.Tensor:
+    """Per-token modality ids (0 text, 1 image, 2 video) for `input_ids` [B, T] -> [B, T] long.
+
+    transformers 5.x Qwen-VL models refuse images without this tensor (it drives M-RoPE). The
+    processor returns it for a prompt; a learner that appends response tokens rebuilds it here.
+    """
+    types = torch.zeros_like(input_ids, dtype=torch.long)
+    types[input_ids == processor.image_token_id] = 1
+    types[input_ids == processor.video_token_id] = 2
+    return types
+
+
+def processor_inputs(
+    processor: ProcessorMixin,
+    texts: list[str],
+    images: list[bytes | PIL.Image.Image | None],
+    padding_side: str = "right",
+) -> dict[str, torch.Tensor | None]:
+    """Padded model inputs for a batch of rendered prompts, images expanded into pad tokens.
+
+    `texts[i]` holds one placeholder when `images[i]` is set and none otherwise; rows with and
+    without images may be mixed. Returns input_ids / attention_mask / mm_token_type_ids [B, T]
+    (long), pixel_values [sum of patches, D] and image_grid_thw [n_images, 3] (both None when
+    no row has an image). `padding_side` "left" suits generate, "right" the learner.
+    """
+    if len(texts) != len(images):
+        raise ValueError(f"got {len(texts)} texts but {len(images)} images (use None for no image)")
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    placeholder = processor.image_token
+    pil_images = []
+    for i, (text, image) in enumerate(zip(texts, images)):
+        n = text.count(placeholder)
+        expected = 0 if image is None else 1
+        if n != expected:
+            raise ValueError(
+                f"row {i}: text has {n} {placeholder} placeholder(s) but {expected} image(s); "
+                "render the text with render_chat from the same prompt"
+            )
+        if image is not None:
+            pil_images.append(_as_image(image))
+    out = processor(
+        text=list(texts),
+        images=pil_images or None,
+        padding=True,
+        padding_side=padding_side,
+        return_tensors="pt",
+    )
+    types = out.get("mm_token_type_ids")
+    return {
+        "input_ids": out["input_ids"],
+        "attention_mask": out["attention_mask"],
+        "mm_token_type_ids": (
+            mm_token_type_ids(processor, out["input_ids"]) if types is None else torch.as_tensor(types).long()
+        ),
+        "pixel_values": out.get("pixel_values"),
+        "image_grid_thw": out.get("image_grid_thw"),
+    }

@@ -1,0 +1,360 @@
+"""GRPO math as pure tensor functions: advantages, the clipped policy loss, k3 KL, aggregation.
+
+Definitions follow verl (`core_algos.py`), which the paper trained with:
+
+* advantage: per-group z-score of the outcome reward, unbiased std, eps 1e-6 (Dr.GRPO: mean only);
+* ratio exp(clamp(logp - old_logp, +-20)), PPO clip [1 - clip_low, 1 + clip_high], dual clip c
+  for negative advantages;
+* KL to the reference as a loss term, k3 / "low_var_kl", clamped to [-10, 10];
+* loss aggregation "token-mean" (default), "seq-mean-token-mean", "seq-mean-token-sum-norm".
+
+Deliberate differences from verl, both small and documented where they occur:
+
+* a group of size 1 gets advantage 0 (verl uses mean 0, std 1 there, i.e. the raw reward);
+* "seq-mean-token-sum-norm" divides by the sequence count as well as by `norm_len`, so it is a
+  mean over sequences as its name (and Dr.GRPO's 1/G) says; verl sums over sequences.
+
+Shapes: N = rewards in a batch, G = groups, B = sequences, T = padded length, V = vocabulary.
+Nothing here imports Ray or DeepSpeed; the learner calls these inside its micro-batch loop.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# Rows of logits processed at once by token_logprobs / entropy_from_logits: bounds the float32
+# temporaries to chunk x V instead of B x T x V.
+_LOGIT_CHUNK_ROWS = 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantages
+# ---------------------------------------------------------------------------------------------
+
+
+def _grouped(rewards: Tensor, group_size: int) -> Tensor:
+    """[N] -> [G, group_size] float view; raises on a ragged layout."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rewards.numel() % group_size:
+        raise ValueError(
+            f"{rewards.numel()} rewards do not split into groups of {group_size} "
+            f"({rewards.numel()} % {group_size} = {rewards.numel() % group_size})"
+        )
+    values = rewards if rewards.is_floating_point() else rewards.float()
+    return values.reshape(-1, group_size)
+
+
+def group_advantages(
+    rewards: Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
+) -> Tensor:
+    """Group-relative advantage of each response.
+
+    Args:
+        rewards: [N] outcome rewards laid out group by group: rewards[g * group_size + j] is
+            sample j of prompt g (N = G * group_size).
+        group_size: responses per prompt.
+        norm_by_std: (r - mean) / (std + eps) with the unbiased group std (GRPO); when False,
+            only the mean is subtracted (Dr.GRPO).
+        eps: added to the std so a zero-variance group gives 0, not nan.
+
+    Returns:
+        [N] advantages (float). A group of size 1 has no baseline to compare with, so its
+        advantage is 0 (verl would return r / (1 + eps) there).
+    """
+    grouped = _grouped(rewards, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if norm_by_std and group_size > 1:
+        # correction=1: the unbiased estimator, as torch.std's default and verl use.
+        centred = centred / (grouped.std(dim=1, keepdim=True, correction=1) + eps)
+    return centred.reshape(-1)
+
+
+def zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
+    """Which groups carry no learning signal because all their rewards are equal.
+
+    Args:
+        rewards: [N] laid out group by group, as in `group_advantages`.
+
+    Returns:
+        [G] bool, True where every reward of the group is identical (always True for size 1).
+    """
+    grouped = _grouped(rewards, group_size)
+    return grouped.amax(dim=1) == grouped.amin(dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-token quantities
+# ---------------------------------------------------------------------------------------------
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """k3 ("low_var_kl") estimate of KL(pi || pi_ref) per token; same shape as the inputs.
+
+    delta = clamp(ref_logp - logp, -20, 20); kl = exp(delta) - delta - 1, clamped to [-10, 10].
+    It is non-negative and unbiased for samples from pi; the clamps keep one wild token from
+    producing inf or dominating the batch.
+    """
+    delta = torch.clamp(ref_logp - logp, min=-20.0, max=20.0)
+    return torch.clamp(torch.exp(delta) - delta - 1.0, min=-10.0, max=10.0)
+
+
+def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
+    """log pi(labels[:, t] | ...) read from logits[:, t].
+
+    Alignment: logits[:, t] is the distribution that predicts labels[:, t]; the caller shifts
+    (labels = input_ids[:, 1:], logits = model_logits[:, :-1]).
+
+    Args:
+        logits: [B, T, V] (any float dtype).
+        labels: [B, T] long; negative ids (e.g. -100 padding) give 0.
+
+    Returns:
+        [B, T] float32. Computed as logit[label] - logsumexp(logits) over chunks of rows in
+        float32, so the full [B, T, V] log_softmax is never materialised and bf16 logits do not
+        lose precision in the normaliser.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on [B, T]"
+        )
+    flat_logits = logits.reshape(-1, logits.shape[-1])
+    flat_labels = labels.reshape(-1)
+    valid = flat_labels >= 0
+    safe_labels = torch.where(valid, flat_labels, torch.zeros_like(flat_labels))
+    pieces = []
+    for start in range(0, flat_logits.shape[0], _LOGIT_CHUNK_ROWS):
+        chunk = flat_logits[start : start + _LOGIT_CHUNK_ROWS].float()
+        picked = chunk.gather(-1, safe_labels[start : start + _LOGIT_CHUNK_ROWS, None]).squeeze(-1)
+        pieces.append(picked - torch.logsumexp(chunk, dim=-1))
+    out = torch.cat(pieces) if pieces else flat_logits.new_zeros(0, dtype=torch.float32)
+    return torch.where(valid, out, torch.zeros_like(out)).reshape(labels.shape)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) per position.
+
+    Args:
+        logits: [B, T, V] (any leading shape works).
+
+    Returns:
+        [B, T] float32: H = logsumexp(x) - sum(softmax(x) * x), which never takes log(0).
+    """
+    flat = logits.reshape(-1, logits.shape[-1])
+    pieces = []
+    for start in range(0, flat.shape[0], _LOGIT_CHUNK_ROWS):
+        chunk = flat[start : start + _LOGIT_CHUNK_ROWS].float()
+        probs = torch.softmax(chunk, dim=-1)
+        pieces.append(torch.logsumexp(chunk, dim=-1) - (probs * chunk).sum(dim=-1))
+    out = torch.cat(pieces) if pieces else flat.new_zeros(0, dtype=torch.float32)
+    return out.reshape(logits.shape[:-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation
+# ---------------------------------------------------------------------------------------------
+
+
+def aggregate(
+    values: Tensor,
+    mask: Tensor,
+    mode: str,
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+    dp_size: int = 1,
+    norm_len: float | None = None,
+) -> Tensor:
+    """Reduce per-token values to one scalar: this micro-batch's share of the batch loss.
+
+    Args:
+        values: [B, T] per-token values (loss, KL, ...).
+        mask: [B, T] 1 on tokens that count (bool, int or float).
+        mode: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum-norm".
+        global_tokens: masked tokens in the whole optimizer step (all DP ranks, all
+            micro-batches); used by "token-mean".
+        global_seqs: sequences with at least one masked token in the whole optimizer step;
+            used by the two "seq-mean" modes. Fully masked rows count for nothing anywhere.
+        dp_size: data-parallel world size; only used together with a global count.
+        norm_len: the constant length of "seq-mean-token-sum-norm" (Dr.GRPO), normally the
+            configured max response length; when None, the padded T of this tensor (as verl),
+            which is split-invariant only if every micro-batch is padded to the same T.
+
+    Returns:
+        [] scalar. With global counts, each micro-batch on each rank returns
+
+            token-mean:               sum(v * m)                      / global_tokens * dp_size
+            seq-mean-token-mean:      sum_i (sum_t v*m / sum_t m)     / global_seqs   * dp_size
+            seq-mean-token-sum-norm:  sum_i (sum_t v*m) / norm_len    / global_seqs   * dp_size
+
+        so SUMMING over a rank's micro-batches (gradient accumulation without averaging) and
+        AVERAGING over ranks (DeepSpeed's all-reduce mean) gives exactly the full-batch value.
+        Without the count a mode needs (and dp_size == 1), the plain value of this tensor alone
+        is returned: the same formulas with the local count.
+
+    Raises:
+        ValueError: unknown mode, or dp_size > 1 without the global count the mode needs
+        (local counts would silently weight ranks unequally).
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {AGG_MODES}")
+    if values.shape != mask.shape:
+        raise ValueError(f"values {tuple(values.shape)} and mask {tuple(mask.shape)} differ")
+    m = mask.to(values.dtype)
+    token_sum_per_seq = (values * m).sum(dim=-1)  # [B]
+
+    if mode == "token-mean":
+        total, count = token_sum_per_seq.sum(), global_tokens
+        count_name = "global_tokens"
+        local_count = m.sum()
+    else:
+        tokens_per_seq = m.sum(dim=-1)  # [B]
+        if mode == "seq-mean-token-mean":
+            # Fully masked rows have a zero numerator; clamp keeps them at 0 instead of nan.
+            per_seq = token_sum_per_seq / tokens_per_seq.clamp(min=1.0)
+        else:
+            length = float(values.shape[-1]) if norm_len is None else float(norm_len)
+            if length <= 0:
+                raise ValueError(f"norm_len must be > 0, got {norm_len}")
+            per_seq = token_sum_per_seq / length
+        total, count = per_seq.sum(), global_seqs
+        count_name = "global_seqs"
+        local_count = (tokens_per_seq > 0).to(values.dtype).sum()
+
+    if count is None:
+        if dp_size != 1:
+            raise ValueError(f"aggregate mode {mode!r} with dp_size={dp_size} needs {count_name}")
+        # An all-masked micro-batch has total 0; clamp returns 0 with a gradient, not nan.
+        return total / local_count.clamp(min=1.0)
+    if count <= 0:
+        # The whole step has nothing to train on: contribute an exact zero that still backprops.
+        return total * 0.0
+    return total / float(count) * dp_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Losses
+# ---------------------------------------------------------------------------------------------
+
+
+def _masked_mean_item(values: Tensor, mask: Tensor) -> float:
+    """Python float mean of values over mask (0.0 when the mask is empty); for metrics only."""
+    m = mask.to(values.dtype)
+    count = m.sum()
+    return float((values * m).sum() / count.clamp(min=1.0))
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = 3.0,
+    agg: str = "token-mean",
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+    dp_size: int = 1,
+    norm_len: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO clipped surrogate with dual clip (verl "vanilla" policy loss).
+
+    Args:
+        logp: [B, T] log-probs of the sampled tokens under the policy being trained (grad).
+        old_logp: [B, T] log-probs under the policy that sampled them.
+        advantages: [B, T] per token, or [B] per sequence (broadcast over T).
+        mask: [B, T] 1 on response tokens that are trained on.
+        clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high].
+        dual_clip: c > 1; for A < 0 the loss is capped at -A * c so a huge ratio on a bad
+            token cannot blow up the step. None disables it.
+        agg, global_tokens, global_seqs, dp_size, norm_len: passed to `aggregate`.
+
+    Returns:
+        (loss [] scalar as from `aggregate`, metrics) with masked token means as floats:
+        pg_clipfrac (PPO clip active), pg_clipfrac_lower (dual clip active), ppo_kl
+        (mean of old_logp - logp), ratio_mean.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    advantages = advantages.expand_as(logp)
+
+    log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -advantages * ratio
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
+    if dual_clip is not None:
+        loss_cap = -advantages * dual_clip
+        per_token = torch.where(advantages < 0, torch.minimum(loss_ppo, loss_cap), loss_ppo)
+    else:
+        per_token = loss_ppo
+
+    loss = aggregate(per_token, mask, agg, global_tokens, global_seqs, dp_size, norm_len)
+
+    with torch.no_grad():
+        if dual_clip is not None:
+            lower = ((loss_ppo > loss_cap) & (advantages < 0)).float()
+        else:
+            lower = torch.zeros_like(ratio)
+        metrics = {
+            "pg_clipfrac": _masked_mean_item((loss_clipped > loss_unclipped).float(), mask),
+            "pg_clipfrac_lower": _masked_mean_item(lower, mask),
+            "ppo_kl": _masked_mean_item(-log_ratio, mask),
+            "ratio_mean": _masked_mean_item(ratio, mask),
+        }
+    return loss, metrics
+
+
+def grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    ref_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    kl_coef: float,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = 3.0,
+    agg: str = "token-mean",
+    global_tokens: float | None = None,
+    global_seqs: float | None = None,
+    dp_size: int = 1,
+    norm_len: float | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """GRPO loss: clipped policy loss + kl_coef * aggregate(k3 KL to the reference).
+
+    KL is a loss term (verl `use_kl_loss`), aggregated with the same mode and counts as the
+    policy loss, so the sum is split-invariant too.
+
+    Args:
+        logp, old_logp, advantages, mask, clip_*, dual_clip, agg, ...: as in `policy_loss`.
+        ref_logp: [B, T] reference-model log-probs; may be None only when kl_coef == 0.
+        kl_coef: weight of the KL term.
+
+    Returns:
+        (loss [] scalar, metrics): `policy_loss` metrics plus pg_loss and kl_loss, this
+        micro-batch's contributions (sum over micro-batches, mean over ranks = full value).
+    """
+    pg, metrics = policy_loss(
+        logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip,
+        agg, global_tokens, global_seqs, dp_size, norm_len,
+    )  # fmt: skip
+    if ref_logp is None:
+        if kl_coef != 0:
+            raise ValueError(f"kl_coef={kl_coef} needs ref_logp; pass it or set kl_coef=0")
+        kl = torch.zeros((), dtype=pg.dtype, device=pg.device)
+    else:
+        kl = aggregate(
+            kl_k3(logp, ref_logp), mask, agg, global_tokens, global_seqs, dp_size, norm_len
+        )
+    loss = pg + kl_coef * kl
+    metrics["pg_loss"] = float(pg.detach())
+    metrics["kl_loss"] = float(kl.detach())
+    return loss, metrics

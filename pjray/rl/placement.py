@@ -1,0 +1,155 @@
+"""Ray placement of the training roles, and pools of workers that survive worker deaths.
+
+One placement group holds a bundle per learner rank, rollout worker and reward worker, so a
+job either gets all of its resources or waits for them (no half-started job holding GPUs).
+A dead rollout or reward worker is rebuilt in its own bundle and the call it failed is retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+log = logging.getLogger(__name__)
+
+WORKER_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+
+@dataclass(frozen=True)
+class RoleResources:
+    count: int
+    num_cpus: float
+    num_gpus: float
+
+
+class Placement:
+    """A placement group with consecutive bundle ranges per role."""
+
+    def __init__(self, roles: dict[str, RoleResources], strategy: str, timeout_s: float = 600.0):
+        self.ranges: dict[str, range] = {}
+        bundles: list[dict[str, float]] = []
+        for role, res in roles.items():
+            start = len(bundles)
+            for _ in range(res.count):
+                bundle = {"CPU": res.num_cpus}
+                if res.num_gpus:
+                    bundle["GPU"] = res.num_gpus
+                bundles.append(bundle)
+            self.ranges[role] = range(start, len(bundles))
+        self.roles = roles
+        self.pg: PlacementGroup = placement_group(bundles, strategy=strategy)
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        if not ready:
+            total = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
+            raise RuntimeError(
+                f"placement group not ready after {timeout_s:.0f}s: it needs {total['CPU']:g} CPUs "
+                f"and {total['GPU']:g} GPUs in bundles {bundles}; the cluster has "
+                f"{ray.cluster_resources()}"
+            )
+
+    def strategy(self, role: str, index: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(
+            placement_group=self.pg,
+            placement_group_bundle_index=self.ranges[role][index],
+        )
+
+    def launch(self, role: str, cls: type, index: int, *args: Any, **kwargs: Any) -> Any:
+        """Start `cls` as an actor in the `index`-th bundle of `role`."""
+        res = self.roles[role]
+        return (
+            ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus)(cls)
+            .options(scheduling_strategy=self.strategy(role, index), max_concurrency=1)
+            .remote(*args, **kwargs)
+        )
+
+    def master_address(self, role: str) -> tuple[str, int]:
+        """IP and a free port on the node of the role's first bundle (for torch.distributed)."""
+
+        def probe() -> tuple[str, int]:
+            with socket.socket() as sock:
+                sock.bind(("", 0))
+                port = sock.getsockname()[1]
+            return ray.util.get_node_ip_address(), port
+
+        task = ray.remote(num_cpus=min(0.01, self.roles[role].num_cpus))(probe)
+        return ray.get(task.options(scheduling_strategy=self.strategy(role, 0)).remote())
+
+    def shutdown(self) -> None:
+        remove_placement_group(self.pg)
+
+
+class WorkerPool:
+    """Actors of one role. `call` spreads one call per worker and rebuilds dead workers.
+
+    `on_restart(actor)` brings a rebuilt worker up to date (for rollout workers: the current
+    weights) before its call is retried, so a retried call computes exactly what the lost one
+    would have, and only results of calls that succeeded are ever returned.
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        role: str,
+        cls: type,
+        args: Callable[[int], tuple],
+        max_retries: int,
+        on_restart: Callable[[Any], None] | None = None,
+    ):
+        self.placement, self.role, self.cls, self.args = placement, role, cls, args
+        self.max_retries = max_retries
+        self.on_restart = on_restart
+        self.actors = [placement.launch(role, cls, i, *args(i)) for i in range(placement.roles[role].count)]
+        ray.get([a.ready.remote() for a in self.actors])
+        self.restarts = 0
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def restart(self, index: int) -> None:
+        log.warning("%s worker %d died; restarting it", self.role, index)
+        try:
+            ray.kill(self.actors[index], no_restart=True)
+        except Exception:  # already gone
+            pass
+        actor = self.placement.launch(self.role, self.cls, index, *self.args(index))
+        ray.get(actor.ready.remote())
+        self.actors[index] = actor
+        self.restarts += 1
+        if self.on_restart is not None:
+            self.on_restart(actor)
+
+    def call(self, method: str, per_worker_args: list[tuple]) -> list[Any]:
+        """Call `method(*per_worker_args[i])` on worker i (fewer args lists than workers is fine)."""
+        results: list[Any] = [None] * len(per_worker_args)
+        pending = {i: getattr(self.actors[i], method).remote(*a) for i, a in enumerate(per_worker_args)}
+        attempts = 0
+        while pending:
+            failed = []
+            for i, ref in pending.items():
+                try:
+                    results[i] = ray.get(ref)
+                except WORKER_FAILURES:
+                    failed.append(i)
+            if not failed:
+                break
+            attempts += 1
+            if attempts > self.max_retries:
+                raise RuntimeError(f"{self.role} workers {failed} kept dying ({attempts} attempts)")
+            for i in failed:
+                self.restart(i)
+            pending = {i: getattr(self.actors[i], method).remote(*per_worker_args[i]) for i in failed}
+        return results
+
+    def broadcast(self, method: str, *args: Any) -> list[Any]:
+        return self.call(method, [args] * len(self.actors))
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)

@@ -1,0 +1,331 @@
+"""Rollout: sample n judge responses per prompt, and take weight updates from the learner.
+
+`RolloutEngine` is the interface the driver talks to (through `RolloutWorker`); each backend
+implements it once:
+
+* `HFEngine` (here): transformers `generate` with images, the CPU default and the tested path.
+* `pjray.rl.vllm_engine.VllmEngine` (GPU): loaded lazily by `RolloutWorker` when
+  `rollout.backend=vllm`, constructed as `VllmEngine(model_path, model_cfg, rollout_cfg)`.
+
+Semantics every engine keeps, so the driver and the reward never need to know the backend:
+
+* Sampling is exactly `RolloutConfig` (temperature, top_p, top_k, max_new_tokens). Sampling
+  defaults shipped in a checkpoint's `generation_config.json` are ignored on purpose: a run's
+  samples must not depend on which checkpoint directory they came from.
+* Generation stops only at EOS (`<|im_end|>` plus the checkpoint's own EOS ids) or at
+  `max_new_tokens`, never at `</answer>`: the `scores` style writes K answer blocks, so the
+  first `</answer>` is not the end of a response. The EOS token is part of `token_ids` (with
+  its logprob), so the learner trains the decision to stop; `text` skips special tokens.
+* `logprobs[t]` is log softmax of the model's raw logits (before temperature / top-k / top-p)
+  at the sampled token: the quantity the learner recomputes as the old policy. With
+  temperature 1 and top_p 1 it equals the sampler's own logprob.
+* Completions come back ordered by (prompt_index, sample_index).
+* Same prompts, n and seed -> same completions (on the same hardware and chunking).
+* Weight sync (`load_weights`) takes the learner's bucket plan plus one Ray ObjectRef per
+  bucket (a flat tensor from `pjray.rl.weights.pack`, put once by the learner), fetches the
+  buckets one at a time so only one bucket is in flight, and copies them in place.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+import ray
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from pjray.config import ConfigError, ModelConfig, RolloutConfig
+from pjray.models.loading import load_judge, processor_inputs, render_chat
+from pjray.rl.weights import Bucket, state_checksums, unpack
+from pjray.types import Completion, JudgePrompt
+
+__all__ = ["HFEngine", "RolloutEngine", "RolloutWorker", "build_engine"]
+
+EOS_TOKEN = "<|im_end|>"
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the driver needs from a rollout backend (HF now, vLLM on GPU)."""
+
+    def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
+        """n samples per prompt, ordered by (prompt_index, sample_index); deterministic in seed."""
+        ...
+
+    def load_weights(self, plan: list[Bucket], refs: list[Any]) -> None:
+        """Copy the learner's parameters in place: `refs[i]` holds the flat tensor of `plan[i]`."""
+        ...
+
+    def checksums(self) -> dict[str, str]:
+        """`state_checksums` of the served parameters (to verify a sync)."""
+        ...
+
+    def sleep(self) -> None:
+        """Free generation memory (KV cache, weights) while the learner trains."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo `sleep` before the next sync or generation."""
+        ...
+
+
+class _SampledTokenLogprobs(LogitsProcessor):
+    """Records log softmax(raw logits) at each sampled token, one step of logits at a time.
+
+    `output_logits=True` would keep every step's [B, V] logits until generate returns
+    (steps x B x V floats: gigabytes for a 150k vocab and long responses). Instead this
+    processor keeps only the previous step's log-probabilities and, at the next call, gathers
+    the token that was sampled from them (the last column of `input_ids`).
+
+    It must see the raw logits, so it has to run first: the engine turns off every
+    config-driven processor that HF would place before it (penalties, bad words, min length).
+    """
+
+    def __init__(self) -> None:
+        self._steps: list[torch.Tensor] = []  # [B] per finished step
+        self._last: torch.Tensor | None = None  # [B, V] log-probs of the latest step
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._last is not None:
+            self._steps.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self._last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def result(self, generated: torch.Tensor) -> torch.Tensor:
+        """Logprobs [B, G] of `generated` [B, G], the tokens generate returned.
+
+        HF may run a step past the end and undo it (deferred stop checks on GPU), so there can
+        be more recorded steps than G; the last kept token has no later call and is gathered
+        from `_last` when needed.
+        """
+        num_steps = generated.shape[1]
+        steps = self._steps[:num_steps]
+        if len(steps) < num_steps:
+            assert self._last is not None and len(steps) == num_steps - 1
+            steps = steps + [self._last.gather(-1, generated[:, -1:]).squeeze(-1)]
+        return torch.stack(steps, dim=1)
+
+
+def _chunk_seed(seed: int, first_prompt: int) -> int:
+    """A seed per chunk of prompts, so chunks do not replay the same random stream."""
+    return int(np.random.SeedSequence([seed, first_prompt]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+class HFEngine:
+    """Rollouts with transformers `generate` (CPU, or one GPU without vLLM).
+
+    Prompts are rendered with `render_chat`, expanded by the processor and left-padded, so a
+    chunk of prompts with different lengths, with or without images, runs as one batch; Qwen-VL
+    computes M-RoPE positions from the attention mask, so padding does not shift them.
+    `max_batch_prompts` bounds memory: one generate call runs at most that many prompts x n
+    sequences.
+
+    `sleep()` / `wake_up()` are no-ops: the HF model has no KV cache that outlives a generate
+    call, and on CPU there is no device memory to hand to the learner.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        model_cfg: ModelConfig,
+        rollout_cfg: RolloutConfig,
+        device: str = "cpu",
+        max_batch_prompts: int = 8,
+    ) -> None:
+        if max_batch_prompts < 1:
+            raise ValueError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
+        self.model_cfg = model_cfg
+        self.rollout_cfg = rollout_cfg
+        self.device = torch.device(device)
+        self.max_batch_prompts = max_batch_prompts
+        self.model, self.processor = load_judge(
+            model_path, dtype=model_cfg.dtype, device=self.device, trainable=False
+        )
+        tokenizer = self.processor.tokenizer
+        eos_ids = {tokenizer.convert_tokens_to_ids(EOS_TOKEN)}
+        checkpoint_eos = self.model.generation_config.eos_token_id
+        if checkpoint_eos is not None:
+            eos_ids |= set(checkpoint_eos if isinstance(checkpoint_eos, list) else [checkpoint_eos])
+        eos_ids.discard(None)
+        eos_ids.discard(tokenizer.unk_token_id)  # an unknown EOS_TOKEN maps to unk, not a stop
+        if not eos_ids:
+            raise ValueError(f"{model_path}: no EOS token ({EOS_TOKEN} unknown, none in generation_config)")
+        self.eos_ids: tuple[int, ...] = tuple(sorted(eos_ids))
+        self.pad_id: int = tokenizer.pad_token_id
+        # Drop the checkpoint's sampling defaults (e.g. Qwen's top_k=20, repetition_penalty):
+        # only RolloutConfig decides how we sample, and nothing may run before the logprob hook.
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=self.model.generation_config.bos_token_id,
+            eos_token_id=list(self.eos_ids),
+            pad_token_id=self.pad_id,
+        )
+        self._params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
+
+    # -- generation -----------------------------------------------------------------------
+
+    def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
+        """n samples for each prompt, ordered by (prompt_index, sample_index).
+
+        Deterministic given (prompts, n, seed, max_batch_prompts): each chunk of prompts is
+        sampled under its own seed derived from `seed`, inside a forked RNG so the caller's
+        global torch RNG is untouched.
+        """
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        completions: list[Completion] = []
+        for start in range(0, len(prompts), self.max_batch_prompts):
+            chunk = prompts[start : start + self.max_batch_prompts]
+            completions.extend(self._generate_chunk(chunk, start, n, _chunk_seed(seed, start)))
+        return completions
+
+    def _generate_chunk(
+        self, prompts: Sequence[JudgePrompt], first_index: int, n: int, seed: int
+    ) -> list[Completion]:
+        texts = [render_chat(self.processor, p, think_prefix=self.model_cfg.think_prefix) for p in prompts]
+        inputs = processor_inputs(self.processor, texts, [p.image for p in prompts], padding_side="left")
+        model_inputs = {k: v.to(self.device) for k, v in inputs.items() if v is not None}
+        prompt_len = model_inputs["input_ids"].shape[1]
+        cfg = self.rollout_cfg
+        recorder = _SampledTokenLogprobs()
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.inference_mode():
+            torch.manual_seed(seed)
+            sequences = self.model.generate(
+                **model_inputs,
+                logits_processor=LogitsProcessorList([recorder]),
+                do_sample=True,
+                num_return_sequences=n,  # rows come back as [p0 s0..s(n-1), p1 s0.., ...]
+                max_new_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,  # 0 = off (HF's own default would be 50)
+                eos_token_id=list(self.eos_ids),
+                pad_token_id=self.pad_id,
+            )
+        generated = sequences[:, prompt_len:]  # [B*n, G]; rows that stopped early are padded
+        logprobs = recorder.result(generated)  # [B*n, G]
+        eos = torch.tensor(self.eos_ids, device=generated.device)
+        out: list[Completion] = []
+        for row in range(generated.shape[0]):
+            ids = generated[row].tolist()
+            is_eos = torch.isin(generated[row], eos).nonzero()
+            if len(is_eos):
+                length, reason = int(is_eos[0]) + 1, "stop"  # keep the EOS token
+            else:
+                length, reason = len(ids), "length"
+            token_ids = tuple(ids[:length])
+            out.append(
+                Completion(
+                    prompt_index=first_index + row // n,
+                    sample_index=row % n,
+                    token_ids=token_ids,
+                    logprobs=tuple(logprobs[row, :length].tolist()),
+                    text=self.processor.tokenizer.decode(token_ids, skip_special_tokens=True),
+                    finish_reason=reason,
+                )
+            )
+        return out
+
+    # -- weights --------------------------------------------------------------------------
+
+    def load_weights(self, plan: list[Bucket], refs: list[Any]) -> None:
+        """Copy the learner's buckets into the model's parameters in place.
+
+        `refs[i]` is a Ray ObjectRef (or, without Ray, the tensor itself) of the flat buffer of
+        `plan[i]`. The whole plan is checked against the model before anything is fetched, so
+        a bad plan fails without leaving the model half updated. A plan may cover a subset of
+        the parameters (e.g. a frozen vision tower is not sent). Values are cast to the
+        engine's dtype (a float32 learner may feed a bfloat16 rollout); shapes must match.
+        """
+        if len(plan) != len(refs):
+            raise ValueError(f"load_weights: {len(plan)} buckets in the plan but {len(refs)} refs")
+        for bucket in plan:
+            for entry in bucket.entries:
+                param = self._params.get(entry.name)
+                if param is None:
+                    raise ValueError(
+                        f"load_weights: unknown parameter {entry.name!r}; the rollout model "
+                        f"has {len(self._params)} parameters, e.g. {next(iter(self._params))!r}"
+                    )
+                if param.shape != entry.shape:
+                    raise ValueError(
+                        f"load_weights: parameter {entry.name!r} is {tuple(param.shape)} in the "
+                        f"rollout model but {tuple(entry.shape)} in the plan"
+                    )
+        with torch.no_grad():
+            for bucket, ref in zip(plan, refs):
+                # One bucket at a time: peak extra memory is one bucket, not the whole model.
+                flat = ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
+                flat = flat.to(self.device, non_blocking=True)
+                for name, value in unpack(bucket, flat).items():
+                    self._params[name].copy_(value)
+                del flat
+
+    def checksums(self) -> dict[str, str]:
+        return state_checksums(self.model.named_parameters())
+
+    def sleep(self) -> None:
+        """No-op: nothing outlives a generate call (see the class docstring)."""
+
+    def wake_up(self) -> None:
+        """No-op, the counterpart of `sleep`."""
+
+
+def build_engine(
+    model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu"
+) -> RolloutEngine:
+    """The engine of `rollout_cfg.backend`; the vLLM module is imported only when chosen."""
+    if rollout_cfg.backend == "hf":
+        return HFEngine(model_path, model_cfg, rollout_cfg, device=device)
+    if rollout_cfg.backend == "vllm":
+        try:
+            from pjray.rl.vllm_engine import VllmEngine  # noqa: PLC0415  (vLLM is GPU-only)
+        except ImportError as err:
+            raise ConfigError(
+                f"rollout.backend=vllm: the vLLM engine cannot be imported ({err}); install "
+                "pjray[gpu] on a GPU machine, or use rollout.backend=hf"
+            ) from err
+        return VllmEngine(model_path, model_cfg, rollout_cfg)
+    raise ConfigError(f"rollout.backend={rollout_cfg.backend!r}: expected hf or vllm")
+
+
+class RolloutWorker:
+    """One rollout replica. A plain class: the driver launches it with
+    `ray.remote(num_cpus=..., num_gpus=...)(RolloutWorker)`, and tests can build it directly.
+    """
+
+    def __init__(
+        self, model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, worker_index: int
+    ) -> None:
+        self.worker_index = worker_index
+        # Ray hides unassigned GPUs, so a GPU is visible here exactly when one was requested.
+        device = "cuda" if rollout_cfg.num_gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
+        self.engine: RolloutEngine = build_engine(model_path, model_cfg, rollout_cfg, device=device)
+
+    def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
+        """See `RolloutEngine.generate`; prompt_index counts within this call's `prompts`."""
+        return self.engine.generate(prompts, n, seed)
+
+    def load_weights(self, plan: list[Bucket], refs: list[Any]) -> None:
+        """See `HFEngine.load_weights`. Pass `refs` inside a list so Ray does not resolve them
+        all up front: the engine fetches one bucket at a time."""
+        self.engine.load_weights(plan, refs)
+
+    def checksums(self) -> dict[str, str]:
+        return self.engine.checksums()
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def ready(self) -> bool:
+        """Returns once the engine is built (the driver waits on it after launch)."""
+        return True
+
+    def pid(self) -> int:
+        """The worker's process id (fault-injection tests kill it)."""
+        return os.getpid()

@@ -1,0 +1,453 @@
+"""The GRPO driver: one process, the single controller of rollout, reward and learner actors.
+
+The variant is verl's GRPO as used by the paper's training recipe:
+- n = algo.group_size responses per prompt; advantage = (r - group mean) / (unbiased group std
+  + 1e-6), broadcast to every response token; `algo.norm_adv_by_std=false` keeps only the mean
+  subtraction (Dr.GRPO).
+- Loss: the clipped ratio objective (clip 0.2/0.2) with dual clip c=3 for negative advantages,
+  plus kl_coef * k3 ("low_var_kl") KL to a frozen reference model inside the loss, aggregated
+  token-mean over the whole step's batch (independent of how it is split over ranks).
+- On-policy by default: one optimizer step per training step, old logprobs = current ones.
+- Reward = format x ranking, ranking = 1 - Levenshtein/K (the paper) or Kendall (the release).
+
+Where it differs from the paper's written objective: the paper writes a per-sample mean
+(1/n sum_i) and a generic KL term; like verl (which the paper trained with) we aggregate over
+tokens and use the k3 estimator. Groups whose rewards all equal carry no signal; their fraction is
+logged (`rollout/frac_zero_std`) and `algo.filter_zero_std` drops and refills them (DAPO-style).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import ray
+import torch
+
+from pjray.config import Config, to_dict
+from pjray.data.prompts import render_batch
+from pjray.data.sampler import ItemSampler, SamplerState
+from pjray.data.sources import read_items
+from pjray.models.loading import load_processor, render_chat
+from pjray.reward.workers import RewardWorker
+from pjray.rl.grpo import group_advantages, zero_std_groups
+from pjray.rl.learner import LearnerRank
+from pjray.rl.placement import Placement, RoleResources, WorkerPool
+from pjray.rl.rollout import RolloutWorker
+from pjray.tracking import Tracker
+from pjray.types import Completion, Experience, JudgeItem, JudgePrompt, RewardResult
+
+log = logging.getLogger(__name__)
+
+
+class Timer:
+    """Accumulates wall time per phase: `with timer("gen"): ...` -> timing_s/gen."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """Scored responses of the groups kept for training, group by group."""
+
+    prompts: list[JudgePrompt]
+    texts: list[str]  # chat-rendered prompt text per prompt
+    completions: list[Completion]  # group_size per prompt, in prompt order
+    rewards: list[RewardResult]
+    frac_zero_std: float
+    groups_seen: int
+
+
+def connect_ray(cfg: Config) -> None:
+    """Join the cluster we run in (RAY_ADDRESS / `ray job submit`) or start a local one."""
+    if ray.is_initialized():
+        return
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+    kwargs = {} if address else {"num_cpus": cfg.ray.num_cpus or None}
+    # Defaults for the actors' environment; variables the user set (also through a job's
+    # runtime env) win because they are already in os.environ and are inherited.
+    env = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}
+    ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True, **kwargs)
+
+
+def load_items(cfg: Config) -> list[JudgeItem]:
+    if cfg.data.source == "parquet":
+        return read_items(cfg.data.path)
+    from pjray.ppjd.perturb import scene_items
+
+    return scene_items(
+        cfg.data.num_items, seed=cfg.data.seed, num_candidates=cfg.data.num_candidates,
+        image_size=cfg.data.image_size,
+    )
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = [p.parent for p in (run_dir / "checkpoints").glob("global_step_*/COMPLETE")]
+    return max(done, key=lambda p: int(p.name.rsplit("_", 1)[1]), default=None)
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_dir = Path(cfg.trainer.run_dir).resolve()
+        self.step = 0
+
+    # ----------------------------------------------------------------------------- setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        connect_ray(cfg)
+        self.model_path = self.resolve_model()
+        self.processor = load_processor(self.model_path)
+        self.items = load_items(cfg)
+
+        self.placement = Placement(
+            {
+                "learner": RoleResources(cfg.learner.num_ranks, cfg.learner.num_cpus_per_rank, cfg.learner.num_gpus_per_rank),
+                "rollout": RoleResources(cfg.rollout.num_workers, cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker),
+                "reward": RoleResources(cfg.reward.num_workers, cfg.reward.num_cpus_per_worker, 0.0),
+            },
+            strategy=cfg.ray.placement_strategy,
+        )
+        self.learners = self.launch_learners()
+        self.rollout = WorkerPool(
+            self.placement, "rollout", RolloutWorker,
+            lambda i: (self.model_path, cfg.model, cfg.rollout, i),
+            max_retries=cfg.trainer.max_step_retries, on_restart=self.sync_worker,
+        )
+        self.reward = WorkerPool(
+            self.placement, "reward", RewardWorker, lambda i: (cfg.reward, cfg.model.think_prefix),
+            max_retries=cfg.trainer.max_step_retries,
+        )
+
+        state = SamplerState()
+        resume_from = self.resume_dir()
+        if resume_from is not None:
+            trainer_state = json.loads((resume_from / "trainer_state.json").read_text())
+            ray.get([r.load_checkpoint.remote(str(resume_from / "learner")) for r in self.learners])
+            self.step = trainer_state["step"]
+            state = SamplerState(**trainer_state["sampler"])
+            self.sync_weights()
+            log.info("resumed from %s at step %d", resume_from, self.step)
+        self.sampler = ItemSampler(self.items, cfg.trainer.seed, state)
+        (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        self.tracker = Tracker(cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None)
+
+    def resolve_model(self) -> str:
+        """The judge's path; with none configured, a tiny random judge built in the run dir."""
+        if self.cfg.model.path:
+            return self.cfg.model.path
+        from pjray.models.tiny import build_tiny_judge
+
+        target = self.run_dir / "base_model"
+        if not (target / "config.json").exists():
+            build_tiny_judge(target, arch=self.cfg.model.tiny_arch, seed=self.cfg.trainer.seed)
+        return str(target)
+
+    def launch_learners(self) -> list:
+        cfg = self.cfg
+        addr, port = self.placement.master_address("learner")
+        port = cfg.learner.master_port or port
+        sequences = cfg.trainer.prompts_per_step * cfg.algo.group_size
+        per_rank = sequences // (cfg.algo.ppo_mini_batches * cfg.learner.num_ranks)
+        total_updates = cfg.trainer.steps * cfg.algo.ppo_mini_batches * cfg.algo.ppo_epochs
+        ranks = [
+            self.placement.launch(
+                "learner", LearnerRank, r, cfg.model, cfg.learner, cfg.algo, self.model_path,
+                rank=r, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,
+                total_steps=total_updates, grad_accum_steps=per_rank // cfg.learner.micro_batch_size,
+            )
+            for r in range(cfg.learner.num_ranks)
+        ]
+        ray.get([r.ready.remote() for r in ranks])
+        return ranks
+
+    def resume_dir(self) -> Path | None:
+        resume = self.cfg.trainer.resume
+        if resume == "disable":
+            return None
+        if resume == "auto":
+            return latest_checkpoint(self.run_dir)
+        path = Path(resume)
+        if not (path / "COMPLETE").exists():
+            raise FileNotFoundError(f"trainer.resume={resume}: not a complete checkpoint directory")
+        return path
+
+    # ----------------------------------------------------------------------------- the loop
+    def run(self) -> None:
+        cfg = self.cfg.trainer
+        while self.step < cfg.steps:
+            self.step += 1
+            metrics = self.train_step()
+            self.tracker.log(metrics, self.step)
+            log.info(
+                "step %d/%d reward %.3f frac_zero_std %.2f step %.1fs", self.step, cfg.steps,
+                metrics["reward/mean"], metrics["rollout/frac_zero_std"], metrics["timing_s/step"],
+            )
+            if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:
+                self.save_checkpoint()
+        if cfg.export_hf:
+            self.export_hf()
+
+    def train_step(self) -> dict[str, float]:
+        timer = Timer()
+        start = time.perf_counter()
+
+        # Generate and score; with filtering, drop zero-variance groups and refill (gen, reward).
+        rollouts = self.collect(timer)
+
+        # Group-relative advantages over the kept groups.
+        with timer("adv"):
+            rewards = torch.tensor([r.total for r in rollouts.rewards], dtype=torch.float32)
+            advantages = group_advantages(
+                rewards, self.cfg.algo.group_size, norm_by_std=self.cfg.algo.norm_adv_by_std,
+                eps=self.cfg.algo.adv_eps,
+            )
+            experiences = self.experiences(rollouts, advantages.tolist())
+
+        # Reference logprobs for the KL term.
+        if self.cfg.algo.kl_coef > 0:
+            with timer("ref"):
+                experiences = self.attach_logprobs(experiences, "ref")
+
+        # Old-policy logprobs, needed only when a step takes several optimizer steps.
+        if self.cfg.algo.ppo_mini_batches * self.cfg.algo.ppo_epochs > 1:
+            with timer("old_log_prob"):
+                experiences = self.attach_logprobs(experiences, "policy")
+
+        # The policy update: mini-batches x epochs optimizer steps over DeepSpeed ranks.
+        with timer("update"):
+            actor_metrics = self.update(experiences)
+
+        # Send the new weights to every rollout engine.
+        with timer("sync"):
+            self.sync_weights()
+
+        timer.seconds["step"] = time.perf_counter() - start
+        return self.step_metrics(rollouts, advantages, actor_metrics, timer)
+
+    # ----------------------------------------------------------------------------- phases
+    def collect(self, timer: Timer) -> Rollouts:
+        cfg = self.cfg
+        n, want = cfg.algo.group_size, cfg.trainer.prompts_per_step
+        rounds = 1 + (cfg.algo.max_refill_rounds if cfg.algo.filter_zero_std else 0)
+        kept = Rollouts([], [], [], [], 0.0, 0)
+        zero_groups = 0
+        for round_index in range(rounds):
+            need = want - len(kept.prompts)
+            with timer("gen"):
+                prompts, completions = self.generate(need, seed=self.step * 1_000 + round_index)
+            with timer("reward"):
+                results = self.score(prompts, completions)
+            with timer("adv"):
+                zero = zero_std_groups(torch.tensor([r.total for r in results]), n).tolist()
+            zero_groups += sum(zero)
+            kept.groups_seen += len(prompts)
+            for g, prompt in enumerate(prompts):
+                if cfg.algo.filter_zero_std and zero[g]:
+                    continue
+                kept.prompts.append(prompt)
+                kept.completions.extend(completions[g * n : (g + 1) * n])
+                kept.rewards.extend(results[g * n : (g + 1) * n])
+            if len(kept.prompts) >= want:
+                break
+        kept.frac_zero_std = zero_groups / kept.groups_seen
+        kept.texts = [render_chat(self.processor, p, think_prefix=cfg.model.think_prefix) for p in kept.prompts]
+        if not kept.prompts:
+            # Every group was degenerate: train on nothing this step but keep the run alive.
+            log.warning("step %d: every group had zero reward variance", self.step)
+        return kept
+
+    def generate(self, num_prompts: int, seed: int) -> tuple[list[JudgePrompt], list[Completion]]:
+        """Sample items, render prompts (candidates shuffled per prompt) and generate n each."""
+        prompts = []
+        for index, item in self.sampler.take(num_prompts):
+            rng = random.Random(f"{self.cfg.trainer.seed}/{index}")
+            prompts.append(render_batch(item, rng, style=self.cfg.reward.style))
+        chunks = split_evenly(list(range(len(prompts))), len(self.rollout))
+        results = self.rollout.call(
+            "generate",
+            [([prompts[i] for i in chunk], self.cfg.algo.group_size, seed * 100 + w) for w, chunk in enumerate(chunks)],
+        )
+        completions = []
+        for chunk, chunk_completions in zip(chunks, results):
+            for c in chunk_completions:
+                completions.append(dataclasses.replace(c, prompt_index=chunk[c.prompt_index]))
+        completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
+        return prompts, completions
+
+    def score(self, prompts: list[JudgePrompt], completions: list[Completion]) -> list[RewardResult]:
+        targets = [prompts[c.prompt_index].target for c in completions]
+        chunks = split_evenly(list(range(len(completions))), len(self.reward))
+        results = self.reward.call(
+            "score", [([completions[i] for i in chunk], [targets[i] for i in chunk]) for chunk in chunks]
+        )
+        return [r for chunk_results in results for r in chunk_results]
+
+    def experiences(self, rollouts: Rollouts, advantages: list[float]) -> list[Experience]:
+        n = self.cfg.algo.group_size
+        return [
+            Experience(
+                prompt_text=rollouts.texts[i // n],
+                image=rollouts.prompts[i // n].image,
+                response_ids=c.token_ids,
+                advantage=advantages[i],
+            )
+            for i, c in enumerate(rollouts.completions)
+        ]
+
+    def padded_shards(self, experiences: list[Experience]) -> list[list[list[Experience]]]:
+        """[mini-batch][rank] -> shard. Every shard has the same length (ZeRO collectives need
+        every rank to run the same forwards); the padding rows have empty responses, so they
+        carry no tokens, no loss and no gradient."""
+        cfg = self.cfg
+        per_mini = cfg.trainer.prompts_per_step * cfg.algo.group_size // cfg.algo.ppo_mini_batches
+        filler = Experience(self.rendered_filler(), None, (), 0.0)
+        padded = experiences + [filler] * (per_mini * cfg.algo.ppo_mini_batches - len(experiences))
+        minis = [padded[m * per_mini : (m + 1) * per_mini] for m in range(cfg.algo.ppo_mini_batches)]
+        return [split_evenly(mini, cfg.learner.num_ranks) for mini in minis]
+
+    def rendered_filler(self) -> str:
+        return "pad"
+
+    def attach_logprobs(self, experiences: list[Experience], which: str) -> list[Experience]:
+        field = "ref_logprobs" if which == "ref" else "old_logprobs"
+        out: list[Experience] = []
+        for mini in self.padded_shards(experiences):
+            per_rank = ray.get([r.compute_logprobs.remote(shard, which) for r, shard in zip(self.learners, mini)])
+            for shard, logprobs in zip(mini, per_rank):
+                out.extend(dataclasses.replace(e, **{field: lp}) for e, lp in zip(shard, logprobs))
+        return out[: len(experiences)]
+
+    def update(self, experiences: list[Experience]) -> dict[str, float]:
+        collected: dict[str, list[float]] = defaultdict(list)
+        for _ in range(self.cfg.algo.ppo_epochs):
+            for mini in self.padded_shards(experiences):
+                real = [e for shard in mini for e in shard if e.response_ids]
+                tokens = float(sum(len(e.response_ids) for e in real))
+                if not real:
+                    continue
+                per_rank = ray.get(
+                    [r.train_step.remote(shard, tokens, float(len(real))) for r, shard in zip(self.learners, mini)]
+                )
+                for metrics in per_rank:
+                    for key, value in metrics.items():
+                        collected[key].append(value)
+        return {key: mean(values) for key, values in collected.items()}
+
+    def sync_weights(self) -> None:
+        """Bucketed learner -> rollout weight transfer: one load call per rollout worker."""
+        exported = ray.get([r.export_weights.remote(self.cfg.trainer.sync_bucket_mb << 20) for r in self.learners])
+        plan, refs = exported[0]
+        self.rollout.broadcast("load_weights", plan, refs)
+
+    def sync_worker(self, worker) -> None:
+        """Bring one rebuilt rollout worker to the learner's current weights."""
+        exported = ray.get([r.export_weights.remote(self.cfg.trainer.sync_bucket_mb << 20) for r in self.learners])
+        plan, refs = exported[0]
+        ray.get(worker.load_weights.remote(plan, refs))
+
+    # ----------------------------------------------------------------------------- outputs
+    def step_metrics(self, rollouts: Rollouts, advantages: torch.Tensor, actor: dict[str, float], timer: Timer) -> dict[str, float]:
+        totals = [r.total for r in rollouts.rewards]
+        lengths = [len(c.token_ids) for c in rollouts.completions]
+        max_new = self.cfg.rollout.max_new_tokens
+        tokens = sum(lengths)
+        metrics = {
+            "reward/mean": mean(totals),
+            "reward/std": float(torch.tensor(totals).std()) if len(totals) > 1 else 0.0,
+            "reward/format_mean": mean([r.format for r in rollouts.rewards]),
+            "reward/ranking_mean": mean([r.ranking for r in rollouts.rewards]),
+            "rollout/frac_zero_std": rollouts.frac_zero_std,
+            "rollout/groups_kept": float(len(rollouts.prompts)),
+            "rollout/groups_seen": float(rollouts.groups_seen),
+            "rollout/worker_restarts": float(self.rollout.restarts + self.reward.restarts),
+            "response_length/mean": mean(lengths),
+            "response_length/max": float(max(lengths, default=0)),
+            "response_length/clip_ratio": mean([float(c.finish_reason == "length") for c in rollouts.completions]),
+            "advantages/mean": float(advantages.mean()) if advantages.numel() else 0.0,
+            "advantages/max": float(advantages.max()) if advantages.numel() else 0.0,
+            "advantages/min": float(advantages.min()) if advantages.numel() else 0.0,
+            "data/consumed": float(self.sampler.state.consumed),
+            "data/epoch": float(self.sampler.epoch),
+            "perf/total_num_tokens": float(tokens),
+            "perf/throughput": tokens / timer.seconds["step"],
+            "training/global_step": float(self.step),
+        }
+        metrics.update(actor)
+        metrics.update({f"timing_s/{k}": v for k, v in timer.seconds.items()})
+        return metrics
+
+    def save_checkpoint(self) -> None:
+        cfg = self.cfg.trainer
+        path = self.run_dir / "checkpoints" / f"global_step_{self.step}"
+        ray.get([r.save_checkpoint.remote(str(path / "learner"), {"step": self.step}) for r in self.learners])
+        state = {"step": self.step, "sampler": dataclasses.asdict(self.sampler.state), "seed": cfg.seed}
+        (path / "trainer_state.json").write_text(json.dumps(state))
+        (path / "COMPLETE").touch()  # written last: a checkpoint without it is ignored by resume
+        done = sorted(
+            (p.parent for p in (self.run_dir / "checkpoints").glob("global_step_*/COMPLETE")),
+            key=lambda p: int(p.name.rsplit("_", 1)[1]),
+        )
+        for old in done[: -cfg.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def export_hf(self) -> Path:
+        path = self.run_dir / "hf_model"
+        ray.get([r.save_hf.remote(str(path)) for r in self.learners])
+        return path
+
+    def shutdown(self) -> None:
+        if hasattr(self, "tracker"):
+            self.tracker.close()
+        for pool in ("rollout", "reward"):
+            if hasattr(self, pool):
+                getattr(self, pool).shutdown()
+        for rank in getattr(self, "learners", []):
+            ray.kill(rank, no_restart=True)
+        if hasattr(self, "placement"):
+            self.placement.shutdown()
+
+
+def split_evenly(values: list, parts: int) -> list[list]:
+    """Contiguous chunks whose sizes differ by at most one (empty chunks dropped)."""
+    size, extra = divmod(len(values), parts)
+    out, start = [], 0
+    for p in range(parts):
+        end = start + size + (p < extra)
+        out.append(values[start:end])
+        start = end
+    return [chunk for chunk in out if chunk] if len(values) < parts else out
+
+
+def train(cfg: Config) -> Path:
+    """Run a whole training job; returns the run directory."""
+    trainer = Trainer(cfg)
+    try:
+        trainer.setup()
+        trainer.run()
+    finally:
+        trainer.shutdown()
+    return trainer.run_dir

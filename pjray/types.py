@@ -1,0 +1,119 @@
+"""Typed messages that cross module and actor boundaries.
+
+Everything a Ray actor sends or receives is one of these dataclasses: never an untyped dict.
+Tensor shapes are given in the field comments (B = sequences in a batch, T = padded length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class JudgeItem:
+    """One ranked tuple of the PPJD schema: an image, a question and K candidate answers.
+
+    `candidates` may be stored in any order; `order` lists candidate indices from best to worst,
+    e.g. (chosen, perception-only error, perception + reasoning error) -> order [0, 1, 2].
+    """
+
+    id: str
+    image: bytes  # encoded PNG or JPEG
+    question: str
+    candidates: tuple[str, ...]  # K answers
+    order: tuple[int, ...]  # indices into candidates, best -> worst; a permutation of range(K)
+    source: str  # "scenes", "mmpr", ...
+    meta: dict[str, Any] = field(default_factory=dict)  # JSON-serialisable perturbation metadata
+
+
+@dataclass(frozen=True)
+class JudgePrompt:
+    """A rendered judge prompt for one item, with the candidates shuffled and lettered.
+
+    Letter i (A, B, ...) shows `candidates[shown[i]]` of the item. `target` is the correct
+    verdict: letters best -> worst ("BCA") for the batch protocol, one letter for pair, the
+    score as a string for score.
+    """
+
+    item_id: str
+    system: str
+    user: str  # the user turn's text, without any image placeholder token
+    image: bytes | None
+    protocol: str  # "batch" | "pair" | "score"
+    style: str  # "ranking" | "scores"
+    num_candidates: int
+    shown: tuple[int, ...]  # shown[i] = index into item.candidates of the answer under letter i
+    target: str
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled response to one prompt."""
+
+    prompt_index: int  # index of the prompt in the list given to generate()
+    sample_index: int  # 0 .. n-1 within the prompt's group
+    token_ids: tuple[int, ...]  # response tokens only, [L]
+    logprobs: tuple[float, ...]  # the sampler's log-probability of each response token, [L]
+    text: str  # decoded response (special tokens skipped)
+    finish_reason: str  # "stop" (EOS or a stop string) | "length" (hit max_new_tokens)
+
+
+@dataclass(frozen=True)
+class Judgment:
+    """A parsed judge response. Never raises on a string: `reason` says what was wrong."""
+
+    think: str | None
+    answer: str | None  # raw text inside <answer>...</answer> (joined when several)
+    ranking: str | None  # letters best -> worst, e.g. "BAC"; None when it could not be read
+    scores: tuple[int, ...] | None  # per-candidate scores (scores style), in letter order
+    format_ok: bool
+    reason: str  # "" when format_ok, else a short human-readable reason
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """The judge reward of one response: total = format * ranking (+ extras)."""
+
+    total: float
+    format: float  # 0.0 or 1.0
+    ranking: float  # in [0, 1]; computed only when the prediction could be read, else 0
+    pred: str | None  # predicted ranking string
+    reason: str
+
+
+@dataclass(frozen=True)
+class Experience:
+    """One prompt + sampled response, as the driver sends it to a learner rank.
+
+    The learner builds model inputs from `prompt_text` and `image` with its own processor (the
+    same expansion of image tokens the rollout used), then appends `response_ids`.
+    """
+
+    prompt_text: str  # the chat-rendered prompt (render_chat), one un-expanded image placeholder
+    image: bytes | None
+    response_ids: tuple[int, ...]  # [L]
+    advantage: float
+    old_logprobs: tuple[float, ...] | None = None  # [L]; None: take the current policy's (on-policy)
+    ref_logprobs: tuple[float, ...] | None = None  # [L]; None when the KL term is off
+
+
+@dataclass
+class TrainBatch:
+    """What the learner needs for one GRPO update of B sequences (prompt + response).
+
+    Multimodal inputs are kept per sequence in the processor's own layout (for Qwen-VL:
+    pixel_values [sum of patches, D] and image_grid_thw [n_images, 3]); the learner
+    concatenates them for the micro-batch it runs.
+    """
+
+    input_ids: torch.Tensor  # [B, T] long, right-padded with pad_token_id
+    attention_mask: torch.Tensor  # [B, T] long, 1 on real tokens
+    response_mask: torch.Tensor  # [B, T] float, 1 on response tokens that are trained on
+    old_logprobs: torch.Tensor  # [B, T] float, logprob of token t under the rollout policy (0 off-mask)
+    advantages: torch.Tensor  # [B] float, one per sequence (broadcast over its tokens)
+    pixel_values: list[torch.Tensor]  # per sequence, [P_b, D]
+    image_grid_thw: list[torch.Tensor]  # per sequence, [n_images_b, 3] long
+    ref_logprobs: torch.Tensor | None = None  # [B, T] float, filled by the learner when KL is on

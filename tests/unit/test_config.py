@@ -1,0 +1,82 @@
+"""The config schema: defaults, YAML + overrides, and loud failures naming the key."""
+
+from pathlib import Path
+
+import pytest
+
+from pjray.config import Config, ConfigError, load, to_dict, to_yaml
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+
+
+def test_defaults_are_the_cpu_demo():
+    cfg = load()
+    assert isinstance(cfg, Config)
+    assert cfg.rollout.backend == "hf" and cfg.model.path == "" and cfg.data.source == "scenes"
+    assert cfg.learner.num_gpus_per_rank == 0 and cfg.rollout.num_gpus_per_worker == 0
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_yaml_loads(path):
+    cfg = load(path)
+    assert to_dict(cfg)["algo"]["group_size"] == cfg.algo.group_size
+
+
+def test_shipped_configs_exist():
+    assert any(p.name == "demo.yaml" for p in CONFIGS)
+
+
+def test_yaml_then_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("algo:\n  group_size: 6\ntrainer:\n  prompts_per_step: 4\n")
+    cfg = load(f, ["algo.group_size=8", "reward.metric=kendall"])
+    assert cfg.algo.group_size == 8 and cfg.trainer.prompts_per_step == 4
+    assert cfg.reward.metric == "kendall"
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = load(overrides=["algo.kl_coef=0.0", "learner.lr=3e-6"])
+    f = tmp_path / "round.yaml"
+    f.write_text(to_yaml(cfg))
+    assert load(f) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("algo.bogus=1", "algo.bogus"),
+        ("nosuchsection.x=1", "nosuchsection"),
+        ("algo.group_size=many", "algo.group_size"),
+        ("reward.metric=bleu", "reward.metric"),
+        ("rollout.backend=sglang", "rollout.backend"),
+        ("algo.group_size=1", "algo.group_size"),
+        ("learner.zero_stage=4", "learner.zero_stage"),
+        ("data.num_candidates=27", "data.num_candidates"),
+        ("data.source=parquet", "data.path"),
+        ("data.path=/x.parquet", "data.path"),
+        ("rollout.temperature=0", "rollout.temperature"),
+        ("rollout.backend=vllm", "rollout.num_gpus_per_worker"),
+        ("learner.bf16=true", "learner.bf16"),
+        ("learner.micro_batch_size=5", "learner.micro_batch_size 5"),
+        ("trainer.resume=/no/such/dir", "trainer.resume"),
+        ("algo.dual_clip=0.5", "algo.dual_clip"),
+        ("learner.lr=-1", "learner.lr"),
+    ],
+)
+def test_bad_configs_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load(overrides=[override])
+
+
+def test_unknown_key_in_yaml_names_it(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("trainer:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"trainer\.stepz"):
+        load(f)
+
+
+def test_missing_file_and_malformed_override():
+    with pytest.raises(ConfigError, match="not found"):
+        load("no/such/file.yaml")
+    with pytest.raises(ConfigError, match="key=value"):
+        load(overrides=["algo.group_size"])
