@@ -15,6 +15,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
+# Scene answers have few enough facts that at most this many strictly ordered error levels exist
+# (pjray.ppjd.perturb.MAX_CANDIDATES; kept here so loading a config never imports torch).
+SCENE_MAX_CANDIDATES = 6
+
+
 class ConfigError(ValueError):
     """A bad config: the message names the offending key."""
 
@@ -60,6 +65,9 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
+    # "module:function" of a custom `(response_text, target) -> float` reward used instead of
+    # the judge reward (verl's custom_reward_function); empty: format x ranking.
+    function: str = ""
     metric: str = "levenshtein"  # levenshtein (the paper) | kendall (the released code)
     style: str = "ranking"  # ranking (letters best -> worst) | scores (one 1-10 score each)
     num_workers: int = 1
@@ -200,8 +208,18 @@ def validate(cfg: Config) -> Config:
 
     if not 2 <= cfg.data.num_candidates <= 26:
         raise ConfigError(f"data.num_candidates={cfg.data.num_candidates}: must be in 2..26")
+    if cfg.reward.style == "scores" and cfg.data.num_candidates > 10:
+        raise ConfigError(
+            f"data.num_candidates={cfg.data.num_candidates}: reward.style=scores gives each "
+            "candidate a distinct score in 1..10, so at most 10 candidates"
+        )
     if cfg.data.source == "parquet" and not cfg.data.path:
         raise ConfigError("data.path: required when data.source=parquet")
+    if cfg.data.source == "scenes" and cfg.data.num_candidates > SCENE_MAX_CANDIDATES:
+        raise ConfigError(
+            f"data.num_candidates={cfg.data.num_candidates}: scene items carry at most "
+            f"{SCENE_MAX_CANDIDATES} error levels"
+        )
     if cfg.data.source == "scenes" and cfg.data.path:
         raise ConfigError("data.path: only read when data.source=parquet (got source=scenes)")
     if cfg.rollout.temperature <= 0:
@@ -223,6 +241,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("learner.bf16: set model.dtype=bfloat16 too (learner.bf16 trains in it)")
     if cfg.trainer.resume not in ("auto", "disable") and not Path(cfg.trainer.resume).is_dir():
         raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: not auto, disable or a directory")
+    if cfg.reward.function and ":" not in cfg.reward.function:
+        raise ConfigError(f"reward.function={cfg.reward.function!r}: expected module:function")
     sequences = cfg.trainer.prompts_per_step * cfg.algo.group_size
     per_update = cfg.algo.ppo_mini_batches * cfg.learner.num_ranks * cfg.learner.micro_batch_size
     if sequences % per_update:

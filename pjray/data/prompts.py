@@ -135,6 +135,9 @@ def render_batch(
         raise ValueError(f"item {item.id!r}: unknown batch style {style!r}; expected one of {BATCH_STYLES}")
     if not 2 <= k <= MAX_CANDIDATES:
         raise ValueError(f"item {item.id!r}: {k} candidates; the batch protocol takes 2..{MAX_CANDIDATES}")
+    if style == "scores" and k > SCORE_MAX - SCORE_MIN + 1:
+        # Distinct integer scores 1-10 cannot rank more than 10 candidates.
+        raise ValueError(f"item {item.id!r}: {k} candidates; the scores style takes at most 10")
     if sorted(item.order) != list(range(k)):
         raise ValueError(f"item {item.id!r}: order {item.order!r} is not a permutation of range({k})")
     shown = list(range(k))

@@ -70,7 +70,10 @@ class _ImageOnlyMixin:
     whenever torchvision is installed, even when it cannot be imported (the CPU machines).
     """
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):  # noqa: D107
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        # The Qwen parent still hands `video_processor=None` on to `ProcessorMixin.__init__`
+        # positionally; that one zips the arguments with `get_attributes()` (image_processor,
+        # tokenizer here), so the None is dropped rather than checked or stored.
         super().__init__(  # type: ignore[call-arg]
             image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs
         )
@@ -208,7 +211,8 @@ def render_chat(processor: ProcessorMixin, prompt: JudgePrompt, think_prefix: bo
     user_content.append({"type": "text", "text": prompt.user})
     messages: list[dict[str, Any]] = []
     if prompt.system:
-        messages.append({"role": "system", "content": [{"type": "text", "text": prompt.system}]})
+        # A plain string: every Qwen template accepts it for the system turn.
+        messages.append({"role": "system", "content": prompt.system})
     messages.append({"role": "user", "content": user_content})
     text = processor.tokenizer.apply_chat_template(
         messages, chat_template=_chat_template(processor), tokenize=False, add_generation_prompt=True

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import Callable
+
 from pjray.config import RewardConfig
 from pjray.reward import judge_reward
 from pjray.types import Completion, RewardResult
+
+
+def load_function(spec: str) -> Callable[[str, str], float]:
+    """Import "module:function"; errors name the spec."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"reward.function={spec!r}: {err}") from None
+    if not callable(fn):
+        raise ValueError(f"reward.function={spec!r}: not callable")
+    return fn
 
 
 def length_penalty(num_tokens: int, cfg: RewardConfig) -> float:
@@ -20,6 +35,7 @@ class RewardWorker:
         self.cfg = cfg
         # The rollout prompt may end in "<think>\n", so responses lack the opening tag.
         self.think_prefilled = think_prefilled
+        self.custom = load_function(cfg.function) if cfg.function else None
 
     def score(self, completions: list[Completion], targets: list[str]) -> list[RewardResult]:
         """`targets[i]` is the verdict `completions[i]` should give (its prompt's target)."""
@@ -27,13 +43,17 @@ class RewardWorker:
             raise ValueError(f"{len(completions)} completions but {len(targets)} targets")
         results = []
         for completion, target in zip(completions, targets):
-            result = judge_reward(
-                completion.text,
-                target,
-                metric=self.cfg.metric,
-                style=self.cfg.style,
-                think_prefilled=self.think_prefilled,
-            )
+            if self.custom is not None:
+                value = float(self.custom(completion.text, target))
+                result = RewardResult(total=value, format=1.0, ranking=value, pred=None, reason="")
+            else:
+                result = judge_reward(
+                    completion.text,
+                    target,
+                    metric=self.cfg.metric,
+                    style=self.cfg.style,
+                    think_prefilled=self.think_prefilled,
+                )
             penalty = length_penalty(len(completion.token_ids), self.cfg)
             if penalty:
                 result = RewardResult(

@@ -16,9 +16,14 @@ Semantics every engine keeps, so the driver and the reward never need to know th
   `max_new_tokens`, never at `</answer>`: the `scores` style writes K answer blocks, so the
   first `</answer>` is not the end of a response. The EOS token is part of `token_ids` (with
   its logprob), so the learner trains the decision to stop; `text` skips special tokens.
-* `logprobs[t]` is log softmax of the model's raw logits (before temperature / top-k / top-p)
-  at the sampled token: the quantity the learner recomputes as the old policy. With
-  temperature 1 and top_p 1 it equals the sampler's own logprob.
+* The image / video placeholder tokens (`<|image_pad|>`, `<|video_pad|>`) are never sampled:
+  in a response they would make the learner's forward pass look for image features that do
+  not exist ("image features and image tokens do not match"). Random tiny judges sample them
+  often; real checkpoints almost never do.
+* `logprobs[t]` is log softmax of the model's raw logits (before temperature / top-k / top-p
+  and before the placeholder ban) at the sampled token: the quantity the learner recomputes as
+  the old policy. With temperature 1 and top_p 1 it equals the sampler's own logprob up to the
+  banned placeholders' probability mass (zero for trained models).
 * Completions come back ordered by (prompt_index, sample_index).
 * Same prompts, n and seed -> same completions (on the same hardware and chunking).
 * Weight sync (`load_weights`) takes the learner's bucket plan plus one Ray ObjectRef per
@@ -108,6 +113,16 @@ class _SampledTokenLogprobs(LogitsProcessor):
         return torch.stack(steps, dim=1)
 
 
+class _BanTokens(LogitsProcessor):
+    """Sets the logits of `token_ids` to -inf, after the logprob recorder has read them."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = torch.tensor(sorted(token_ids), dtype=torch.long)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        return scores.index_fill(-1, self.token_ids.to(scores.device), float("-inf"))
+
+
 def _chunk_seed(seed: int, first_prompt: int) -> int:
     """A seed per chunk of prompts, so chunks do not replay the same random stream."""
     return int(np.random.SeedSequence([seed, first_prompt]).generate_state(1, dtype=np.uint64)[0] >> 1)
@@ -154,6 +169,8 @@ class HFEngine:
             raise ValueError(f"{model_path}: no EOS token ({EOS_TOKEN} unknown, none in generation_config)")
         self.eos_ids: tuple[int, ...] = tuple(sorted(eos_ids))
         self.pad_id: int = tokenizer.pad_token_id
+        placeholders = {getattr(self.processor, a, None) for a in ("image_token_id", "video_token_id")}
+        self.banned_ids: tuple[int, ...] = tuple(sorted(i for i in placeholders if i is not None))
         # Drop the checkpoint's sampling defaults (e.g. Qwen's top_k=20, repetition_penalty):
         # only RolloutConfig decides how we sample, and nothing may run before the logprob hook.
         self.model.generation_config = GenerationConfig(
@@ -189,12 +206,16 @@ class HFEngine:
         prompt_len = model_inputs["input_ids"].shape[1]
         cfg = self.rollout_cfg
         recorder = _SampledTokenLogprobs()
+        # Order matters: custom processors run in list order, before temperature/top-k/top-p.
+        processors = LogitsProcessorList([recorder])
+        if self.banned_ids:
+            processors.append(_BanTokens(self.banned_ids))
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.inference_mode():
             torch.manual_seed(seed)
             sequences = self.model.generate(
                 **model_inputs,
-                logits_processor=LogitsProcessorList([recorder]),
+                logits_processor=processors,
                 do_sample=True,
                 num_return_sequences=n,  # rows come back as [p0 s0..s(n-1), p1 s0.., ...]
                 max_new_tokens=cfg.max_new_tokens,

@@ -52,6 +52,7 @@ def test_round_trip_through_yaml(tmp_path):
         ("algo.group_size=1", "algo.group_size"),
         ("learner.zero_stage=4", "learner.zero_stage"),
         ("data.num_candidates=27", "data.num_candidates"),
+        ("data.num_candidates=7", "data.num_candidates"),
         ("data.source=parquet", "data.path"),
         ("data.path=/x.parquet", "data.path"),
         ("rollout.temperature=0", "rollout.temperature"),
@@ -61,11 +62,24 @@ def test_round_trip_through_yaml(tmp_path):
         ("trainer.resume=/no/such/dir", "trainer.resume"),
         ("algo.dual_clip=0.5", "algo.dual_clip"),
         ("learner.lr=-1", "learner.lr"),
+        ("reward.function=no_colon", "reward.function"),
     ],
 )
 def test_bad_configs_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load(overrides=[override])
+
+
+def test_scene_cap_matches_the_perturber():
+    from pjray.config import SCENE_MAX_CANDIDATES
+    from pjray.ppjd.perturb import MAX_CANDIDATES
+
+    assert SCENE_MAX_CANDIDATES == MAX_CANDIDATES
+
+
+def test_scores_style_caps_candidates():
+    with pytest.raises(ConfigError, match=r"data\.num_candidates"):
+        load(overrides=["reward.style=scores", "data.num_candidates=11", "data.source=parquet", "data.path=x"])
 
 
 def test_unknown_key_in_yaml_names_it(tmp_path):

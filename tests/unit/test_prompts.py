@@ -52,7 +52,8 @@ def answer_for(prompt, item: JudgeItem, style: str) -> str:
 def test_render_batch_layout_and_target():
     item = make_item(3, order=(2, 0, 1))
     p = render_batch(item, random.Random(0))
-    assert (p.protocol, p.style, p.num_candidates, p.item_id, p.image) == ("batch", "ranking", 3, "item-3", item.image)
+    assert (p.protocol, p.style, p.num_candidates) == ("batch", "ranking", 3)
+    assert (p.item_id, p.image) == ("item-3", item.image)
     assert sorted(p.shown) == [0, 1, 2]
     expected_user = "[Question]\nHow many red cars are there?\n\n" + "\n\n".join(
         f"[Assistant {LETTERS[i]}'s Answer]\nanswer number {c}" for i, c in enumerate(p.shown)
@@ -74,7 +75,8 @@ def test_render_batch_without_shuffle_keeps_stored_letters():
 
 
 def test_system_prompts_ask_for_think_and_answer():
-    for s in (SYSTEM_BATCH_RANKING, SYSTEM_BATCH_SCORES, SYSTEM_PAIR_RANKING, SYSTEM_PAIR_SCORES, SYSTEM_SCORE):
+    systems = [SYSTEM_BATCH_RANKING, SYSTEM_BATCH_SCORES, SYSTEM_PAIR_RANKING, SYSTEM_PAIR_SCORES]
+    for s in systems + [SYSTEM_SCORE]:
         assert "<think> </think>" in s and "<answer> </answer>" in s
     assert "DO NOT assign the same score to multiple assistants" in SYSTEM_BATCH_SCORES
     assert "1-10" in SYSTEM_BATCH_SCORES and "1-10" in SYSTEM_SCORE
@@ -90,6 +92,7 @@ def test_system_prompts_ask_for_think_and_answer():
         (make_item(3, order=(0, 1, 1)), "ranking", "not a permutation"),
         (make_item(3, order=(0, 1)), "ranking", "not a permutation"),
         (make_item(3), "ranks", "unknown batch style"),
+        (make_item(11), "scores", "at most 10"),
     ],
 )
 def test_render_batch_rejects_bad_items(item, style, match):

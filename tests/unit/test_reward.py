@@ -162,7 +162,7 @@ def test_parser_accepts_ranking_syntaxes(answer):
 
 @pytest.mark.parametrize(
     "answer",
-    ["b > a > c", "B < A < C", "B >> A >> C", "1. B 2. A 3. C", "The best is B, then A, then C", "B > A > C."],
+    ["b > a > c", "B < A < C", "B >> A >> C", "1. B 2. A 3. C", "B is best, then A", "B > A > C."],
 )
 def test_parser_rejects_other_syntaxes(answer):
     j = parse_judgment(wrap(answer), 3)
@@ -226,7 +226,7 @@ def test_parser_invalid_ranking_style(text, ranking, reason):
         ("0</answer><answer>8</answer><answer>6", (0, 8, 6), "outside 1..10"),
         ("3</answer><answer>3</answer><answer>6", (3, 3, 6), "tied scores"),
         ("3</answer><answer>8", (3, 8), "2 scores, expected 3"),
-        ("3</answer><answer>8</answer><answer>6</answer><answer>1", (3, 8, 6, 1), "4 scores, expected 3"),
+        ("3</answer><answer>8</answer><answer>6</answer><answer>1", (3, 8, 6, 1), "4 scores"),
         ("3</answer><answer>B</answer><answer>6", None, "answer 2 'B' is not an integer"),
         ("3</answer><answer>7.5</answer><answer>6", None, "not an integer"),
         ("3</answer><answer>123456</answer><answer>6", None, "not an integer"),

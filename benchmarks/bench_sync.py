@@ -1,0 +1,171 @@
+"""Weight sync learner -> rollout through the Ray object store, against a plain memory copy.
+
+One sender actor (standing in for learner rank 0) loads the judge, plans 64 MB buckets, packs
+them and `ray.put`s each; one `RolloutWorker` (the HF engine) fetches them one at a time with
+`ray.get`, unpacks and copies into its parameters: exactly the trainer's sync path. Each
+configuration is timed `--reps` times (the median is shown) and checked with checksums once.
+
+Two serialisations of the flat tensors are compared: Ray's default (torch's pickle, which
+copies the bytes on put and again on get) and `RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1` (the
+tensor travels as an out-of-band uint8 buffer and is mapped read-only on get).
+
+The baseline is one `copy_` of the same number of bytes in one process, one thread (the
+actors run with one intra-op thread too): the floor for any transfer on this machine.
+
+Models: the tiny test judge (~0.2M parameters) and a ~114M-parameter Qwen2-VL (text hidden
+768, 12 layers, a 2-layer vision tower) with random weights built from a config, no download.
+
+    python benchmarks/bench_sync.py [--bucket-mb 64] [--reps 3] [--tiny-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+
+from pjray.config import ModelConfig, RolloutConfig
+from pjray.models.loading import load_judge
+from pjray.models.tiny import build_tiny_judge
+from pjray.rl.rollout import RolloutWorker
+from pjray.rl.weights import pack, plan_buckets, state_checksums
+
+
+class Sender:
+    """Holds a judge like learner rank 0 and publishes its parameters as bucket refs."""
+
+    def __init__(self, model_path: str) -> None:
+        self.model, _ = load_judge(model_path, trainable=False)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.mul_(1.01)  # differ from the receiver, as after an optimizer step
+
+    def publish(self, bucket_bytes: int) -> tuple[list, list, float]:
+        """(plan, refs, seconds spent packing and putting)."""
+        start = time.perf_counter()
+        params = dict(self.model.named_parameters())
+        plan = plan_buckets([(n, p.shape, p.dtype) for n, p in params.items()], bucket_bytes)
+        refs = []
+        for bucket in plan:
+            flat = pack(bucket, params)
+            refs.append(ray.put(flat))
+            del flat  # the object store holds the bytes now
+        return plan, refs, time.perf_counter() - start
+
+    def checksums(self) -> dict[str, str]:
+        return state_checksums(self.model.named_parameters())
+
+
+def build_large_judge(out_dir: Path) -> Path:
+    """A ~114M-parameter Qwen2-VL judge with the tiny judge's tokenizer and processor."""
+    path = build_tiny_judge(out_dir, seed=0)
+    config = AutoConfig.from_pretrained(path)
+    text = config.text_config
+    text.hidden_size, text.intermediate_size, text.num_hidden_layers = 768, 3072, 12
+    text.num_attention_heads, text.num_key_value_heads = 12, 12
+    text.layer_types = ["full_attention"] * text.num_hidden_layers  # sized by the tiny config
+    text.rope_parameters = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 12, 12]}
+    config.vision_config.hidden_size = 768  # the vision merger projects into the text width
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path
+
+
+def memcpy_seconds(nbytes: int, reps: int) -> float:
+    """Best-of-`reps` time of one single-threaded copy_ of `nbytes` bytes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        src = torch.ones(nbytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # fault the pages in
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+        return min(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def bench_one(model_path: str, transport: str, bucket_bytes: int, reps: int) -> dict:
+    env = {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"} if transport == "zero-copy" else {}
+    options = {"num_cpus": 1, "runtime_env": {"env_vars": env}}
+    sender = ray.remote(**options)(Sender).remote(model_path)
+    receiver = ray.remote(**options)(RolloutWorker).remote(model_path, ModelConfig(), RolloutConfig(), 0)
+    ray.get(receiver.ready.remote())
+    sent = ray.get(sender.checksums.remote())
+    put_s, get_s, total_s = [], [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        plan, refs, seconds = ray.get(sender.publish.remote(bucket_bytes))
+        published = time.perf_counter()
+        ray.get(receiver.load_weights.remote(plan, refs))
+        done = time.perf_counter()
+        put_s.append(seconds)
+        get_s.append(done - published)
+        total_s.append(done - start)
+        del refs  # free the buckets before the next round
+    if ray.get(receiver.checksums.remote()) != sent:
+        raise RuntimeError(f"{model_path} ({transport}): receiver checksums differ after sync")
+    ray.kill(sender)
+    ray.kill(receiver)
+    return {
+        "params": sum(b.numel for b in plan),
+        "bytes": sum(b.nbytes for b in plan),
+        "buckets": len(plan),
+        "put": statistics.median(put_s),
+        "get": statistics.median(get_s),
+        "total": statistics.median(total_s),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--tiny-only", action="store_true")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {"tiny": build_tiny_judge(Path(tmp) / "tiny", seed=0)}
+        if not args.tiny_only:
+            models["qwen2vl-114M"] = build_large_judge(Path(tmp) / "large")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        rows = []
+        try:
+            for name, path in models.items():
+                for transport in ("pickle", "zero-copy"):
+                    result = bench_one(str(path), transport, args.bucket_mb * 2**20, args.reps)
+                    result["memcpy"] = memcpy_seconds(result["bytes"], args.reps)
+                    rows.append((name, transport, result))
+        finally:
+            ray.shutdown()
+
+    print(f"\nweight sync, {args.bucket_mb} MB buckets, fp32, median of {args.reps}; memcpy = best single-thread copy_")
+    header = (
+        f"| {'model':<13} | {'transport':<9} | {'params':>8} | {'MB':>7} | {'buckets':>7} | {'pack+put s':>10} "
+        f"| {'get+copy s':>10} | {'sync s':>7} | {'sync GB/s':>9} | {'memcpy s':>8} | {'memcpy GB/s':>11} | {'ratio':>6} |"
+    )
+    print(header)
+    print("|" + "|".join("-" * (len(c) + 0) for c in header.split("|")[1:-1]) + "|")
+    for name, transport, r in rows:
+        gb = r["bytes"] / 1e9
+        print(
+            f"| {name:<13} | {transport:<9} | {r['params'] / 1e6:>7.2f}M | {r['bytes'] / 2**20:>7.1f} "
+            f"| {r['buckets']:>7} | {r['put']:>10.4f} | {r['get']:>10.4f} | {r['total']:>7.4f} "
+            f"| {gb / r['total']:>9.3f} | {r['memcpy']:>8.5f} | {gb / r['memcpy']:>11.2f} "
+            f"| {r['total'] / r['memcpy']:>5.0f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,675 @@
+"""The GRPO learner: one DeepSpeed data-parallel rank of the judge, run as one Ray actor.
+
+`LearnerRank` is a plain class; the driver launches `num_ranks` of them inside a placement group
+with `ray.remote(num_cpus=..., num_gpus=...)(LearnerRank)`, and tests build one directly. Every
+public method is called on ALL ranks with equal-length shards: under ZeRO-3 each forward gathers
+parameters collectively, so a rank that skipped a forward (or exited early) would hang the rest.
+
+One `train_step` is one optimizer step over this rank's shard of a mini-batch. The shard is cut
+into `grad_accum_steps` micro-batches; each is backpropagated without DeepSpeed's 1/GAS scaling,
+because `grpo_loss` already divides by the global token (or sequence) count and multiplies by
+the data-parallel size: summing micro-batches on a rank and averaging over ranks (DeepSpeed's
+gradient all-reduce) gives exactly the gradient of the full-batch loss, however it was split.
+
+Conventions shared with the driver:
+
+* `Experience.old_logprobs is None` means on-policy: the ratio's denominator is the current
+  policy's detached log-prob (ratio 1). `ref_logprobs` must be set whenever `algo.kl_coef > 0`
+  (the driver fills them with `compute_logprobs(..., "ref")`).
+* A padding ("dummy") experience has an empty `response_ids`: it is still forwarded (so ZeRO-3
+  ranks stay in step) but has no response tokens, hence no loss, no gradient and no count.
+* Exported weights carry the names of a freshly loaded HF model's `named_parameters()`
+  (`model.visual...`, `lm_head.weight`): no DeepSpeed `module.` prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
+from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs
+from pjray.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
+from pjray.rl.weights import Bucket, pack, plan_buckets, state_checksums
+from pjray.types import Experience, TrainBatch
+
+if TYPE_CHECKING:
+    import ray
+    from transformers import PreTrainedModel
+    from transformers.processing_utils import ProcessorMixin
+
+__all__ = ["LearnerRank", "collate", "forward_logprobs", "lr_multiplier"]
+
+_CLIENT_STATE_KEY = "pjray_client_state"
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers: batching and the learning-rate schedule
+# ---------------------------------------------------------------------------------------------
+
+
+def collate(
+    processor: ProcessorMixin, experiences: Sequence[Experience], pad_to: int | None = None
+) -> TrainBatch:
+    """Model inputs for prompt + response sequences, right-padded to one length.
+
+    The prompts go through the processor together (it expands each image placeholder into the
+    image's pad tokens), the processor's padding is stripped by its attention mask (so left- and
+    right-padded prompts both work), the response ids are appended, and each row is right-padded.
+    Right padding keeps every real token at the position it has in an unpadded sequence, for
+    1-D RoPE and for Qwen-VL's M-RoPE alike (the model computes M-RoPE positions over the
+    attended tokens only).
+
+    Args:
+        processor: the judge's processor (`pjray.models.loading.load_processor`).
+        experiences: B sequences; `prompt_text` holds one placeholder iff `image` is set.
+        pad_to: pad every row to exactly this many tokens (ValueError if one is longer);
+            None pads to the longest row.
+
+    Returns:
+        TrainBatch with input_ids / attention_mask / response_mask / old_logprobs [B, T]
+        (response_mask is 1 on every response token; old_logprobs holds the given values on
+        response positions, NaN where an experience has none, meaning "use the current
+        policy"), advantages [B], per-row pixel_values [P_b, D] and image_grid_thw [n_b, 3]
+        (empty for rows without an image), and ref_logprobs [B, T] when any experience has
+        them (NaN on the response positions of those that do not).
+    """
+    if not experiences:
+        raise ValueError("collate: no experiences")
+    for i, e in enumerate(experiences):
+        n = len(e.response_ids)
+        for field_name in ("old_logprobs", "ref_logprobs"):
+            values = getattr(e, field_name)
+            if values is not None and len(values) != n:
+                raise ValueError(
+                    f"experience {i}: {field_name} has {len(values)} values for {n} response tokens"
+                )
+
+    enc = processor_inputs(
+        processor, [e.prompt_text for e in experiences], [e.image for e in experiences], "right"
+    )
+    prompt_ids: Tensor = enc["input_ids"]  # [B, P] padded
+    prompt_mask: Tensor = enc["attention_mask"]  # [B, P]
+    pad_id = processor.tokenizer.pad_token_id
+
+    # Per-row pixel values: the processor concatenates the images' patches in row order.
+    pixel_values: Tensor | None = enc["pixel_values"]
+    grid_thw: Tensor | None = enc["image_grid_thw"]
+    dim = pixel_values.shape[-1] if pixel_values is not None else 0
+    row_pixels: list[Tensor] = []
+    row_grids: list[Tensor] = []
+    image_index, patch_offset = 0, 0
+    for e in experiences:
+        if e.image is None:
+            row_pixels.append(torch.zeros(0, dim, dtype=torch.float32))
+            row_grids.append(torch.zeros(0, 3, dtype=torch.long))
+            continue
+        assert pixel_values is not None and grid_thw is not None
+        grid = grid_thw[image_index : image_index + 1]
+        patches = int(grid.prod(-1).sum())
+        row_pixels.append(pixel_values[patch_offset : patch_offset + patches])
+        row_grids.append(grid)
+        image_index += 1
+        patch_offset += patches
+
+    rows: list[Tensor] = []
+    prompt_lens: list[int] = []
+    for i, e in enumerate(experiences):
+        prompt = prompt_ids[i][prompt_mask[i].bool()]
+        response = torch.tensor(e.response_ids, dtype=torch.long)
+        row = torch.cat([prompt, response])
+        if row.numel() == 0:
+            # A row with no attended token can make attention produce NaN, which 0 * NaN would
+            # carry into the loss; one attended pad token keeps the row harmless.
+            row = torch.tensor([pad_id], dtype=torch.long)
+        rows.append(row)
+        prompt_lens.append(prompt.numel())
+
+    longest = max(r.numel() for r in rows)
+    if pad_to is not None and longest > pad_to:
+        raise ValueError(f"collate: a sequence has {longest} tokens, more than pad_to={pad_to}")
+    length = longest if pad_to is None else pad_to
+    batch_size = len(experiences)
+
+    input_ids = torch.full((batch_size, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(batch_size, length, dtype=torch.long)
+    response_mask = torch.zeros(batch_size, length, dtype=torch.float32)
+    old_logprobs = torch.zeros(batch_size, length, dtype=torch.float32)
+    has_ref = any(e.ref_logprobs is not None for e in experiences)
+    ref_logprobs = torch.zeros(batch_size, length, dtype=torch.float32) if has_ref else None
+    for i, (e, row, start) in enumerate(zip(experiences, rows, prompt_lens)):
+        input_ids[i, : row.numel()] = row
+        attention_mask[i, : row.numel()] = 1
+        end = start + len(e.response_ids)
+        response_mask[i, start:end] = 1.0
+        if e.old_logprobs is not None:
+            old_logprobs[i, start:end] = torch.tensor(e.old_logprobs, dtype=torch.float32)
+        else:
+            old_logprobs[i, start:end] = math.nan
+        if ref_logprobs is not None:
+            if e.ref_logprobs is not None:
+                ref_logprobs[i, start:end] = torch.tensor(e.ref_logprobs, dtype=torch.float32)
+            else:
+                ref_logprobs[i, start:end] = math.nan
+
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        old_logprobs=old_logprobs,
+        advantages=torch.tensor([float(e.advantage) for e in experiences], dtype=torch.float32),
+        pixel_values=row_pixels,
+        image_grid_thw=row_grids,
+        ref_logprobs=ref_logprobs,
+    )
+
+
+def _model_inputs(
+    processor: ProcessorMixin, batch: TrainBatch, device: torch.device
+) -> dict[str, Tensor | None]:
+    """Keyword arguments for a Qwen-VL forward of `batch` on `device`.
+
+    A sampled response may contain an image or video pad id (a random or badly behaved policy
+    can emit one). The model treats every such id as a slot for image features and would fail
+    (or misplace features), so on response positions it is fed as the pad token instead: its
+    own log-prob is still read against the real id, only later tokens see the substitute.
+    """
+    ids = batch.input_ids
+    placeholder = (ids == processor.image_token_id) | (ids == processor.video_token_id)
+    model_ids = torch.where(
+        placeholder & (batch.response_mask > 0),
+        torch.full_like(ids, processor.tokenizer.pad_token_id),
+        ids,
+    )
+    with_images = [i for i, g in enumerate(batch.image_grid_thw) if g.numel() > 0]
+    pixel_values = torch.cat([batch.pixel_values[i] for i in with_images]) if with_images else None
+    grid_thw = torch.cat([batch.image_grid_thw[i] for i in with_images]) if with_images else None
+    return {
+        "input_ids": model_ids.to(device),
+        "attention_mask": batch.attention_mask.to(device),
+        "mm_token_type_ids": mm_token_type_ids(processor, model_ids).to(device),
+        "pixel_values": pixel_values.to(device) if pixel_values is not None else None,
+        "image_grid_thw": grid_thw.to(device) if grid_thw is not None else None,
+    }
+
+
+def forward_logprobs(
+    model: torch.nn.Module, processor: ProcessorMixin, batch: TrainBatch, device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor]:
+    """Log-prob of each next token and the logits that produced it.
+
+    Args:
+        model: a Qwen-VL judge (or a DeepSpeed engine wrapping one).
+        batch: from `collate`, B rows of padded length T.
+
+    Returns:
+        (logp [B, T-1] float32, logits [B, T-1, V]): logp[:, t] = log pi(input_ids[:, t+1] | ...),
+        so response_mask[:, 1:] selects the response tokens. Padded positions hold garbage.
+    """
+    device = torch.device(device)
+    out = model(**_model_inputs(processor, batch, device), use_cache=False)
+    logits = out.logits[:, :-1]
+    return token_logprobs(logits, batch.input_ids[:, 1:].to(device)), logits
+
+
+def lr_multiplier(
+    step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float
+) -> float:
+    """Learning-rate factor for optimizer step `step` (0 = the first update).
+
+    Linear warmup (step + 1) / warmup_steps over the first `warmup_steps` updates (so the first
+    update already moves), then 1.0 ("constant") or a half cosine from 1.0 down to
+    `min_lr_ratio` at `total_steps` ("cosine"), held at the floor afterwards.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise ValueError(f"unknown lr schedule {schedule!r}; expected constant or cosine")
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision encoder of a Qwen2/2.5/3-VL model (transformers 5: `model.model.visual`)."""
+    for owner in (model, getattr(model, "model", None)):
+        visual = getattr(owner, "visual", None) if owner is not None else None
+        if isinstance(visual, torch.nn.Module):
+            return visual
+    return None
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge; `extra` wins."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The rank
+# ---------------------------------------------------------------------------------------------
+
+
+class LearnerRank:
+    """One DeepSpeed rank of the policy (and, when the KL term is on, of the reference model).
+
+    Args:
+        model_cfg, learner_cfg, algo_cfg: the run's config sections.
+        model_path: HF directory of the initial judge (every rank loads it).
+        rank, world_size: this rank and the data-parallel size.
+        master_addr, master_port: rendezvous of the process group (rank 0's node, a free port).
+        total_steps: optimizer steps of the whole run (the cosine schedule's length).
+        grad_accum_steps: micro-batches per optimizer step on each rank, normally
+            prompts_per_step * group_size / (ppo_mini_batches * num_ranks * micro_batch_size).
+        norm_len: the constant length of the "seq-mean-token-sum-norm" aggregation (the
+            configured max response length); None uses the padded micro-batch length.
+        ds_config_overrides: merged last into the DeepSpeed config (e.g. ZeRO-3 bucket sizes).
+    """
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        learner_cfg: LearnerConfig,
+        algo_cfg: AlgoConfig,
+        model_path: str,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        total_steps: int,
+        grad_accum_steps: int,
+        norm_len: int | None = None,
+        ds_config_overrides: dict[str, Any] | None = None,
+    ) -> None:
+        if grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+        self.model_cfg, self.learner_cfg, self.algo_cfg = model_cfg, learner_cfg, algo_cfg
+        self.rank, self.world_size = rank, world_size
+        self.grad_accum_steps = grad_accum_steps
+        self.norm_len = norm_len
+        use_cuda = torch.cuda.is_available()
+
+        # Per-rank rendezvous variables are ours to set; tuning variables the user (or
+        # `ray job submit --runtime-env-json`) exported win.
+        os.environ.update(
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            # Ray gives each rank actor its own accelerator(s), so the local index is 0.
+            LOCAL_RANK="0",
+        )  # fmt: skip
+        if not use_cuda:
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            if "OMP_NUM_THREADS" not in os.environ:
+                # Ranks share the cores; more threads than that make each step ~10x slower.
+                os.environ["OMP_NUM_THREADS"] = "1"
+                torch.set_num_threads(1)
+        # Imported after the environment is set: DeepSpeed picks its accelerator on import.
+        import deepspeed
+
+        self._ds = deepspeed
+        if use_cuda:
+            torch.cuda.set_device(0)  # before NCCL binds its communicator to a device
+            self.device = torch.device("cuda", 0)
+        else:
+            self.device = torch.device("cpu")
+        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
+
+        self.zero3 = learner_cfg.zero_stage == 3
+        ds_config = self._ds_config(ds_config_overrides or {})
+        model, self.processor = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=True)
+        if model_cfg.freeze_vision:
+            visual = _vision_tower(model)
+            if visual is None:
+                raise ValueError(f"model.freeze_vision: no vision tower found in {type(model).__name__}")
+            visual.requires_grad_(False)
+        if model_cfg.gradient_checkpointing:
+            # Non-reentrant checkpointing needs no input that requires grad, which matters
+            # with the vision tower (the first layers) frozen.
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+
+        decay, no_decay = [], []
+        for p in model.parameters():
+            if p.requires_grad:
+                # Biases and norm weights (1-D) are not decayed, the usual AdamW convention.
+                (decay if p.dim() >= 2 else no_decay).append(p)
+        groups = [g for g in (
+            {"params": decay, "weight_decay": learner_cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ) if g["params"]]  # fmt: skip
+        # A plain torch AdamW: DeepSpeed's own Adam variants JIT-compile a C++/CUDA op first.
+        optimizer = torch.optim.AdamW(groups, lr=learner_cfg.lr, betas=(0.9, 0.999), eps=1e-8)
+
+        def schedule(step: int) -> float:
+            return lr_multiplier(
+                step, learner_cfg.warmup_steps, total_steps, learner_cfg.lr_schedule, learner_cfg.min_lr_ratio
+            )
+
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            # A callable, so the scheduler drives the optimizer DeepSpeed actually steps.
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+            config=ds_config,
+            dist_init_required=False,
+        )
+        self.engine.train()
+
+        self.ref: torch.nn.Module | None = None
+        if algo_cfg.kl_coef > 0:
+            ref_model, _ = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=False)
+            if self.zero3:
+                # The reference is sharded like the policy: a ZeRO-3 engine without optimizer.
+                ref_config = {
+                    key: ds_config[key]
+                    for key in ("train_micro_batch_size_per_gpu", "bf16", "zero_optimization", "steps_per_print")
+                }
+                ref_config["train_batch_size"] = learner_cfg.micro_batch_size * world_size
+                ref_config["zero_optimization"] = {
+                    k: v for k, v in ds_config["zero_optimization"].items() if not k.startswith("offload_optimizer")
+                }
+                self.ref, _, _, _ = deepspeed.initialize(model=ref_model, config=ref_config, dist_init_required=False)
+            else:
+                if learner_cfg.bf16:
+                    ref_model.to(torch.bfloat16)
+                self.ref = ref_model
+            self.ref.eval()
+
+    def _ds_config(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        lc = self.learner_cfg
+        config: dict[str, Any] = {
+            "train_micro_batch_size_per_gpu": lc.micro_batch_size,
+            "gradient_accumulation_steps": self.grad_accum_steps,
+            "train_batch_size": lc.micro_batch_size * self.grad_accum_steps * self.world_size,
+            "gradient_clipping": lc.grad_clip,
+            "zero_optimization": {"stage": lc.zero_stage},
+            "bf16": {"enabled": bool(lc.bf16)},
+            # Required to pass a torch optimizer under ZeRO (see __init__).
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+        return _merge(config, overrides)
+
+    # -----------------------------------------------------------------------------------------
+    # Forward passes
+    # -----------------------------------------------------------------------------------------
+
+    def _micro_batches(self, experiences: Sequence[Experience], count: int) -> list[Sequence[Experience]]:
+        """`count` contiguous, near-equal chunks (sizes differ by at most one)."""
+        n = len(experiences)
+        bounds = [round(i * n / count) for i in range(count + 1)]
+        return [experiences[bounds[i] : bounds[i + 1]] for i in range(count)]
+
+    @torch.no_grad()
+    def compute_logprobs(self, experiences: Sequence[Experience], which: str = "policy") -> list[tuple[float, ...]]:
+        """Per-response-token log-probs under the policy or the reference model, no grad.
+
+        Runs ceil(len / micro_batch_size) forwards whatever the content, so ranks given shards
+        of equal length stay in step under ZeRO-3.
+
+        Returns:
+            one tuple per experience, len(response_ids) floats each (empty for a dummy).
+        """
+        if which == "policy":
+            model: torch.nn.Module = self.engine
+        elif which == "ref":
+            if self.ref is None:
+                raise ValueError("compute_logprobs(which='ref'): algo.kl_coef is 0, so there is no reference model")
+            model = self.ref
+        else:
+            raise ValueError(f"which must be 'policy' or 'ref', got {which!r}")
+        was_training = self.engine.training
+        self.engine.eval()
+        try:
+            results: list[tuple[float, ...]] = []
+            mbs = self.learner_cfg.micro_batch_size
+            for start in range(0, len(experiences), mbs):
+                chunk = experiences[start : start + mbs]
+                batch = collate(self.processor, chunk)
+                logp, _ = forward_logprobs(model, self.processor, batch, self.device)
+                logp = logp.float().cpu()
+                mask = batch.response_mask[:, 1:].bool()
+                results.extend(tuple(logp[i][mask[i]].tolist()) for i in range(len(chunk)))
+            return results
+        finally:
+            self.engine.train(was_training)
+
+    # -----------------------------------------------------------------------------------------
+    # Training
+    # -----------------------------------------------------------------------------------------
+
+    def train_step(
+        self, experiences: Sequence[Experience], global_tokens: float, global_seqs: float
+    ) -> dict[str, float]:
+        """One optimizer step over this rank's shard of a mini-batch.
+
+        Args:
+            experiences: this rank's shard, cut into `grad_accum_steps` micro-batches (so it
+                needs at least that many; the driver sends every rank the same length).
+            global_tokens: response tokens in the mini-batch over ALL ranks (dummies excluded).
+            global_seqs: sequences with at least one response token, over all ranks.
+
+        Returns:
+            metrics, identical on every rank (they are all-reduced): actor/pg_loss and
+            actor/kl_loss (the full mini-batch values), token means over the mini-batch of
+            actor/entropy, actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl; actor/grad_norm
+            (before clipping), actor/lr (the rate this step used), actor/num_tokens and
+            actor/num_seqs (mini-batch totals).
+        """
+        if len(experiences) < self.grad_accum_steps:
+            raise ValueError(
+                f"train_step: {len(experiences)} experiences cannot fill {self.grad_accum_steps} micro-batches"
+            )
+        kl_coef = self.algo_cfg.kl_coef
+        if kl_coef > 0:
+            missing = [i for i, e in enumerate(experiences) if e.response_ids and e.ref_logprobs is None]
+            if missing:
+                raise ValueError(
+                    f"train_step: algo.kl_coef={kl_coef} but experiences {missing[:5]} have no ref_logprobs; "
+                    "fill them with compute_logprobs(..., 'ref') first"
+                )
+        dual_clip = self.algo_cfg.dual_clip if self.algo_cfg.dual_clip > 0 else None
+        lr = float(self.engine.get_lr()[0])
+
+        # Sums over this rank's micro-batches: [pg_loss, kl_loss, tokens, seqs,
+        # entropy*tokens, clipfrac*tokens, clipfrac_lower*tokens, ppo_kl*tokens].
+        sums = torch.zeros(8, dtype=torch.float64)
+        self.engine.train()
+        manual_grad_norm: float | None = None
+        chunks = self._micro_batches(experiences, self.grad_accum_steps)
+        for index, chunk in enumerate(chunks):
+            batch = collate(self.processor, chunk)
+            logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device)
+            mask = batch.response_mask[:, 1:].to(self.device)
+            old = batch.old_logprobs[:, 1:].to(self.device)
+            # NaN marks "no rollout log-prob": on-policy, so the ratio is exactly 1.
+            old = torch.where(torch.isnan(old), logp.detach(), old)
+            ref = None
+            if kl_coef > 0:
+                if batch.ref_logprobs is None:
+                    # Only dummies here (checked above): no response token, so KL is 0 anyway.
+                    ref = logp.detach()
+                else:
+                    # Rows without ref log-probs (dummies) are NaN on no position that counts.
+                    ref = torch.where(mask > 0, batch.ref_logprobs[:, 1:].to(self.device), logp.detach())
+            loss, metrics = grpo_loss(
+                logp, old, ref, batch.advantages.to(self.device), mask,
+                kl_coef=kl_coef, clip_low=self.algo_cfg.clip_low, clip_high=self.algo_cfg.clip_high,
+                dual_clip=dual_clip, agg=self.algo_cfg.loss_agg, global_tokens=float(global_tokens),
+                global_seqs=float(global_seqs), dp_size=self.world_size, norm_len=self.norm_len,
+            )  # fmt: skip
+            with torch.no_grad():
+                on_mask = mask > 0
+                tokens = float(on_mask.sum())
+                # Entropy of the response positions only: [n_tokens, V], not [B, T, V].
+                entropy_sum = float(entropy_from_logits(logits.detach()[on_mask]).sum())
+                seqs = float(on_mask.any(-1).sum())
+            del logits
+
+            # The aggregation already normalises by the global counts; DeepSpeed must not
+            # divide by the accumulation steps again.
+            self.engine.backward(loss, scale_wrt_gas=False)
+            if index == len(chunks) - 1 and self.learner_cfg.zero_stage == 0:
+                # Without ZeRO (fp32) DeepSpeed clips but does not keep the norm; the gradients
+                # are already all-reduced after the boundary backward, so measure them here.
+                manual_grad_norm = self._grad_norm()
+            self.engine.step()
+
+            sums += torch.tensor([
+                metrics["pg_loss"], metrics["kl_loss"], tokens, seqs, entropy_sum,
+                metrics["pg_clipfrac"] * tokens, metrics["pg_clipfrac_lower"] * tokens,
+                metrics["ppo_kl"] * tokens,
+            ], dtype=torch.float64)  # fmt: skip
+            del logp, loss
+
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is None:
+            grad_norm = manual_grad_norm if manual_grad_norm is not None else math.nan
+        grad_norm = float(grad_norm)
+
+        totals = sums.to(self.device)
+        if self.world_size > 1:
+            self._ds.comm.all_reduce(totals)
+        totals = totals.cpu().tolist()
+        tokens = max(totals[2], 1.0)
+        return {
+            # Each rank's sum is its share times dp_size (see grpo.aggregate): average ranks.
+            "actor/pg_loss": totals[0] / self.world_size,
+            "actor/kl_loss": totals[1] / self.world_size,
+            "actor/entropy": totals[4] / tokens,
+            "actor/pg_clipfrac": totals[5] / tokens,
+            "actor/pg_clipfrac_lower": totals[6] / tokens,
+            "actor/ppo_kl": totals[7] / tokens,
+            "actor/grad_norm": grad_norm,
+            "actor/lr": lr,
+            "actor/num_tokens": totals[2],
+            "actor/num_seqs": totals[3],
+        }
+
+    def _grad_norm(self) -> float | None:
+        """L2 norm of the trainable parameters' .grad (None when no gradient is held there)."""
+        grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else None
+
+    # -----------------------------------------------------------------------------------------
+    # Weights out: sync, checksums, HF export
+    # -----------------------------------------------------------------------------------------
+
+    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        # The engine's inner module is the HF model, so these are its own parameter names.
+        return list(self.engine.module.named_parameters())
+
+    def _full_buckets(self, bucket_bytes: int) -> Iterator[tuple[Bucket, dict[str, Tensor]]]:
+        """(bucket, name -> full tensor) for every bucket; ALL ranks must iterate to the end.
+
+        Under ZeRO-3 each bucket's parameters are all-gathered (a collective) for the duration
+        of one iteration, so at most one bucket is materialised at a time; the tensors must be
+        used or copied before advancing.
+        """
+        named = self._named_parameters()
+        shapes = [(n, getattr(p, "ds_shape", p.shape) if self.zero3 else p.shape, p.dtype) for n, p in named]
+        by_name = dict(named)
+        for bucket in plan_buckets(shapes, bucket_bytes):
+            params = [by_name[e.name] for e in bucket.entries]
+            gathered = (
+                self._ds.zero.GatheredParameters(params, modifier_rank=None)
+                if self.zero3
+                else contextlib.nullcontext()
+            )
+            with gathered:
+                yield bucket, {e.name: by_name[e.name].data for e in bucket.entries}
+
+    def export_weights(self, bucket_bytes: int) -> tuple[list[Bucket], list[ray.ObjectRef]] | None:
+        """Full weights packed into flat buckets in the Ray object store (for rollout sync).
+
+        Called on all ranks (ZeRO-3 gathers are collective). Rank 0 returns (plan, refs) with
+        refs[i] holding `pack(plan[i], ...)` as a CPU tensor; unpack with
+        `pjray.rl.weights.unpack`. Every parameter is exported, trainable or not, so a rollout
+        engine that loads them is exactly the learner's policy. Other ranks return None.
+        """
+        import ray
+
+        plan: list[Bucket] = []
+        refs: list[ray.ObjectRef] = []
+        for bucket, tensors in self._full_buckets(bucket_bytes):
+            if self.rank == 0:
+                plan.append(bucket)
+                refs.append(ray.put(pack(bucket, tensors).cpu()))
+        return (plan, refs) if self.rank == 0 else None
+
+    def checksums(self, on_all_ranks: bool = False) -> dict[str, str]:
+        """name -> sha256 of each full (gathered) parameter; call on all ranks.
+
+        Rank 0 returns them, other ranks {} unless `on_all_ranks`: then every rank hashes the
+        full weights as it sees them (under ZeRO-0/1/2 its own replica), so replicas that drifted
+        apart show up as different dicts.
+        """
+        result: dict[str, str] = {}
+        for _, tensors in self._full_buckets(64 << 20):
+            if self.rank == 0 or on_all_ranks:
+                result.update(state_checksums(tensors))
+        return result
+
+    def save_hf(self, path: str) -> None:
+        """Write an HF model directory (weights, config, processor) at `path` from rank 0.
+
+        Loadable by `transformers` and by `load_judge`. Call on all ranks (ZeRO-3 gathers).
+        """
+        state: dict[str, Tensor] = {}
+        for _, tensors in self._full_buckets(256 << 20):
+            if self.rank == 0:
+                state.update({name: t.detach().cpu().clone() for name, t in tensors.items()})
+        if self.rank == 0:
+            module: PreTrainedModel = self.engine.module
+            module.save_pretrained(path, state_dict=state)
+            self.processor.save_pretrained(path)
+        if self.world_size > 1:
+            # Nobody reads the directory before it is complete.
+            self._ds.comm.barrier()
+
+    # -----------------------------------------------------------------------------------------
+    # Checkpoints and lifecycle
+    # -----------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str, client_state: dict[str, Any] | None = None) -> None:
+        """Model, optimizer and LR-scheduler state of every rank under `path` (shared storage).
+
+        `client_state` (e.g. the trainer's step and RNG) is stored with it and returned by
+        `load_checkpoint`. Call on all ranks.
+        """
+        # Nested under one key: DeepSpeed returns its own bookkeeping (module state, config,
+        # ...) in the same dict on load, and the caller should get back only what it saved.
+        self.engine.save_checkpoint(path, client_state={_CLIENT_STATE_KEY: dict(client_state or {})})
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restore what `save_checkpoint` wrote (the latest tag under `path`); returns client_state."""
+        load_path, client_state = self.engine.load_checkpoint(
+            path, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}")
+        return dict((client_state or {}).get(_CLIENT_STATE_KEY, {}))
+
+    def ready(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        """Tear down the process group (so a later rank in the same process can rejoin)."""
+        self.engine = None  # type: ignore[assignment]
+        self.ref = None
+        if torch.distributed.is_initialized():
+            self._ds.comm.destroy_process_group()

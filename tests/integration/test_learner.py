@@ -1,0 +1,490 @@
+"""The DeepSpeed learner on CPU: batching, the GRPO step, weight export, checkpoints, HF export.
+
+World-size-1 ranks are built directly in the test process (gloo on a free port); the
+multi-rank tests run each rank as a Ray actor, as the driver does, and are marked slow.
+
+Adam's first step moves every coordinate by about lr * sign(g), which hides a uniform scale
+error in the gradient; so gradient scaling is checked through `actor/grad_norm` (measured
+before clipping) against a plain-torch computation, and weights are compared to a tolerance of
+a small fraction of lr (coordinates whose gradient is ~0 legitimately differ by rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import random
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import PIL.Image
+import pytest
+import torch
+
+from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
+from pjray.models.loading import load_judge
+from pjray.models.tiny import build_tiny_judge
+from pjray.rl.grpo import grpo_loss
+from pjray.rl.learner import LearnerRank, collate, forward_logprobs, lr_multiplier
+from pjray.rl.weights import state_checksums, unpack
+from pjray.types import Experience
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+LR = 1e-3
+# Weights of two equivalent runs agree to this (see the module docstring).
+WEIGHT_ATOL = LR / 20
+
+_ENV_KEYS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "DS_ACCELERATOR", "OMP_NUM_THREADS")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures and builders
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_judge(tmp_path_factory.mktemp("judge"), arch="qwen2_vl", seed=0))
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def any_arch_judge_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_judge(tmp_path_factory.mktemp(request.param), arch=request.param, seed=0))
+
+
+@pytest.fixture
+def rank_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A LearnerRank built in the test process sets rendezvous variables and thread counts;
+    undo both so later tests see the process as it was."""
+    for key in _ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _png(width: int, height: int, seed: int) -> bytes:
+    rng = random.Random(seed)
+    img = PIL.Image.new("RGB", (width, height), tuple(rng.randrange(256) for _ in range(3)))
+    for _ in range(40):
+        img.putpixel((rng.randrange(width), rng.randrange(height)), tuple(rng.randrange(256) for _ in range(3)))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _prompt(user: str, image: bool) -> str:
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>" if image else ""
+    return f"<|im_start|>user\n{placeholder}{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _experiences(n: int, seed: int = 0, advantages: list[float] | None = None) -> list[Experience]:
+    """n experiences of varied prompt length, image size (every 4th without image) and
+    response length, so batches need real padding."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        image = _png(56 + 28 * (i % 3), 56 + 28 * ((i // 3) % 2), seed * 1000 + i) if i % 4 != 3 else None
+        length = rng.randrange(3, 10)
+        out.append(
+            Experience(
+                prompt_text=_prompt("Rank the answers A, B and C. " * (1 + i % 3), image is not None),
+                image=image,
+                response_ids=tuple(rng.randrange(0, 400) for _ in range(length)),
+                advantage=advantages[i] if advantages is not None else rng.uniform(-1.5, 1.5),
+            )
+        )
+    return out
+
+
+def _dummy() -> Experience:
+    """A padding row as the driver makes them: a prompt, no response."""
+    return Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _configs(zero_stage: int = 2, micro_batch_size: int = 2, kl_coef: float = 0.0) -> tuple:
+    return (
+        ModelConfig(freeze_vision=True),
+        LearnerConfig(zero_stage=zero_stage, micro_batch_size=micro_batch_size, lr=LR, grad_clip=1.0),
+        AlgoConfig(kl_coef=kl_coef),
+    )
+
+
+def _direct_rank(judge_dir: str, grad_accum_steps: int, micro_batch_size: int, **kw) -> LearnerRank:
+    model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=micro_batch_size, **kw)
+    return LearnerRank(
+        model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
+        master_port=_free_port(), total_steps=10, grad_accum_steps=grad_accum_steps,
+    )  # fmt: skip
+
+
+def _counts(experiences: list[Experience]) -> tuple[float, float]:
+    real = [e for e in experiences if e.response_ids]
+    return float(sum(len(e.response_ids) for e in real)), float(len(real))
+
+
+def _weights(rank: LearnerRank) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in rank.engine.module.named_parameters()}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _one_step(judge_dir: str, experiences: list[Experience], grad_accum_steps: int, micro_batch_size: int):
+    rank = _direct_rank(judge_dir, grad_accum_steps, micro_batch_size)
+    try:
+        metrics = rank.train_step(experiences, *_counts(experiences))
+        return metrics, _weights(rank)
+    finally:
+        rank.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching (no DeepSpeed)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_collate_layout(judge_dir: str) -> None:
+    _, processor = load_judge(judge_dir, trainable=False)
+    exps = _experiences(4)
+    exps[1] = dataclasses.replace(exps[1], old_logprobs=tuple(-0.5 - i for i in range(len(exps[1].response_ids))))
+    exps.append(_dummy())
+    batch = collate(processor, exps)
+
+    B, T = batch.input_ids.shape
+    assert B == 5 and batch.attention_mask.shape == batch.response_mask.shape == batch.old_logprobs.shape == (B, T)
+    for i, e in enumerate(exps):
+        length = int(batch.attention_mask[i].sum())
+        assert batch.attention_mask[i, :length].all() and not batch.attention_mask[i, length:].any()
+        response = batch.response_mask[i].nonzero().flatten()
+        assert len(response) == len(e.response_ids)
+        if e.response_ids:
+            # The response is the tail of the attended tokens, token for token.
+            assert response.tolist() == list(range(length - len(e.response_ids), length))
+            assert tuple(batch.input_ids[i, response].tolist()) == e.response_ids
+        if e.image is None:
+            assert batch.pixel_values[i].shape[0] == 0 and batch.image_grid_thw[i].shape == (0, 3)
+        else:
+            grid = batch.image_grid_thw[i]
+            assert grid.shape == (1, 3) and batch.pixel_values[i].shape[0] == int(grid.prod())
+            # The placeholder was expanded to (t*h*w)/merge^2 image tokens.
+            n_image_tokens = int((batch.input_ids[i] == processor.image_token_id).sum())
+            assert n_image_tokens == int(grid.prod()) // processor.image_processor.merge_size**2
+    # Given old log-probs land on the response positions; missing ones are NaN ("use current").
+    r1 = batch.response_mask[1].bool()
+    assert batch.old_logprobs[1, r1].tolist() == list(exps[1].old_logprobs)
+    assert torch.isnan(batch.old_logprobs[0, batch.response_mask[0].bool()]).all()
+    assert not torch.isnan(batch.old_logprobs[~batch.response_mask.bool()]).any()
+    assert batch.ref_logprobs is None
+    assert batch.advantages.tolist() == pytest.approx([e.advantage for e in exps])
+    # The dummy row is a real, attended prompt with nothing to train on.
+    assert batch.response_mask[4].sum() == 0 and batch.attention_mask[4].sum() > 0
+
+    assert collate(processor, exps, pad_to=T + 7).input_ids.shape == (B, T + 7)
+    with pytest.raises(ValueError, match="pad_to"):
+        collate(processor, exps, pad_to=T - 1)
+    with pytest.raises(ValueError, match="old_logprobs"):
+        collate(processor, [dataclasses.replace(exps[0], old_logprobs=(0.0,))])
+
+
+def test_right_padded_batch_matches_unpadded_sequences(any_arch_judge_dir: str) -> None:
+    """M-RoPE positions and attention with right padding give each response token the same
+    log-prob as the sequence alone; also with a response that contains an image-pad id."""
+    model, processor = load_judge(any_arch_judge_dir, trainable=False)
+    exps = _experiences(6, seed=3)
+    ids = list(exps[2].response_ids)
+    ids[1] = processor.image_token_id  # a sampled image-pad id must not be read as an image slot
+    exps[2] = dataclasses.replace(exps[2], response_ids=tuple(ids))
+
+    batch = collate(processor, exps, pad_to=None)
+    with torch.no_grad():
+        batched, _ = forward_logprobs(model, processor, batch)
+    mask = batch.response_mask[:, 1:].bool()
+    for i, e in enumerate(exps):
+        single = collate(processor, [e])
+        assert single.attention_mask.all()  # unpadded
+        with torch.no_grad():
+            alone, _ = forward_logprobs(model, processor, single)
+        expected = alone[0][single.response_mask[0, 1:].bool()]
+        assert expected.shape == (len(e.response_ids),)
+        torch.testing.assert_close(batched[i][mask[i]], expected, atol=1e-5, rtol=0)
+
+
+def test_lr_multiplier() -> None:
+    assert [lr_multiplier(s, 4, 20, "constant", 0.0) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cosine = [lr_multiplier(s, 2, 12, "cosine", 0.1) for s in range(14)]
+    assert cosine[:3] == pytest.approx([0.5, 1.0, 1.0])
+    assert cosine[7] == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the decay
+    assert cosine[12] == pytest.approx(0.1) and cosine[13] == pytest.approx(0.1)  # floor, held
+    assert all(a >= b for a, b in zip(cosine[2:], cosine[3:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank, built directly (DeepSpeed ZeRO-2 on gloo)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_step_follows_advantage_sign(judge_dir: str, rank_env: None) -> None:
+    exps = _experiences(8, seed=1, advantages=[1.0, -1.0] * 4)
+    rank = _direct_rank(judge_dir, grad_accum_steps=2, micro_batch_size=4)
+    try:
+        before = rank.compute_logprobs(exps)
+        metrics = rank.train_step(exps, *_counts(exps))
+        after = rank.compute_logprobs(exps)
+    finally:
+        rank.shutdown()
+    change = [sum(a) - sum(b) for a, b in zip(after, before)]
+    assert all(c > 0 for c in change[0::2]), change
+    assert all(c < 0 for c in change[1::2]), change
+    assert metrics["actor/num_tokens"] == _counts(exps)[0] and metrics["actor/num_seqs"] == 8
+    assert metrics["actor/lr"] == pytest.approx(LR)
+    assert metrics["actor/ppo_kl"] == 0 and metrics["actor/pg_clipfrac"] == 0  # on-policy: ratio 1
+    assert metrics["actor/grad_norm"] > 0 and 0 < metrics["actor/entropy"] < 7
+
+
+def test_step_trains_language_model_only(any_arch_judge_dir: str, rank_env: None) -> None:
+    """model.freeze_vision finds the vision tower of every supported architecture."""
+    exps = _experiences(4, seed=8)
+    before = {n: p.detach().clone() for n, p in load_judge(any_arch_judge_dir)[0].named_parameters()}
+    _, after = _one_step(any_arch_judge_dir, exps, grad_accum_steps=2, micro_batch_size=2)
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed and not any(n.startswith("model.visual.") for n in changed)
+    assert "lm_head.weight" in changed
+
+
+def test_grad_norm_matches_plain_torch(judge_dir: str, rank_env: None) -> None:
+    """DeepSpeed must not divide by the accumulation steps on top of the global-count
+    normalisation: the engine's gradient equals the plain full-batch loss gradient."""
+    exps = _experiences(6, seed=2)
+    tokens, seqs = _counts(exps)
+    model, processor = load_judge(judge_dir)
+    model.model.visual.requires_grad_(False)
+    batch = collate(processor, exps)
+    logp, _ = forward_logprobs(model, processor, batch)
+    mask = batch.response_mask[:, 1:]
+    loss, _ = grpo_loss(logp, logp.detach(), None, batch.advantages, mask, 0.0, global_tokens=tokens, global_seqs=seqs)
+    loss.backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+
+    metrics, _ = _one_step(judge_dir, exps, grad_accum_steps=3, micro_batch_size=2)
+    assert metrics["actor/grad_norm"] == pytest.approx(float(expected), rel=1e-5)
+    assert metrics["actor/pg_loss"] == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+
+
+def test_step_is_invariant_to_micro_batch_split(judge_dir: str, rank_env: None) -> None:
+    exps = _experiences(8, seed=4)
+    one_metrics, one = _one_step(judge_dir, exps, grad_accum_steps=1, micro_batch_size=8)
+    two_metrics, two = _one_step(judge_dir, exps, grad_accum_steps=2, micro_batch_size=4)
+    assert two_metrics["actor/grad_norm"] == pytest.approx(one_metrics["actor/grad_norm"], rel=1e-5)
+    assert two_metrics["actor/pg_loss"] == pytest.approx(one_metrics["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    assert _max_diff(one, two) < WEIGHT_ATOL
+
+
+def test_dummy_experiences_contribute_nothing(judge_dir: str, rank_env: None) -> None:
+    exps = _experiences(4, seed=5)
+    # Dummies in between real rows, and a micro-batch made of dummies only.
+    padded = [exps[0], _dummy(), exps[1], exps[2], _dummy(), exps[3], _dummy(), _dummy()]
+    plain_metrics, plain = _one_step(judge_dir, exps, grad_accum_steps=2, micro_batch_size=2)
+    padded_metrics, with_dummies = _one_step(judge_dir, padded, grad_accum_steps=4, micro_batch_size=2)
+    assert padded_metrics["actor/grad_norm"] == pytest.approx(plain_metrics["actor/grad_norm"], rel=1e-5)
+    assert padded_metrics["actor/num_tokens"] == plain_metrics["actor/num_tokens"]
+    assert padded_metrics["actor/num_seqs"] == 4
+    assert _max_diff(plain, with_dummies) < WEIGHT_ATOL
+
+
+def test_checkpoint_and_hf_export(judge_dir: str, rank_env: None, tmp_path: Path) -> None:
+    exps = _experiences(4, seed=6)
+    counts = _counts(exps)
+    rank = _direct_rank(judge_dir, grad_accum_steps=2, micro_batch_size=2, kl_coef=0.01)
+    try:
+        exps = [dataclasses.replace(e, ref_logprobs=r) for e, r in zip(exps, rank.compute_logprobs(exps, "ref"))]
+        rank.train_step(exps, *counts)
+        rank.save_checkpoint(str(tmp_path / "ckpt"), {"step": 1, "note": "x"})
+        second = rank.train_step(exps, *counts)  # moves the weights, the Adam moments and the LR step
+        after_second = rank.checksums()
+        assert second["actor/kl_loss"] > 0  # the policy moved away from the reference
+
+        assert rank.load_checkpoint(str(tmp_path / "ckpt")) == {"step": 1, "note": "x"}
+        again = rank.train_step(exps, *counts)
+        assert rank.checksums() == after_second  # bit-identical: optimizer state came back too
+        assert again == second
+
+        rank.save_hf(str(tmp_path / "hf"))
+        policy_logprobs = rank.compute_logprobs(exps)
+        sums = rank.checksums()
+    finally:
+        rank.shutdown()
+
+    from transformers import AutoModelForImageTextToText
+
+    plain = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "hf"))
+    assert state_checksums(plain.named_parameters()) == sums
+    model, processor = load_judge(str(tmp_path / "hf"), trainable=False)
+    batch = collate(processor, exps)
+    with torch.no_grad():
+        logp, _ = forward_logprobs(model, processor, batch)
+    mask = batch.response_mask[:, 1:].bool()
+    for i, expected in enumerate(policy_logprobs):
+        assert logp[i][mask[i]].tolist() == list(expected)
+
+
+def test_bad_calls_fail_loudly(judge_dir: str, rank_env: None) -> None:
+    rank = _direct_rank(judge_dir, grad_accum_steps=2, micro_batch_size=2, kl_coef=0.01)
+    try:
+        exps = _experiences(4)
+        with pytest.raises(ValueError, match="ref_logprobs"):
+            rank.train_step(exps, *_counts(exps))
+        with pytest.raises(ValueError, match="micro-batches"):
+            rank.train_step(exps[:1], *_counts(exps[:1]))
+        with pytest.raises(ValueError, match="which"):
+            rank.compute_logprobs(exps, "old")
+    finally:
+        rank.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# Two ranks as Ray actors (as the driver launches them)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _launch(judge_dir: str, zero_stage: int, world_size: int, grad_accum_steps: int) -> list:
+    import ray
+
+    model_cfg, learner_cfg, algo_cfg = _configs(zero_stage=zero_stage, micro_batch_size=2, kl_coef=0.01)
+    # Tiny parameters fall under ZeRO-3's persistence threshold and would never be partitioned;
+    # 0 makes every parameter a real shard, so the gathers are exercised.
+    overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero_stage == 3 else None
+    port = _free_port()
+    remote = ray.remote(num_cpus=0.5)(LearnerRank)
+    ranks = [
+        remote.remote(
+            model_cfg, learner_cfg, algo_cfg, judge_dir, rank=r, world_size=world_size, master_addr="127.0.0.1",
+            master_port=port, total_steps=10, grad_accum_steps=grad_accum_steps, ds_config_overrides=overrides,
+        )  # fmt: skip
+        for r in range(world_size)
+    ]
+    ray.get([r.ready.remote() for r in ranks])
+    return ranks
+
+
+def _call(ranks: list, method: str, *per_rank_args) -> list:
+    """Call `method` on every rank (collectives need all of them); per_rank_args[i] is a list
+    of rank i's arguments, or a plain value shared by all."""
+    import ray
+
+    refs = []
+    for i, r in enumerate(ranks):
+        args = [a[i] if isinstance(a, tuple) else a for a in per_rank_args]
+        refs.append(getattr(r, method).remote(*args))
+    return ray.get(refs)
+
+
+def _exported(ranks: list) -> dict[str, torch.Tensor]:
+    import ray
+
+    results = _call(ranks, "export_weights", 4096)
+    assert all(r is None for r in results[1:])
+    plan, refs = results[0]
+    assert len(plan) > 1  # several buckets at 4 KiB
+    weights: dict[str, torch.Tensor] = {}
+    for bucket, flat in zip(plan, ray.get(refs)):
+        weights.update({k: v.clone() for k, v in unpack(bucket, flat).items()})
+    return weights
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_two_ranks_match_one_rank(judge_dir: str, zero_stage: int, ray_cluster: None, tmp_path: Path) -> None:
+    import ray
+
+    exps = _experiences(8, seed=7)
+    counts = _counts(exps)
+    pair = _launch(judge_dir, zero_stage, world_size=2, grad_accum_steps=2)
+    single = _launch(judge_dir, zero_stage, world_size=1, grad_accum_steps=4)
+    if zero_stage == 3:
+        held = _call(pair, "__ray_call__", lambda self: sum(p.numel() for p in self.engine.module.parameters()))
+        full = sum(p.numel() for p in load_judge(judge_dir)[0].parameters())
+        assert max(held) < full  # really sharded
+
+    def shards(items: list) -> tuple:
+        return (items[:4], items[4:])
+
+    # Reference log-probs: the sharded reference model agrees with the unsharded one.
+    ref_single = _call(single, "compute_logprobs", (exps,), "ref")[0]
+    ref_pair = [lp for part in _call(pair, "compute_logprobs", shards(exps), "ref") for lp in part]
+    for a, b in zip(ref_single, ref_pair):
+        assert a == pytest.approx(b, abs=1e-6)
+    exps = [dataclasses.replace(e, ref_logprobs=r) for e, r in zip(exps, ref_single)]
+    # Rollout log-probs from before the first update make the second step off-policy (ratio != 1).
+    old = _call(single, "compute_logprobs", (exps,), "policy")[0]
+    stale = [dataclasses.replace(e, old_logprobs=lp) for e, lp in zip(exps, old)]
+
+    for step_exps in (exps, stale):
+        pair_metrics = _call(pair, "train_step", shards(step_exps), *counts)
+        single_metrics = _call(single, "train_step", (step_exps,), *counts)[0]
+        assert pair_metrics[0] == pair_metrics[1]
+        for key, value in single_metrics.items():
+            assert pair_metrics[0][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    assert pair_metrics[0]["actor/ppo_kl"] != 0 and pair_metrics[0]["actor/kl_loss"] > 0
+
+    # Replicas agree, the export is what checksums() reports, and it matches the 1-rank run.
+    per_rank = _call(pair, "checksums", True)
+    assert per_rank[0] == per_rank[1]
+    exported = _exported(pair)
+    assert state_checksums(exported) == per_rank[0] == _call(pair, "checksums")[0]
+    assert _call(pair, "checksums")[1] == {}
+    assert _max_diff(exported, _exported(single)) < WEIGHT_ATOL
+
+    # The exported names and shapes load strictly into a freshly loaded HF model.
+    fresh, processor = load_judge(judge_dir, trainable=False)
+    fresh.load_state_dict(exported, strict=True)
+    assert state_checksums(fresh.named_parameters()) == per_rank[0]
+
+    # Checkpoint: a further step from the saved state and from the reloaded one agree exactly.
+    ckpt = str(tmp_path / "ckpt")
+    _call(pair, "save_checkpoint", ckpt, {"step": 2})
+    further = _call(pair, "train_step", shards(stale), *counts)
+    after = _call(pair, "checksums")[0]
+    assert _call(pair, "load_checkpoint", ckpt) == [{"step": 2}, {"step": 2}]
+    assert _call(pair, "train_step", shards(stale), *counts) == further
+    assert _call(pair, "checksums")[0] == after
+
+    # HF export from the sharded ranks reloads with identical weights and log-probs.
+    hf_dir = str(tmp_path / "hf")
+    _call(pair, "save_hf", hf_dir)
+    from transformers import AutoModelForImageTextToText
+
+    reloaded = AutoModelForImageTextToText.from_pretrained(hf_dir)
+    assert state_checksums(reloaded.named_parameters()) == after
+    policy = [lp for part in _call(pair, "compute_logprobs", shards(exps), "policy") for lp in part]
+    batch = collate(processor, exps)
+    with torch.no_grad():
+        logp, _ = forward_logprobs(reloaded.eval(), processor, batch)
+    mask = batch.response_mask[:, 1:].bool()
+    for i, expected in enumerate(policy):
+        assert logp[i][mask[i]].tolist() == pytest.approx(list(expected), abs=1e-6)
+
+    for r in pair + single:
+        ray.kill(r)

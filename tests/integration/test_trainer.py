@@ -1,0 +1,116 @@
+"""The GRPO driver end to end on CPU: real Ray, real DeepSpeed (gloo), a tiny random judge."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import ray
+
+from pjray.cli import main
+from pjray.config import load
+from pjray.rl.trainer import Trainer, latest_checkpoint
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "data.num_items=32",
+    "data.image_size=56",
+    "rollout.max_new_tokens=12",
+    "trainer.prompts_per_step=4",
+    "algo.group_size=4",
+    "learner.micro_batch_size=4",
+    "tracking.wandb=false",
+]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    # Ray workers import the test-only reward functions from this directory.
+    path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
+    yield
+    ray.shutdown()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_learns_a_trivial_reward_with_two_ranks(local_ray, tmp_path):
+    """Sign and plumbing of the whole loop: reward 1 when the response opens with a space
+    (chance ~0.2 for the random judge); the mean reward rises to >= 0.9."""
+    cfg = load(
+        overrides=TINY
+        + [
+            f"trainer.run_dir={tmp_path / 'learn'}",
+            "reward.function=learnable_rewards:starts_with_space",
+            "learner.num_ranks=2",
+            "learner.micro_batch_size=2",
+            "learner.lr=3e-3",
+            "algo.kl_coef=0.0",
+            "algo.group_size=8",
+            "rollout.max_new_tokens=4",
+            "trainer.steps=40",
+            "trainer.save_every=0",
+            "trainer.export_hf=false",
+        ]
+    )
+    trainer = Trainer(cfg)
+    try:
+        trainer.setup()
+        first = trainer.train_step()
+        trainer.step = 1
+        best = first["reward/mean"]
+        for trainer.step in range(2, cfg.trainer.steps + 1):
+            best = max(best, trainer.train_step()["reward/mean"])
+            if best >= 0.9:
+                break
+    finally:
+        trainer.shutdown()
+    assert first["reward/mean"] < 0.5
+    assert best >= 0.9, f"mean reward only reached {best:.2f} in {trainer.step} steps"
+
+
+def test_train_checkpoint_export_and_resume(local_ray, tmp_path):
+    run_dir = tmp_path / "run"
+    common = TINY + [
+        f"trainer.run_dir={run_dir}",
+        "learner.num_ranks=2",
+        "learner.micro_batch_size=2",
+        "learner.zero_stage=2",
+        "rollout.num_workers=1",
+        "reward.num_workers=1",
+        "trainer.save_every=3",
+    ]
+    assert main(["train", *common, "trainer.steps=3"]) == 0
+    first = read_metrics(run_dir)
+    assert [m["step"] for m in first] == [1, 2, 3]
+    for key in ("reward/mean", "reward/std", "rollout/frac_zero_std", "actor/pg_loss", "actor/kl_loss",
+                "actor/grad_norm", "timing_s/gen", "timing_s/reward", "timing_s/ref", "timing_s/update",
+                "timing_s/sync", "perf/throughput", "response_length/mean"):
+        assert key in first[-1], key
+    assert latest_checkpoint(run_dir).name == "global_step_3"
+    hf = run_dir / "hf_model"
+    assert (hf / "config.json").exists()
+
+    from transformers import AutoModelForImageTextToText
+
+    assert AutoModelForImageTextToText.from_pretrained(hf) is not None
+
+    # Resume: continue at step 4 from the saved data position.
+    assert main(["train", *common, "trainer.steps=5", "trainer.resume=auto"]) == 0
+    resumed = read_metrics(run_dir)
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5]
+    per_step = 4  # trainer.prompts_per_step
+    assert resumed[3]["data/consumed"] == first[2]["data/consumed"] + per_step
+
+
+def test_missing_data_path_is_a_clear_error(tmp_path):
+    with pytest.raises(Exception, match="no such file"):
+        cfg = load(overrides=TINY + [f"trainer.run_dir={tmp_path}", "data.source=parquet", f"data.path={tmp_path}/none.parquet"])
+        Trainer(cfg).setup()
