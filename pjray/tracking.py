@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ class Tracker:
             if resume and run_id_file.exists():
                 run_id = run_id_file.read_text().strip()
             else:
-                run_id = wandb.util.generate_id()
+                run_id = uuid.uuid4().hex[:12]
                 run_id_file.write_text(run_id)
             self.run = wandb.init(
                 project=cfg.project,

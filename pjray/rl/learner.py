@@ -92,7 +92,7 @@ def collate(
                 )
 
     enc = processor_inputs(
-        processor, [e.prompt_text for e in experiences], [e.image for e in experiences], "right"
+        processor, [e.prompt_text for e in experiences], [e.image for e in experiences], padding_side="right"
     )
     prompt_ids: Tensor = enc["input_ids"]  # [B, P] padded
     prompt_mask: Tensor = enc["attention_mask"]  # [B, P]
@@ -247,6 +247,12 @@ def _vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
+def _split(items: Sequence[Experience], count: int) -> list[Sequence[Experience]]:
+    """`count` contiguous chunks whose sizes differ by at most one (empty only if len < count)."""
+    bounds = [len(items) * i // count for i in range(count + 1)]
+    return [items[bounds[i] : bounds[i + 1]] for i in range(count)]
+
+
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """Recursive dict merge; `extra` wins."""
     out = dict(base)
@@ -336,8 +342,8 @@ class LearnerRank:
                 raise ValueError(f"model.freeze_vision: no vision tower found in {type(model).__name__}")
             visual.requires_grad_(False)
         if model_cfg.gradient_checkpointing:
-            # Non-reentrant checkpointing needs no input that requires grad, which matters
-            # with the vision tower (the first layers) frozen.
+            # Non-reentrant: reentrant checkpointing silently drops the gradients of a segment
+            # whose inputs do not require grad, which freezing parts of the model can cause.
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
 
@@ -372,18 +378,21 @@ class LearnerRank:
         if algo_cfg.kl_coef > 0:
             ref_model, _ = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=False)
             if self.zero3:
-                # The reference is sharded like the policy: a ZeRO-3 engine without optimizer.
+                # The reference is sharded like the policy: a ZeRO-3 engine without optimizer
+                # (same partitioning settings, nothing optimizer-related).
                 ref_config = {
-                    key: ds_config[key]
-                    for key in ("train_micro_batch_size_per_gpu", "bf16", "zero_optimization", "steps_per_print")
-                }
-                ref_config["train_batch_size"] = learner_cfg.micro_batch_size * world_size
-                ref_config["zero_optimization"] = {
-                    k: v for k, v in ds_config["zero_optimization"].items() if not k.startswith("offload_optimizer")
+                    "train_micro_batch_size_per_gpu": learner_cfg.micro_batch_size,
+                    "train_batch_size": learner_cfg.micro_batch_size * world_size,
+                    "bf16": ds_config["bf16"],
+                    "zero_optimization": {
+                        k: v for k, v in ds_config["zero_optimization"].items() if not k.startswith("offload_optimizer")
+                    },
+                    "steps_per_print": ds_config["steps_per_print"],
                 }
                 self.ref, _, _, _ = deepspeed.initialize(model=ref_model, config=ref_config, dist_init_required=False)
             else:
                 if learner_cfg.bf16:
+                    # The policy engine computes in bf16; the reference must match it at step 0.
                     ref_model.to(torch.bfloat16)
                 self.ref = ref_model
             self.ref.eval()
@@ -407,12 +416,6 @@ class LearnerRank:
     # -----------------------------------------------------------------------------------------
     # Forward passes
     # -----------------------------------------------------------------------------------------
-
-    def _micro_batches(self, experiences: Sequence[Experience], count: int) -> list[Sequence[Experience]]:
-        """`count` contiguous, near-equal chunks (sizes differ by at most one)."""
-        n = len(experiences)
-        bounds = [round(i * n / count) for i in range(count + 1)]
-        return [experiences[bounds[i] : bounds[i + 1]] for i in range(count)]
 
     @torch.no_grad()
     def compute_logprobs(self, experiences: Sequence[Experience], which: str = "policy") -> list[tuple[float, ...]]:
@@ -490,7 +493,7 @@ class LearnerRank:
         sums = torch.zeros(8, dtype=torch.float64)
         self.engine.train()
         manual_grad_norm: float | None = None
-        chunks = self._micro_batches(experiences, self.grad_accum_steps)
+        chunks = _split(experiences, self.grad_accum_steps)
         for index, chunk in enumerate(chunks):
             batch = collate(self.processor, chunk)
             logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device)

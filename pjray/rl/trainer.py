@@ -48,6 +48,10 @@ from pjray.types import Completion, Experience, JudgeItem, JudgePrompt, RewardRe
 
 log = logging.getLogger(__name__)
 
+# Pads a step's experiences to a whole number of micro-batches per rank: no response tokens, so
+# no loss, no gradient and no share of the token counts.
+FILLER = Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.0)
+
 
 class Timer:
     """Accumulates wall time per phase: `with timer("gen"): ...` -> timing_s/gen."""
@@ -178,6 +182,7 @@ class Trainer:
                 "learner", LearnerRank, r, cfg.model, cfg.learner, cfg.algo, self.model_path,
                 rank=r, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,
                 total_steps=total_updates, grad_accum_steps=per_rank // cfg.learner.micro_batch_size,
+                norm_len=cfg.rollout.max_new_tokens,
             )
             for r in range(cfg.learner.num_ranks)
         ]
@@ -273,6 +278,8 @@ class Trainer:
                 kept.rewards.extend(results[g * n : (g + 1) * n])
             if len(kept.prompts) >= want:
                 break
+        # A refill round may overshoot; keep exactly the configured number of groups.
+        del kept.prompts[want:], kept.completions[want * n :], kept.rewards[want * n :]
         kept.frac_zero_std = zero_groups / kept.groups_seen
         kept.texts = [render_chat(self.processor, p, think_prefix=cfg.model.think_prefix) for p in kept.prompts]
         if not kept.prompts:
@@ -324,13 +331,9 @@ class Trainer:
         carry no tokens, no loss and no gradient."""
         cfg = self.cfg
         per_mini = cfg.trainer.prompts_per_step * cfg.algo.group_size // cfg.algo.ppo_mini_batches
-        filler = Experience(self.rendered_filler(), None, (), 0.0)
-        padded = experiences + [filler] * (per_mini * cfg.algo.ppo_mini_batches - len(experiences))
+        padded = experiences + [FILLER] * (per_mini * cfg.algo.ppo_mini_batches - len(experiences))
         minis = [padded[m * per_mini : (m + 1) * per_mini] for m in range(cfg.algo.ppo_mini_batches)]
         return [split_evenly(mini, cfg.learner.num_ranks) for mini in minis]
-
-    def rendered_filler(self) -> str:
-        return "pad"
 
     def attach_logprobs(self, experiences: list[Experience], which: str) -> list[Experience]:
         field = "ref_logprobs" if which == "ref" else "old_logprobs"

@@ -262,10 +262,8 @@ def test_step_trains_language_model_only(any_arch_judge_dir: str, rank_env: None
     assert "lm_head.weight" in changed
 
 
-def test_grad_norm_matches_plain_torch(judge_dir: str, rank_env: None) -> None:
-    """DeepSpeed must not divide by the accumulation steps on top of the global-count
-    normalisation: the engine's gradient equals the plain full-batch loss gradient."""
-    exps = _experiences(6, seed=2)
+def _plain_torch_step(judge_dir: str, exps: list[Experience]) -> tuple[float, float]:
+    """(loss, gradient norm) of the full-batch GRPO loss in plain torch, no DeepSpeed."""
     tokens, seqs = _counts(exps)
     model, processor = load_judge(judge_dir)
     model.model.visual.requires_grad_(False)
@@ -274,11 +272,47 @@ def test_grad_norm_matches_plain_torch(judge_dir: str, rank_env: None) -> None:
     mask = batch.response_mask[:, 1:]
     loss, _ = grpo_loss(logp, logp.detach(), None, batch.advantages, mask, 0.0, global_tokens=tokens, global_seqs=seqs)
     loss.backward()
-    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
+    return float(loss), float(norm)
 
+
+def test_grad_norm_matches_plain_torch(judge_dir: str, rank_env: None) -> None:
+    """DeepSpeed must not divide by the accumulation steps on top of the global-count
+    normalisation: the engine's gradient equals the plain full-batch loss gradient."""
+    exps = _experiences(6, seed=2)
+    loss, norm = _plain_torch_step(judge_dir, exps)
     metrics, _ = _one_step(judge_dir, exps, grad_accum_steps=3, micro_batch_size=2)
-    assert metrics["actor/grad_norm"] == pytest.approx(float(expected), rel=1e-5)
-    assert metrics["actor/pg_loss"] == pytest.approx(float(loss), rel=1e-5, abs=1e-7)
+    assert metrics["actor/grad_norm"] == pytest.approx(norm, rel=1e-5)
+    assert metrics["actor/pg_loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("zero_stage", "bf16", "checkpointing"), [(0, False, False), (1, False, True), (3, False, True), (3, True, False)]
+)
+def test_other_stages_precisions_and_checkpointing(
+    judge_dir: str, rank_env: None, tmp_path: Path, zero_stage: int, bf16: bool, checkpointing: bool
+) -> None:
+    exps = _experiences(4, seed=9)
+    _, norm = _plain_torch_step(judge_dir, exps)
+    model_cfg, learner_cfg, algo_cfg = _configs(zero_stage=zero_stage)
+    model_cfg = dataclasses.replace(
+        model_cfg, dtype="bfloat16" if bf16 else "float32", gradient_checkpointing=checkpointing
+    )
+    learner_cfg = dataclasses.replace(learner_cfg, bf16=bf16)
+    rank = LearnerRank(
+        model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
+        master_port=_free_port(), total_steps=10, grad_accum_steps=2,
+    )  # fmt: skip
+    try:
+        metrics = rank.train_step(exps, *_counts(exps))
+        rank.save_hf(str(tmp_path / "hf"))
+        sums = rank.checksums()
+    finally:
+        rank.shutdown()
+    # bf16 rounds the forward; fp32 is exact up to summation order.
+    assert metrics["actor/grad_norm"] == pytest.approx(norm, rel=2e-2 if bf16 else 1e-5)
+    reloaded, _ = load_judge(str(tmp_path / "hf"), dtype=model_cfg.dtype)
+    assert state_checksums(reloaded.named_parameters()) == sums
 
 
 def test_step_is_invariant_to_micro_batch_split(judge_dir: str, rank_env: None) -> None:
@@ -336,6 +370,21 @@ def test_checkpoint_and_hf_export(judge_dir: str, rank_env: None, tmp_path: Path
     mask = batch.response_mask[:, 1:].bool()
     for i, expected in enumerate(policy_logprobs):
         assert logp[i][mask[i]].tolist() == list(expected)
+
+
+def test_lr_schedule_advances_once_per_optimizer_step(judge_dir: str, rank_env: None) -> None:
+    model_cfg, learner_cfg, algo_cfg = _configs()
+    learner_cfg = dataclasses.replace(learner_cfg, warmup_steps=4)
+    rank = LearnerRank(
+        model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
+        master_port=_free_port(), total_steps=10, grad_accum_steps=3,
+    )  # fmt: skip
+    try:
+        exps = _experiences(6)
+        lrs = [rank.train_step(exps, *_counts(exps))["actor/lr"] for _ in range(3)]
+    finally:
+        rank.shutdown()
+    assert lrs == pytest.approx([LR * 0.25, LR * 0.5, LR * 0.75])
 
 
 def test_bad_calls_fail_loudly(judge_dir: str, rank_env: None) -> None:

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 TINY = [
     "data.num_items=32",
-    "data.image_size=56",
+    "data.image_size=64",
     "rollout.max_new_tokens=12",
     "trainer.prompts_per_step=4",
     "algo.group_size=4",
@@ -51,7 +51,7 @@ def test_learns_a_trivial_reward_with_two_ranks(local_ray, tmp_path):
             "reward.function=learnable_rewards:starts_with_space",
             "learner.num_ranks=2",
             "learner.micro_batch_size=2",
-            "learner.lr=3e-3",
+            "learner.lr=1e-2",
             "algo.kl_coef=0.0",
             "algo.group_size=8",
             "rollout.max_new_tokens=4",
@@ -114,3 +114,43 @@ def test_missing_data_path_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="no such file"):
         cfg = load(overrides=TINY + [f"trainer.run_dir={tmp_path}", "data.source=parquet", f"data.path={tmp_path}/none.parquet"])
         Trainer(cfg).setup()
+
+
+def test_sync_is_exact_and_dead_workers_are_replaced(local_ray, tmp_path):
+    cfg = load(
+        overrides=TINY
+        + [
+            f"trainer.run_dir={tmp_path / 'ft'}",
+            "rollout.num_workers=2",
+            "reward.num_workers=1",
+            "trainer.steps=3",
+            "learner.lr=1e-2",
+            "trainer.sync_bucket_mb=1",
+        ]
+    )
+    trainer = Trainer(cfg)
+    try:
+        trainer.setup()
+        trainer.step = 1
+        trainer.train_step()
+        # After a sync every rollout engine holds exactly the learner's weights.
+        learner_sums = ray.get(trainer.learners[0].checksums.remote())
+        for worker in trainer.rollout.actors:
+            assert ray.get(worker.checksums.remote()) == learner_sums
+
+        # Kill one rollout worker and the reward worker between steps: the next step rebuilds
+        # them, gives the new rollout worker the current weights and completes, counting each
+        # prompt once.
+        consumed = trainer.sampler.state.consumed
+        ray.kill(trainer.rollout.actors[1], no_restart=True)
+        ray.kill(trainer.reward.actors[0], no_restart=True)
+        trainer.step = 2
+        metrics = trainer.train_step()
+        assert metrics["rollout/worker_restarts"] == 2
+        assert metrics["rollout/groups_kept"] == cfg.trainer.prompts_per_step
+        assert trainer.sampler.state.consumed == consumed + cfg.trainer.prompts_per_step
+        learner_sums = ray.get(trainer.learners[0].checksums.remote())
+        for worker in trainer.rollout.actors:
+            assert ray.get(worker.checksums.remote()) == learner_sums
+    finally:
+        trainer.shutdown()
