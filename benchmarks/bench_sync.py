@@ -28,11 +28,10 @@ from pathlib import Path
 
 import ray
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText
 
 from pjray.config import ModelConfig, RolloutConfig
 from pjray.models.loading import load_judge
-from pjray.models.tiny import build_tiny_judge
+from pjray.models.tiny import build_base_judge, build_tiny_judge
 from pjray.rl.rollout import RolloutWorker
 from pjray.rl.weights import pack, plan_buckets, state_checksums
 
@@ -60,22 +59,6 @@ class Sender:
 
     def checksums(self) -> dict[str, str]:
         return state_checksums(self.model.named_parameters())
-
-
-def build_large_judge(out_dir: Path) -> Path:
-    """A ~114M-parameter Qwen2-VL judge with the tiny judge's tokenizer and processor."""
-    path = build_tiny_judge(out_dir, seed=0)
-    config = AutoConfig.from_pretrained(path)
-    text = config.text_config
-    text.hidden_size, text.intermediate_size, text.num_hidden_layers = 768, 3072, 12
-    text.num_attention_heads, text.num_key_value_heads = 12, 12
-    text.layer_types = ["full_attention"] * text.num_hidden_layers  # sized by the tiny config
-    text.rope_parameters = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 12, 12]}
-    config.vision_config.hidden_size = 768  # the vision merger projects into the text width
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
-    return path
 
 
 def memcpy_seconds(nbytes: int, reps: int) -> float:
@@ -138,7 +121,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         models = {"tiny": build_tiny_judge(Path(tmp) / "tiny", seed=0)}
         if not args.tiny_only:
-            models["qwen2vl-114M"] = build_large_judge(Path(tmp) / "large")
+            models["qwen2vl-114M"] = build_base_judge(Path(tmp) / "large")
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         rows = []
         try:

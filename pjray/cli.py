@@ -1,4 +1,8 @@
-"""Command line: `pjray train [--config FILE] [key=value ...]`.
+"""Command line: `pjray train | ppjd | eval [--config FILE] [key=value ...]`.
+
+`pjray sweep --config FILE --grid KEY=V1,V2 ...` runs a grid of trainings (pjray.sweep).
+
+`pjray eval --judge DIR_OR_HUB_ID --bench NAME [--data PATH]` evaluates a judge (pjray.eval).
 
 With no arguments `pjray train` runs the embedded CPU default: a tiny random judge trained with
 GRPO on ranked candidate tuples built from synthetic scenes, on a local Ray cluster.
@@ -19,9 +23,38 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="GRPO training of a judge on Ray")
     train.add_argument("--config", help="YAML file merged onto the defaults")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.group_size=8")
+    ppjd = sub.add_parser("ppjd", help="build the PPJD dataset with Ray Data")
+    ppjd.add_argument("--config", help="YAML file merged onto the defaults, e.g. configs/ppjd_scenes.yaml")
+    ppjd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppjd.num_items=64")
+    evaluate = sub.add_parser("eval", help="evaluate a judge on a benchmark and write a report")
+    evaluate.add_argument("--config", help="YAML file merged onto the defaults, e.g. configs/eval_scenes.yaml")
+    evaluate.add_argument("--judge", help="HF directory or hub id of the judge (eval.judge)")
+    evaluate.add_argument("--bench", help="score | pair | batch | perceptual_bias | mm_judgebias (eval.bench)")
+    evaluate.add_argument("--data", help="benchmark or PPJD file; empty: synthetic scenes (eval.data)")
+    evaluate.add_argument("--image-dir", help="folder the data file's image paths are relative to")
+    evaluate.add_argument("--output-dir", help="where the report and the output cache go")
+    evaluate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.tie_rule=downstream")
+    sweep = sub.add_parser("sweep", help="a grid of trainings, one W&B group, a results table and plots")
+    sweep.add_argument("--config", help="YAML file merged onto the defaults for every trial")
+    sweep.add_argument("--grid", nargs="+", required=True, metavar="KEY=V1,V2",
+                       help="axes, e.g. algo.group_size=2,4,8 data.num_candidates=3,4 (one value: fixed)")
+    sweep.add_argument("--name", default="", help="sweep and W&B group name (default: sweep-<config>-<time>)")
+    sweep.add_argument("--sweep-dir", help="where trial run dirs and results go (default: runs/sweeps/<name>)")
+    sweep.add_argument("--submit", default="", metavar="ADDRESS",
+                       help="run trials as Ray jobs on this job API address (http://HEAD:8265)")
+    sweep.add_argument("overrides", nargs="*", help="dotted overrides for every trial (before --grid)")
     args = parser.parse_args(argv)
+    if args.command == "eval":
+        # Explicit flags are applied after the dotted overrides, so they win.
+        flags = {"judge": args.judge, "bench": args.bench, "data": args.data,
+                 "image_dir": args.image_dir, "output_dir": args.output_dir}  # fmt: skip
+        args.overrides = list(args.overrides) + [f"eval.{k}={v}" for k, v in flags.items() if v is not None]
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "sweep":
+        from pjray.sweep import main as run_sweep_command
+
+        return run_sweep_command(args)
     try:
         cfg = load(args.config, args.overrides)
     except ConfigError as err:
@@ -33,6 +66,26 @@ def main(argv: list[str] | None = None) -> int:
 
         run_dir = run_training(cfg)
         print(f"pjray: run finished: {run_dir}")
+    elif args.command == "ppjd":
+        from pjray.ppjd.pipeline import run_ppjd, summary
+
+        try:
+            manifest = run_ppjd(cfg)
+        except (ValueError, FileNotFoundError) as err:  # bad inputs or a mismatched output dir
+            print(f"pjray: ppjd: {err}", file=sys.stderr)
+            return 2
+        print(summary(manifest))
+        print(f"pjray: PPJD rows in {manifest['output']['ppjd']}, rejects in {manifest['output']['rejects']}")
+    elif args.command == "eval":
+        from pjray.eval.runner import run_eval
+
+        try:
+            paths = run_eval(cfg)
+        except ConfigError as err:
+            print(f"pjray: bad config: {err}", file=sys.stderr)
+            return 2
+        print(paths["markdown"].read_text())
+        print(f"pjray: report written: {', '.join(str(p) for p in paths.values())}")
     return 0
 
 

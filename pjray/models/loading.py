@@ -12,6 +12,10 @@ and the tokenizer, never through `AutoProcessor`:
 
 Judges see images only, so the processors here carry no video processor at all.
 
+Text-only judges (a plain causal LM such as Qwen2 or SmolLM2; vLLM's CPU build serves only
+these) load as `AutoModelForCausalLM` with a `TextOnlyProcessor`: the tokenizer behind the same
+interface, with no image token. Giving such a judge an image is an error, never a silent drop.
+
 Prompt text and model inputs are kept apart on purpose (see DESIGN "Known traps"):
 `render_chat` returns the raw chat text with ONE un-expanded image placeholder, which is what
 vLLM wants next to `multi_modal_data`; `processor_inputs` expands the placeholder into the
@@ -28,7 +32,13 @@ from typing import Any
 
 import PIL.Image
 import torch
-from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
@@ -42,8 +52,10 @@ __all__ = [
     "ImageOnlyQwen2VLProcessor",
     "ImageOnlyQwen2_5_VLProcessor",
     "ImageOnlyQwen3VLProcessor",
+    "TextOnlyProcessor",
     "decode_image",
     "image_token_count",
+    "is_text_only",
     "load_judge",
     "load_processor",
     "mm_token_type_ids",
@@ -108,6 +120,42 @@ IMAGE_ONLY_PROCESSORS: dict[str, type[ProcessorMixin]] = {
 }
 
 
+class TextOnlyProcessor:
+    """The processor interface of a text-only judge: its tokenizer, and no image tokens.
+
+    `image_token`, `image_token_id` and `video_token_id` are None, which is how the rest of
+    pjray tells a text-only judge from a VLM (`is_text_only`).
+    """
+
+    image_token: str | None = None
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = tokenizer.chat_template
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> "TextOnlyProcessor":
+        return cls(AutoTokenizer.from_pretrained(str(path), **kwargs))
+
+    def __call__(
+        self, text: list[str], images: Any = None, padding: bool = True, padding_side: str = "right",
+        return_tensors: str = "pt",
+    ) -> Any:  # fmt: skip
+        if images:
+            raise ValueError("a text-only judge cannot take images")
+        return self.tokenizer(text, padding=padding, padding_side=padding_side, return_tensors=return_tensors)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        self.tokenizer.save_pretrained(str(path))
+
+
+def is_text_only(processor: Any) -> bool:
+    """True for a text-only judge's processor (no image placeholder token)."""
+    return getattr(processor, "image_token", None) is None
+
+
 def _load_pil_image_processor(
     path: str | os.PathLike, processor_dict: dict[str, Any] | None = None, **kwargs: Any
 ) -> Qwen2VLImageProcessorPil:
@@ -123,20 +171,42 @@ def _load_pil_image_processor(
     return Qwen2VLImageProcessorPil.from_pretrained(path, **kwargs)
 
 
-def _model_type(path: str | os.PathLike) -> str:
+def _config_dict(path: str | os.PathLike) -> dict[str, Any]:
     local_config = Path(path) / "config.json"
     if local_config.is_file():
         # A local dir: read the json directly, no need to build a config object.
-        return json.loads(local_config.read_text())["model_type"]
-    return AutoConfig.from_pretrained(str(path)).model_type
+        return json.loads(local_config.read_text())
+    return AutoConfig.from_pretrained(str(path)).to_dict()
+
+
+def _model_type(path: str | os.PathLike) -> str:
+    return _config_dict(path)["model_type"]
+
+
+def _has_vision(path: str | os.PathLike) -> bool:
+    """Whether the checkpoint at `path` has a vision part (else it is a text-only judge)."""
+    config = _config_dict(path)
+    return config["model_type"] in IMAGE_ONLY_PROCESSORS or "vision_config" in config
 
 
 def load_processor(path: str | os.PathLike) -> ProcessorMixin:
     """The image-only processor of the judge at `path` (local dir or hub id).
 
     Has `.tokenizer`, `.image_processor`, and `__call__(text=..., images=...)` returning
-    input_ids, attention_mask, mm_token_type_ids, pixel_values and image_grid_thw.
+    input_ids, attention_mask, mm_token_type_ids, pixel_values and image_grid_thw. A checkpoint
+    without a vision part gets a `TextOnlyProcessor` (tokenizer only).
     """
+    if not _has_vision(path):
+        try:
+            processor: Any = TextOnlyProcessor.from_pretrained(path)
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"{path}: a text-only judge (model_type {_model_type(path)!r}, no vision part) "
+                f"whose tokenizer cannot be loaded: {err}"
+            ) from None
+        if processor.tokenizer.pad_token_id is None:
+            processor.tokenizer.pad_token = processor.tokenizer.eos_token
+        return processor
     model_type = _model_type(path)
     try:
         processor_cls = IMAGE_ONLY_PROCESSORS[model_type]
@@ -176,8 +246,9 @@ def load_judge(
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     # AutoModelForImageTextToText maps qwen2_vl, qwen2_5_vl, qwen3_vl (and _moe) to their
-    # *ForConditionalGeneration classes in transformers 5.x.
-    model = AutoModelForImageTextToText.from_pretrained(str(path), **kwargs)
+    # *ForConditionalGeneration classes in transformers 5.x; text-only judges are causal LMs.
+    auto_cls = AutoModelForCausalLM if is_text_only(processor) else AutoModelForImageTextToText
+    model = auto_cls.from_pretrained(str(path), **kwargs)
     model.to(device)
     model.train(trainable)
     model.requires_grad_(trainable)
@@ -203,8 +274,14 @@ def render_chat(processor: ProcessorMixin, prompt: JudgePrompt, think_prefix: bo
 
     When `prompt.image` is set, the user turn starts with ONE un-expanded image placeholder
     (`<|vision_start|><|image_pad|><|vision_end|>` for Qwen). Thinking checkpoints whose template
-    already opens `<think>` in the generation prompt do not get a second one.
+    already opens `<think>` in the generation prompt do not get a second one. A text-only judge
+    given an image prompt raises ValueError: dropping the image would change the task.
     """
+    if prompt.image is not None and is_text_only(processor):
+        raise ValueError(
+            f"prompt {prompt.item_id!r} has an image but the judge is text-only; "
+            "drop the images from the prompts (data.images=false) or use a VLM judge"
+        )
     user_content: list[dict[str, Any]] = []
     if prompt.image is not None:
         user_content.append({"type": "image"})
@@ -280,6 +357,17 @@ def processor_inputs(
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     placeholder = processor.image_token
+    if placeholder is None:  # a text-only judge
+        if any(image is not None for image in images):
+            raise ValueError("processor_inputs: the judge is text-only but an image was given")
+        out = processor(text=list(texts), padding=True, padding_side=padding_side, return_tensors="pt")
+        return {
+            "input_ids": out["input_ids"],
+            "attention_mask": out["attention_mask"],
+            "mm_token_type_ids": torch.zeros_like(out["input_ids"]),
+            "pixel_values": None,
+            "image_grid_thw": None,
+        }
     pil_images = []
     for i, (text, image) in enumerate(zip(texts, images)):
         n = text.count(placeholder)

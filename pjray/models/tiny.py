@@ -5,6 +5,9 @@ config, a byte-level BPE tokenizer trained in-process on a small judge-like corp
 chat template, and an image-only processor with a PIL image processor. The directory loads
 through `pjray.models.loading` exactly like a real checkpoint.
 
+`arch="qwen2"` builds a text-only judge (Qwen2ForCausalLM, same tokenizer and chat template, no
+vision tower): the model vLLM's CPU build can serve, for CPU tests of the vLLM rollout path.
+
 Nothing here imports torchvision or touches the network.
 """
 
@@ -16,14 +19,21 @@ from typing import Any
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForImageTextToText, GenerationConfig, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+)
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from pjray.models.loading import IMAGE_ONLY_PROCESSORS
 
-__all__ = ["TINY_ARCHS", "TINY_VOCAB_SIZE", "QWEN_SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_tiny_judge", "build_tokenizer"]
+__all__ = ["TEXT_ONLY_ARCHS", "TINY_ARCHS", "TINY_VOCAB_SIZE", "QWEN_SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_tiny_judge", "build_tokenizer"]
 
-TINY_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+TINY_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # the VLM judges
+TEXT_ONLY_ARCHS: tuple[str, ...] = ("qwen2",)
 
 TINY_VOCAB_SIZE = 512
 
@@ -155,6 +165,12 @@ def _config(arch: str, tok: PreTrainedTokenizerFast) -> Any:
         "pad_token_id": ids["<|endoftext|>"],
         "tie_word_embeddings": False,
     }
+    if arch == "qwen2":
+        # A plain 1-D RoPE causal LM: the text part of the VLMs above, with head_dim 32 (2 heads)
+        # because vLLM's CPU attention kernels have no head_dim 16.
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4}
+        text["num_attention_heads"], text["num_key_value_heads"] = 2, 1
+        return AutoConfig.for_model("qwen2", **text)
     if arch == "qwen2_vl":
         vision: dict[str, Any] = {
             "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
@@ -175,7 +191,7 @@ def _config(arch: str, tok: PreTrainedTokenizerFast) -> Any:
         text["head_dim"] = 16
         text["rope_parameters"]["mrope_interleaved"] = True
     else:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS + TEXT_ONLY_ARCHS}")
     return AutoConfig.for_model(
         arch,
         text_config=text,
@@ -193,8 +209,8 @@ def build_tiny_judge(out_dir: str | os.PathLike, arch: str = "qwen2_vl", seed: i
 
     Same `seed` -> identical weights; the tokenizer does not depend on the seed.
     """
-    if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS}")
+    if arch not in TINY_ARCHS + TEXT_ONLY_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS + TEXT_ONLY_ARCHS}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -205,15 +221,20 @@ def build_tiny_judge(out_dir: str | os.PathLike, arch: str = "qwen2_vl", seed: i
     rng_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+        auto_cls = AutoModelForCausalLM if arch in TEXT_ONLY_ARCHS else AutoModelForImageTextToText
+        model = auto_cls.from_config(config, dtype=torch.float32)
     finally:
         torch.random.set_rng_state(rng_state)
+    text_config = config if arch in TEXT_ONLY_ARCHS else config.text_config
     model.generation_config = GenerationConfig(
-        bos_token_id=config.text_config.bos_token_id,
-        eos_token_id=config.text_config.eos_token_id,
-        pad_token_id=config.text_config.pad_token_id,
+        bos_token_id=text_config.bos_token_id,
+        eos_token_id=text_config.eos_token_id,
+        pad_token_id=text_config.pad_token_id,
     )
     model.save_pretrained(out)
+    if arch in TEXT_ONLY_ARCHS:
+        tok.save_pretrained(out)
+        return out
 
     patch_size = config.vision_config.patch_size
     processor = IMAGE_ONLY_PROCESSORS[arch](
@@ -224,3 +245,24 @@ def build_tiny_judge(out_dir: str | os.PathLike, arch: str = "qwen2_vl", seed: i
     # the stock Qwen processors (where torchvision imports) build their video processor from it.
     processor.image_processor.save_pretrained(out)
     return out
+
+
+def build_base_judge(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """A ~114M-parameter random Qwen2-VL judge (text hidden 768, 12 layers, the tiny judge's
+    2-layer vision tower, tokenizer and processor): a realistic size for CPU benchmarks."""
+    path = build_tiny_judge(out_dir, arch="qwen2_vl", seed=seed)
+    config = AutoConfig.from_pretrained(path)
+    text = config.text_config
+    text.hidden_size, text.intermediate_size, text.num_hidden_layers = 768, 3072, 12
+    text.num_attention_heads, text.num_key_value_heads = 12, 12
+    text.layer_types = ["full_attention"] * text.num_hidden_layers  # sized by the tiny config
+    text.rope_parameters = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 12, 12]}
+    config.vision_config.hidden_size = 768  # the vision merger projects into the text width
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(state)
+    model.save_pretrained(path)
+    return path

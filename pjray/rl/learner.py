@@ -181,6 +181,9 @@ def _model_inputs(
     own log-prob is still read against the real id, only later tokens see the substitute.
     """
     ids = batch.input_ids
+    if processor.image_token_id is None:
+        # A text-only judge (a causal LM): token ids and the mask are all it takes.
+        return {"input_ids": ids.to(device), "attention_mask": batch.attention_mask.to(device)}
     placeholder = (ids == processor.image_token_id) | (ids == processor.video_token_id)
     model_ids = torch.where(
         placeholder & (batch.response_mask > 0),
@@ -336,7 +339,8 @@ class LearnerRank:
         self.zero3 = learner_cfg.zero_stage == 3
         ds_config = self._ds_config(ds_config_overrides or {})
         model, self.processor = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=True)
-        if model_cfg.freeze_vision:
+        # A text-only judge has no vision tower, so there is nothing for freeze_vision to freeze.
+        if model_cfg.freeze_vision and self.processor.image_token_id is not None:
             visual = _vision_tower(model)
             if visual is None:
                 raise ValueError(f"model.freeze_vision: no vision tower found in {type(model).__name__}")
@@ -613,6 +617,47 @@ class LearnerRank:
                 plan.append(bucket)
                 refs.append(ray.put(pack(bucket, tensors).cpu()))
         return (plan, refs) if self.rank == 0 else None
+
+    # Broadcast and CUDA-IPC weight sync to vLLM engines (pjray.rl.sync). Like export_weights,
+    # each is called on ALL ranks, because ZeRO-3 gathers every bucket collectively.
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
+        """Rank 0 joins (and hosts) the broadcast group with the engines; other ranks do nothing.
+        The engines join concurrently (`RolloutWorker.init_weight_sync`)."""
+        from pjray.rl.sync import WeightSyncGroup
+
+        old = getattr(self, "_sync_group", None)
+        if old is not None:
+            old.close()
+        self._sync_group = WeightSyncGroup(host, port, 0, world_size, backend) if self.rank == 0 else None
+
+    def weight_plan(self, bucket_bytes: int) -> list[Bucket]:
+        """The bucket plan broadcast_weights sends (from parameter shapes; no gather)."""
+        named = self._named_parameters()
+        return plan_buckets(
+            [(n, getattr(p, "ds_shape", p.shape) if self.zero3 else p.shape, p.dtype) for n, p in named], bucket_bytes
+        )
+
+    def broadcast_weights(self, bucket_bytes: int) -> list[Bucket]:
+        """Send every bucket from rank 0 over the broadcast group; returns the plan sent."""
+        from pjray.rl.sync import broadcast_buckets
+
+        return broadcast_buckets(getattr(self, "_sync_group", None), self._full_buckets(bucket_bytes))
+
+    def export_ipc(self, bucket_bytes: int) -> tuple[list[Bucket], list[Any]]:
+        """(plan, CUDA IPC handles) of this rank's full weights for its colocated engine.
+
+        The packed buffers stay alive until `release_ipc`, after the engine has loaded them.
+        """
+        from pjray.rl.sync import ipc_handles
+
+        self._ipc_buffers: list[Tensor] = []
+        return ipc_handles(self._full_buckets(bucket_bytes), self._ipc_buffers)
+
+    def release_ipc(self) -> None:
+        self._ipc_buffers = []
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def checksums(self, on_all_ranks: bool = False) -> dict[str, str]:
         """name -> sha256 of each full (gathered) parameter; call on all ranks.

@@ -27,6 +27,9 @@ class RoleResources:
     count: int
     num_cpus: float
     num_gpus: float
+    # Another role whose bundles this role's actors share (actor i in that role's bundle i), so
+    # both hold fractions of the same GPU: colocated learner ranks and vLLM engines.
+    share_with: str | None = None
 
 
 class Placement:
@@ -36,6 +39,17 @@ class Placement:
         self.ranges: dict[str, range] = {}
         bundles: list[dict[str, float]] = []
         for role, res in roles.items():
+            if res.share_with is not None:
+                host = self.ranges[res.share_with]  # the shared role must come first
+                if res.count > len(host):
+                    raise ValueError(f"{role}: {res.count} actors cannot share {len(host)} {res.share_with} bundles")
+                for index in host[: res.count]:
+                    bundles[index]["CPU"] += res.num_cpus
+                    if res.num_gpus:
+                        # Both shares live on one whole GPU (colocated validation: sum <= 1).
+                        bundles[index]["GPU"] = 1.0
+                self.ranges[role] = host[: res.count]
+                continue
             start = len(bundles)
             for _ in range(res.count):
                 bundle = {"CPU": res.num_cpus}

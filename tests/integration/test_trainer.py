@@ -11,7 +11,7 @@ import ray
 
 from pjray.cli import main
 from pjray.config import load
-from pjray.rl.trainer import Trainer, latest_checkpoint
+from pjray.rl.trainer import Trainer, actor_env, latest_checkpoint
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -32,7 +32,7 @@ TINY = [
 def local_ray():
     # Ray workers import the test-only reward functions from this directory.
     path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, runtime_env={"env_vars": {"PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false"}})
+    ray.init(num_cpus=2, runtime_env={"env_vars": {**actor_env(), "PYTHONPATH": path}})
     yield
     ray.shutdown()
 

@@ -1,0 +1,94 @@
+"""GRPO step-time breakdown on CPU: where a training step's time goes, per phase.
+
+Runs the real trainer (Ray actors, HF rollout engine, reward pool, DeepSpeed learner over gloo)
+for a few steps on the tiny judge (~0.2M parameters) and on a ~114M-parameter random Qwen2-VL,
+and prints the median per-phase seconds of the steps after the first (which pays one-off costs),
+plus response tokens/s and the Ray/driver overhead (step time not covered by a phase).
+
+    python benchmarks/bench_step.py [--steps 4] [--tiny-only] [--ranks 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import ray
+
+from pjray.config import load
+from pjray.models.tiny import build_base_judge
+from pjray.rl.trainer import Trainer, actor_env
+
+PHASES = ("gen", "reward", "adv", "ref", "update", "sync")
+
+
+def run(model_path: str | None, steps: int, ranks: int, run_dir: Path) -> list[dict[str, float]]:
+    overrides = [
+        f"trainer.run_dir={run_dir}",
+        f"trainer.steps={steps}",
+        "trainer.prompts_per_step=4",
+        "algo.group_size=4",
+        f"learner.num_ranks={ranks}",
+        f"learner.micro_batch_size={16 // ranks}",
+        "rollout.max_new_tokens=32",
+        "data.num_items=64",
+        "tracking.wandb=false",
+        "trainer.export_hf=false",
+        "trainer.save_every=0",
+    ]
+    if model_path:
+        overrides.append(f"model.path={model_path}")
+    trainer = Trainer(load(overrides=overrides))
+    rows = []
+    try:
+        trainer.setup()
+        for trainer.step in range(1, steps + 1):
+            rows.append(trainer.train_step())
+    finally:
+        trainer.shutdown()
+    return rows
+
+
+def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
+    timed = rows[1:] or rows
+    out = {p: statistics.median(r.get(f"timing_s/{p}", 0.0) for r in timed) for p in PHASES}
+    out["step"] = statistics.median(r["timing_s/step"] for r in timed)
+    out["overhead"] = out["step"] - sum(out[p] for p in PHASES)
+    out["tokens"] = statistics.median(r["perf/total_num_tokens"] for r in timed)
+    out["tok_s"] = statistics.median(r["perf/throughput"] for r in timed)
+    out["gen_tok_s"] = out["tokens"] / out["gen"] if out["gen"] else 0.0
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--tiny-only", action="store_true")
+    args = parser.parse_args()
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": actor_env()})
+    results = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["tiny (0.2M)"] = summarize(run(None, args.steps, args.ranks, Path(tmp) / "tiny"))
+            if not args.tiny_only:
+                base = build_base_judge(Path(tmp) / "base_model")
+                results["qwen2vl-114M"] = summarize(run(str(base), args.steps, args.ranks, Path(tmp) / "base"))
+    finally:
+        ray.shutdown()
+
+    print(f"\nGRPO step on CPU: 4 prompts x 4 samples, <=32 new tokens, {args.ranks} learner rank(s), "
+          f"median of steps 2..{args.steps} (seconds)")
+    cols = [*PHASES, "overhead", "step"]
+    print("| model | " + " | ".join(cols) + " | resp tokens | tokens/s (step) | tokens/s (gen) |")
+    print("|---" * (len(cols) + 4) + "|")
+    for name, r in results.items():
+        cells = " | ".join(f"{r[c]:.3f}" for c in cols)
+        print(f"| {name} | {cells} | {r['tokens']:.0f} | {r['tok_s']:.1f} | {r['gen_tok_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

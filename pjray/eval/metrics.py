@@ -1,0 +1,390 @@
+"""Pure metric functions for judge evaluation: no I/O, no models, no Ray.
+
+MLLM-as-a-Judge (Dongping-Chen/MLLM-Judge, `scripts/calculate_metrics.ipynb`):
+- score: Pearson r (scipy.stats.pearsonr) per `original_dataset`, and on the pooled items.
+- pair: accuracy per dataset and pooled, with ties (all items) and without ties. The official
+  no-tie rule skips an item when the truth OR the prediction is the tie "C"; the downstream rule
+  (Flex-Judge, Perception-Judge) skips only true ties, so a predicted tie counts as wrong.
+- batch: Levenshtein distance between the predicted and the human ranking strings, per-dataset
+  mean and pooled mean; raw (official) and normalised by max(len) (the paper tables, downstream).
+
+MM-JudgeBias (naver-ai/MM-JudgeBias, `mm_judgebias/bias.py`, `metrics.py`), S = 10:
+- BD = mean over pairs with y > 1 of max(0, y - yhat) / (y - 1)
+- BC = mean of 1 - |y - yhat| / max(y - 1, S - y), 1.0 where that denominator is 0
+- pairs with a None score are dropped (and counted); category = mean of its bias values;
+  overall = mean of the nine bias values.
+
+Perceptual-judgment-bias diagnosis (the paper's Mode a / Mode b): see `mode_rates`.
+
+Unreadable judge outputs are never dropped silently: every function that drops or penalises
+them returns how many there were.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import Levenshtein
+import numpy as np
+
+OVERALL = "overall"  # the pooled row of every per-dataset table
+
+TIE_RULES = ("official", "downstream")
+SEED_AGGREGATIONS = ("mean", "median")
+
+BD_TYPES: tuple[str, ...] = (
+    "text_dominance",
+    "image_dominance",
+    "response_dominance",
+    "instruction_misalignment",
+    "image_misalignment",
+)
+BC_TYPES: tuple[str, ...] = (
+    "detail_description",
+    "unnecessary_image",
+    "visual_transformation",
+    "texture_insertion",
+)
+BIAS_TYPES: tuple[str, ...] = BD_TYPES + BC_TYPES
+CATEGORIES: dict[str, tuple[str, ...]] = {
+    "Integrality": ("text_dominance", "image_dominance", "response_dominance"),
+    "Congruity": ("instruction_misalignment", "image_misalignment"),
+    "Robustness": BC_TYPES,
+}
+MAX_SCORE = 10  # MM-JudgeBias scores on 1..S
+
+
+# --------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class ScoreRecord:
+    """One judged score item: the judge's score on the benchmark's scale (None: unreadable)."""
+
+    dataset: str
+    pred: float | None
+    human: float
+
+
+@dataclass(frozen=True)
+class PairRecord:
+    """One judged pair: verdicts are "A", "B" or "C" (tie); pred None: unreadable."""
+
+    dataset: str
+    pred: str | None
+    truth: str
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """One judged batch: ranking strings best -> worst ("CDAB"); pred None: unreadable."""
+
+    dataset: str
+    pred: str | None
+    truth: str
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a per-dataset table: the metric value (None: undefined) over n items."""
+
+    value: float | None
+    n: int  # items that entered the metric
+    unparsed: int = 0  # unreadable judge outputs among this dataset's items
+    skipped: int = 0  # items left out by the rule (ties, None scores)
+
+
+Table = dict[str, Row]  # dataset -> row, plus OVERALL
+
+
+# --------------------------------------------------------------------------- score protocol
+
+
+def pearson(pred: Sequence[float], human: Sequence[float]) -> float | None:
+    """Pearson r as scipy.stats.pearsonr computes it; None when undefined (n < 2 or a constant
+    input, where scipy returns nan with a warning)."""
+    if len(pred) != len(human):
+        raise ValueError(f"pearson: {len(pred)} predictions but {len(human)} human scores")
+    if len(pred) < 2:
+        return None
+    x, y = np.asarray(pred, dtype=float), np.asarray(human, dtype=float)
+    if np.all(x == x[0]) or np.all(y == y[0]):
+        return None
+    from scipy.stats import pearsonr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = float(pearsonr(x, y)[0])
+    return None if math.isnan(r) else r
+
+
+def map_score(value: float | None, mapping: str) -> float | None:
+    """Judge score -> benchmark scale. `ceil_half`: 1-10 -> 1-5 as ceil(v / 2) (Perception-Judge's
+    evaluation); `none`: unchanged (a judge prompted on the benchmark's own 1-5 scale)."""
+    if value is None:
+        return None
+    if mapping == "none":
+        return float(value)
+    if mapping == "ceil_half":
+        return float(math.ceil(value / 2))
+    raise ValueError(f"unknown score mapping {mapping!r}; expected ceil_half or none")
+
+
+def score_table(records: Iterable[ScoreRecord]) -> Table:
+    """Pearson r per dataset and pooled. Unreadable scores are dropped from r and counted."""
+    groups = _by_dataset(records)
+    table: Table = {}
+    for name, rows in groups.items():
+        kept = [r for r in rows if r.pred is not None]
+        table[name] = Row(
+            value=pearson([r.pred for r in kept], [r.human for r in kept]),  # type: ignore[misc]
+            n=len(kept),
+            unparsed=len(rows) - len(kept),
+        )
+    return table
+
+
+DATASET_MEAN = "dataset_mean"  # the unweighted mean over datasets (the papers' "average over tasks")
+
+
+def with_dataset_mean(table: Table) -> Table:
+    """Add the mean of the per-dataset values (defined ones only) as row DATASET_MEAN.
+
+    The official notebook reports the pooled value (OVERALL); the paper tables and Flex-Judge
+    average the per-dataset values, so both are reported.
+    """
+    rows = [r for name, r in table.items() if name != OVERALL]
+    values = [r.value for r in rows if r.value is not None]
+    out = dict(table)
+    out[DATASET_MEAN] = Row(
+        value=sum(values) / len(values) if values else None,
+        n=sum(r.n for r in rows),
+        unparsed=sum(r.unparsed for r in rows),
+        skipped=sum(r.skipped for r in rows),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- pair protocol
+
+
+def pair_accuracy(records: Sequence[PairRecord], with_ties: bool, tie_rule: str = "official") -> Row:
+    """Accuracy of pair verdicts.
+
+    with_ties=True: every item counts. with_ties=False: `official` skips items whose truth or
+    prediction is "C"; `downstream` skips items whose truth is "C" only. An unreadable verdict
+    (None) is never a tie, so it stays in and counts as wrong under both rules.
+    """
+    if tie_rule not in TIE_RULES:
+        raise ValueError(f"unknown tie rule {tie_rule!r}; expected one of {TIE_RULES}")
+    kept = []
+    for r in records:
+        if not with_ties and (r.truth == "C" or (tie_rule == "official" and r.pred == "C")):
+            continue
+        kept.append(r)
+    correct = sum(r.pred == r.truth for r in kept)
+    return Row(
+        value=correct / len(kept) if kept else None,
+        n=len(kept),
+        unparsed=sum(r.pred is None for r in records),
+        skipped=len(records) - len(kept),
+    )
+
+
+def pair_table(records: Iterable[PairRecord], with_ties: bool, tie_rule: str = "official") -> Table:
+    """`pair_accuracy` per dataset and pooled."""
+    return {name: pair_accuracy(rows, with_ties, tie_rule) for name, rows in _by_dataset(records).items()}
+
+
+# --------------------------------------------------------------------------- batch protocol
+
+
+def batch_distance(pred: str | None, truth: str, normalized: bool) -> float:
+    """Levenshtein distance of the ranking strings; an unreadable prediction is the empty string
+    (distance len(truth), normalised 1.0): it is penalised, not dropped."""
+    p = pred or ""
+    d = Levenshtein.distance(p, truth)
+    if not normalized:
+        return float(d)
+    longest = max(len(p), len(truth))
+    return d / longest if longest else 0.0
+
+
+def batch_table(records: Iterable[BatchRecord], normalized: bool) -> Table:
+    """Mean Levenshtein distance per dataset and pooled (lower is better)."""
+    table: Table = {}
+    for name, rows in _by_dataset(records).items():
+        ds = [batch_distance(r.pred, r.truth, normalized) for r in rows]
+        table[name] = Row(
+            value=sum(ds) / len(ds) if ds else None,
+            n=len(ds),
+            unparsed=sum(r.pred is None for r in rows),
+        )
+    return table
+
+
+# --------------------------------------------------------------------------- MM-JudgeBias
+
+
+@dataclass(frozen=True)
+class BiasValue:
+    """One bias type's BD or BC over its pairs; None when no pair was usable."""
+
+    value: float | None
+    n: int  # pairs that entered the metric
+    dropped_none: int  # pairs dropped because a score was None
+    skipped: int = 0  # BD: pairs with y <= 1 (no room to drop)
+
+
+def bias_degradation(pairs: Sequence[tuple[float | None, float | None]]) -> BiasValue:
+    """BD over (y, yhat) pairs: mean of max(0, y - yhat) / (y - 1) over pairs with y > 1."""
+    usable = [(y, yh) for y, yh in pairs if y is not None and yh is not None]
+    values = [max(0.0, y - yh) / (y - 1) for y, yh in usable if y > 1]
+    return BiasValue(
+        value=sum(values) / len(values) if values else None,
+        n=len(values),
+        dropped_none=len(pairs) - len(usable),
+        skipped=len(usable) - len(values),
+    )
+
+
+def bias_consistency(pairs: Sequence[tuple[float | None, float | None]], max_score: float = MAX_SCORE) -> BiasValue:
+    """BC over (y, yhat) pairs: mean of 1 - |y - yhat| / max(y - 1, S - y); 1.0 when that is 0."""
+    usable = [(y, yh) for y, yh in pairs if y is not None and yh is not None]
+    values = []
+    for y, yh in usable:
+        denom = max(y - 1, max_score - y)
+        values.append(1.0 if denom == 0 else 1.0 - abs(y - yh) / denom)
+    return BiasValue(
+        value=sum(values) / len(values) if values else None,
+        n=len(values),
+        dropped_none=len(pairs) - len(usable),
+    )
+
+
+def bias_metric(bias_type: str, pairs: Sequence[tuple[float | None, float | None]], max_score: float = MAX_SCORE) -> BiasValue:
+    """BD for the five dominance/misalignment types, BC for the four robustness types."""
+    if bias_type in BD_TYPES:
+        return bias_degradation(pairs)
+    if bias_type in BC_TYPES:
+        return bias_consistency(pairs, max_score)
+    raise ValueError(f"unknown bias type {bias_type!r}; expected one of {BIAS_TYPES}")
+
+
+def bias_summary(per_type: Mapping[str, float | None]) -> dict[str, float | None]:
+    """Category means (of the per-bias values present) and the overall mean of the nine.
+
+    A category or the overall value is None when one of its bias types is missing or undefined:
+    a mean over a subset would not be the benchmark's number.
+    """
+    out: dict[str, float | None] = {}
+    for category, types in CATEGORIES.items():
+        vals = [per_type.get(t) for t in types]
+        out[category] = None if any(v is None for v in vals) else sum(vals) / len(vals)  # type: ignore[arg-type,misc]
+    vals = [per_type.get(t) for t in BIAS_TYPES]
+    out[OVERALL] = None if any(v is None for v in vals) else sum(vals) / len(vals)  # type: ignore[arg-type,misc]
+    return out
+
+
+# --------------------------------------------------------------------------- Mode a / Mode b
+
+
+@dataclass(frozen=True)
+class ModeRecord:
+    """One diagnosis item: the judge's scores of the correct and the perceptually wrong answer
+    (None: unreadable) and whether its own probe answer was right (None: unreadable)."""
+
+    correct_score: float | None
+    wrong_score: float | None
+    probe_ok: bool | None
+
+
+@dataclass(frozen=True)
+class ModeRates:
+    """Rates over the n items whose two scores were readable; mode_a + mode_b + unattributed
+    = error rate. `unattributed`: errors whose probe answer could not be read."""
+
+    error_rate: float | None
+    mode_a_rate: float | None
+    mode_b_rate: float | None
+    unattributed_rate: float | None
+    probe_accuracy: float | None  # over items with a readable probe answer
+    n: int
+    errors: int
+    mode_a: int
+    mode_b: int
+    unattributed: int
+    unparsed_scores: int  # items dropped because a score was unreadable
+    unparsed_probes: int  # items whose probe answer was unreadable (kept for the error rate)
+
+
+def mode_rates(records: Sequence[ModeRecord]) -> ModeRates:
+    """A perceptual judgment error is wrong_score >= correct_score. Split by the judge's probe:
+    wrong probe -> Mode (a) insufficient perception; right probe -> Mode (b) response-anchored
+    judgment. Items with an unreadable score are dropped from the rates and counted."""
+    scored = [r for r in records if r.correct_score is not None and r.wrong_score is not None]
+    errors = [r for r in scored if r.wrong_score >= r.correct_score]  # type: ignore[operator]
+    a = sum(r.probe_ok is False for r in errors)
+    b = sum(r.probe_ok is True for r in errors)
+    u = len(errors) - a - b
+    probed = [r for r in records if r.probe_ok is not None]
+    n = len(scored)
+
+    def rate(k: int) -> float | None:
+        return k / n if n else None
+
+    return ModeRates(
+        error_rate=rate(len(errors)),
+        mode_a_rate=rate(a),
+        mode_b_rate=rate(b),
+        unattributed_rate=rate(u),
+        probe_accuracy=sum(bool(r.probe_ok) for r in probed) / len(probed) if probed else None,
+        n=n,
+        errors=len(errors),
+        mode_a=a,
+        mode_b=b,
+        unattributed=u,
+        unparsed_scores=len(records) - n,
+        unparsed_probes=sum(r.probe_ok is None for r in records),
+    )
+
+
+# --------------------------------------------------------------------------- seeds
+
+
+@dataclass(frozen=True)
+class SeedAggregate:
+    value: float | None  # mean or median over the seeds where the metric was defined
+    std: float | None  # population std over those seeds (None with fewer than 2)
+    per_seed: tuple[float | None, ...] = field(default=())
+
+
+def aggregate_seeds(values: Sequence[float | None], how: str = "mean") -> SeedAggregate:
+    """Aggregate one metric over seeds; undefined seeds (None) are left out of the statistic."""
+    if how not in SEED_AGGREGATIONS:
+        raise ValueError(f"unknown seed aggregation {how!r}; expected one of {SEED_AGGREGATIONS}")
+    defined = [v for v in values if v is not None]
+    if not defined:
+        return SeedAggregate(None, None, tuple(values))
+    value = statistics.fmean(defined) if how == "mean" else float(statistics.median(defined))
+    std = statistics.pstdev(defined) if len(defined) > 1 else None
+    return SeedAggregate(value, std, tuple(values))
+
+
+def _by_dataset(records: Iterable) -> dict[str, list]:
+    """Records grouped by dataset (first-seen order), plus every record under OVERALL."""
+    groups: dict[str, list] = defaultdict(list)
+    pooled = []
+    for r in records:
+        groups[r.dataset].append(r)
+        pooled.append(r)
+    if OVERALL in groups or DATASET_MEAN in groups:
+        raise ValueError(f"a dataset may not be named {OVERALL!r} or {DATASET_MEAN!r}: those are summary rows")
+    out = dict(groups)
+    out[OVERALL] = pooled
+    return out

@@ -1,0 +1,529 @@
+"""MM-JudgeBias (naver-ai/MM-JudgeBias): records, the nine perturbations, prompt and score parsing.
+
+Every record holds one response judged twice: with the unbiased (query, image) and with the
+biased ones. The published records (`mm_judgebias/data.py`) are read as they are; any other item
+set (PPJD, scenes) becomes records through `make_records`, which applies the nine perturbations
+with PIL only:
+
+    Integrality  text_dominance          image -> black image of the same size
+                 image_dominance         query -> ""
+                 response_dominance      query -> "" and image -> none
+    Congruity    instruction_misalignment  query -> another item's query
+                 image_misalignment        image -> another item's image
+    Robustness   detail_description      a caption appended to the query (from the data, the
+                                         scene's ground truth, or a captioning engine)
+                 unnecessary_image       a random other image added to a text-only input
+                 visual_transformation   geometric | photometric | quality | spatial transform
+                                         that keeps the meaning (no flips: left/right matters)
+                 texture_insertion       query keywords drawn onto the image
+
+Adaptation for item sets whose items all have images: `unnecessary_image` judges the unbiased
+input without the image, the biased one with an unrelated image.
+
+The prompt is a Prometheus-style 1-10 rubric prompt ("### Feedback: ... ### Score: ...") written
+after the benchmark's `prompts.py` layout, not its verbatim text. Scores are read exactly in the
+benchmark's order (`scoring.py`): float(text), else the first number after the last
+"### Score:", else the last number in the text, else None (dropped and counted).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+from PIL import Image, ImageDraw, ImageEnhance, ImageFilter, ImageFont
+
+from pjray.eval.metrics import BC_TYPES, BD_TYPES, BIAS_TYPES, CATEGORIES
+from pjray.types import JudgeItem, JudgePrompt
+
+TRANSFORM_FAMILIES = ("geometric", "photometric", "quality", "spatial")
+
+CATEGORY_OF: dict[str, str] = {t: c for c, types in CATEGORIES.items() for t in types}
+
+
+class BiasDataError(ValueError):
+    """A bad MM-JudgeBias row: the message names the file, row and key."""
+
+
+@dataclass(frozen=True)
+class BiasRecord:
+    """One MM-JudgeBias pair, with the published record's fields (images as encoded bytes)."""
+
+    id: str
+    bias_type: str  # one of metrics.BIAS_TYPES
+    bias_category: str  # Integrality | Congruity | Robustness
+    response: str
+    unbiased_instruction: str
+    biased_instruction: str
+    unbiased_image: bytes | None
+    biased_image: bytes | None
+    task_type: str = ""
+    domain_type: str = ""
+    difficulty: str = ""
+    unbiased_source: str = ""
+    biased_source: str = ""
+
+
+def canonical_bias_type(name: str) -> str:
+    """"Text-Dominance", "text dominance", "TextDom"... -> "text_dominance"."""
+    key = re.sub(r"[^a-z]", "", name.lower())
+    for t in BIAS_TYPES:
+        if t.replace("_", "") == key:
+            return t
+    abbreviations = {"textdom": "text_dominance", "imagedom": "image_dominance", "respdom": "response_dominance"}
+    if key in abbreviations:
+        return abbreviations[key]
+    raise ValueError(f"unknown bias type {name!r}; expected one of {BIAS_TYPES}")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _image_field(value, root: Path, where: str, key: str) -> bytes | None:
+    """A path (relative to `root`), an HF Image dict {bytes, path}, raw bytes, or empty/None."""
+    if value is None or value == "" or value == {}:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, dict):
+        if value.get("bytes"):
+            return bytes(value["bytes"])
+        value = value.get("path")
+        if not value:
+            return None
+    file = root / str(value)
+    if not file.is_file():
+        raise BiasDataError(f"{where}: {key} {value!r} not found under {root}")
+    return file.read_bytes()
+
+
+def read_records(path: str | Path, image_dir: str | Path | None = None, limit: int = 0) -> list[BiasRecord]:
+    """Read published MM-JudgeBias records from JSONL, a JSON list, or parquet."""
+    path = Path(path)
+    if not path.is_file():
+        raise BiasDataError(f"{path}: no such file")
+    root = Path(image_dir) if image_dir else path.parent
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        raws = pq.read_table(path).to_pylist()
+        label = "row"
+    elif path.suffix == ".json":
+        raws = json.loads(path.read_text(encoding="utf-8"))
+        label = "row"
+    else:
+        raws, label = [], "line"
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                try:
+                    raws.append((lineno, json.loads(line)))
+                except json.JSONDecodeError as err:
+                    raise BiasDataError(f"{path} line {lineno}: not JSON ({err})") from None
+    records = []
+    for index, raw in enumerate(raws):
+        lineno, raw = raw if isinstance(raw, tuple) else (index, raw)
+        where = f"{path} {label} {lineno}"
+        missing = [k for k in ("bias_type", "response", "unbiased_instruction", "biased_instruction") if k not in raw]
+        if missing:
+            raise BiasDataError(f"{where}: missing key(s) {missing} (row has {sorted(raw)})")
+        try:
+            bias_type = canonical_bias_type(str(raw["bias_type"]))
+        except ValueError as err:
+            raise BiasDataError(f"{where}: bias_type: {err}") from None
+        records.append(
+            BiasRecord(
+                id=str(raw.get("id", lineno)),
+                bias_type=bias_type,
+                bias_category=CATEGORY_OF[bias_type],
+                response=str(raw["response"]),
+                unbiased_instruction=str(raw["unbiased_instruction"] or ""),
+                biased_instruction=str(raw["biased_instruction"] or ""),
+                unbiased_image=_image_field(raw.get("unbiased_image"), root, where, "unbiased_image"),
+                biased_image=_image_field(raw.get("biased_image"), root, where, "biased_image"),
+                task_type=str(raw.get("task_type") or ""),
+                domain_type=str(raw.get("domain_type") or ""),
+                difficulty=str(raw.get("difficulty") or ""),
+                unbiased_source=str(raw.get("unbiased_source") or ""),
+                biased_source=str(raw.get("biased_source") or ""),
+            )
+        )
+        if limit and len(records) >= limit:
+            break
+    if not records:
+        raise BiasDataError(f"{path}: no rows")
+    return records
+
+
+# --------------------------------------------------------------------------- image helpers
+
+
+def _open(image: bytes) -> Image.Image:
+    with Image.open(io.BytesIO(image)) as img:
+        return img.convert("RGB")
+
+
+def _png(img: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def black_image(image: bytes | None, size: tuple[int, int] = (448, 448)) -> bytes:
+    """An all-black RGB image of the same size as `image` (or `size` when there is none)."""
+    if image is not None:
+        size = _open(image).size
+    return _png(Image.new("RGB", size, (0, 0, 0)))
+
+
+def visual_transform(image: bytes, rng: random.Random, family: str | None = None) -> tuple[bytes, str]:
+    """A meaning-preserving transform of one family (drawn by `rng` when None).
+
+    geometric: rotation by 3-8 degrees either way, canvas kept, corners filled with the edge
+    colour. photometric: brightness, contrast and saturation each scaled by 0.75-0.9 or 1.1-1.25.
+    quality: JPEG at quality 20-35 then a 0.6-1.0 px Gaussian blur. spatial: the image shrunk to
+    80-90% and placed off-centre on a canvas of the original size. Never a flip: it would swap
+    left and right, which many questions ask about. Returns (PNG bytes, description).
+    """
+    family = family or rng.choice(TRANSFORM_FAMILIES)
+    img = _open(image)
+    corner = img.getpixel((0, 0))
+    if family == "geometric":
+        angle = rng.uniform(3, 8) * rng.choice((-1, 1))
+        out, desc = img.rotate(angle, resample=Image.Resampling.BICUBIC, fillcolor=corner), f"rotate {angle:.1f} deg"
+    elif family == "photometric":
+        factors = [rng.choice((rng.uniform(0.75, 0.9), rng.uniform(1.1, 1.25))) for _ in range(3)]
+        out = ImageEnhance.Brightness(img).enhance(factors[0])
+        out = ImageEnhance.Contrast(out).enhance(factors[1])
+        out = ImageEnhance.Color(out).enhance(factors[2])
+        desc = "brightness {:.2f} contrast {:.2f} saturation {:.2f}".format(*factors)
+    elif family == "quality":
+        quality, radius = rng.randint(20, 35), rng.uniform(0.6, 1.0)
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", quality=quality)
+        out = _open(buf.getvalue()).filter(ImageFilter.GaussianBlur(radius))
+        desc = f"jpeg q{quality} blur {radius:.2f}"
+    elif family == "spatial":
+        scale = rng.uniform(0.8, 0.9)
+        w, h = img.size
+        small = img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.Resampling.BICUBIC)
+        out = Image.new("RGB", (w, h), corner)
+        dx, dy = rng.randint(0, w - small.width), rng.randint(0, h - small.height)
+        out.paste(small, (dx, dy))
+        desc = f"scale {scale:.2f} at ({dx}, {dy})"
+    else:
+        raise ValueError(f"unknown transform family {family!r}; expected one of {TRANSFORM_FAMILIES}")
+    return _png(out), f"{family}: {desc}"
+
+
+_STOPWORDS = frozenset(
+    "a an the is are was were be of in on at to for from by with and or what which who whom whose "
+    "how many much does do did this that these those there it its as image picture shown show "
+    "in into than then if please about".split()
+)
+
+
+def query_keywords(query: str, k: int = 3) -> list[str]:
+    """Up to `k` content words of the query: stopwords dropped, longest first, ties in order."""
+    words = [w for w in re.findall(r"[A-Za-z0-9]+", query) if w.lower() not in _STOPWORDS and len(w) > 2]
+    unique = list(dict.fromkeys(words))
+    return sorted(unique, key=lambda w: -len(w))[:k]
+
+
+def insert_text(image: bytes, text: str) -> bytes:
+    """Draw `text` onto the image: black letters on a white band along the bottom edge, so the
+    overlay is legible on any background and covers as little of the content as possible."""
+    img = _open(image)
+    draw = ImageDraw.Draw(img)
+    size = max(10, img.height // 12)
+    try:
+        font = ImageFont.load_default(size=size)
+    except TypeError:  # Pillow without FreeType sizes
+        font = ImageFont.load_default()
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    pad = 2
+    band_top = img.height - (bottom - top) - 2 * pad
+    draw.rectangle([0, band_top, img.width, img.height], fill=(255, 255, 255))
+    draw.text((pad - left, band_top + pad - top), text, fill=(0, 0, 0), font=font)
+    return _png(img)
+
+
+# --------------------------------------------------------------------------- captions
+
+
+def scene_caption(item: JudgeItem) -> str | None:
+    """The ground-truth description of a synthetic-scene item (rebuilt from its seed), else None."""
+    meta = item.meta
+    if item.source != "scenes" or "scene_seed" not in meta or "kind" not in meta:
+        return None
+    from pjray.data.scenes import object_ref, sample_qa
+
+    qa = sample_qa(int(meta["scene_seed"]), int(meta.get("image_size", 128)), str(meta["kind"]))
+    refs = [f"a {object_ref(o)[len('the '):]} ({o.size})" for o in qa.scene.objects]
+    return "The image shows a white background with " + ", ".join(refs) + "."
+
+
+def caption_of(item: JudgeItem) -> str | None:
+    """A caption given with the item (`meta["caption"]`), else the scene's ground truth."""
+    given = item.meta.get("caption") if isinstance(item.meta, dict) else None
+    return str(given) if given else scene_caption(item)
+
+
+# --------------------------------------------------------------------------- records from items
+
+
+def _other(items: Sequence[JudgeItem], index: int, rng: random.Random, differs: Callable[[JudgeItem], bool]) -> JudgeItem | None:
+    """A random other item for which `differs` holds (None if there is none)."""
+    choices = [j for j in range(len(items)) if j != index and differs(items[j])]
+    return items[rng.choice(choices)] if choices else None
+
+
+def make_records(
+    items: Sequence[JudgeItem],
+    bias_types: Sequence[str] = BIAS_TYPES,
+    seed: int = 0,
+    captions: dict[str, str] | None = None,
+    response: str = "best",
+) -> tuple[list[BiasRecord], dict[str, int]]:
+    """Biased/unbiased record pairs for every item and bias type.
+
+    `response`: which candidate is judged, "best" (item.order[0]) or "worst". `captions` maps
+    item id -> caption (from a captioning engine) for `detail_description`; items without one
+    from the data, the scene or this map are skipped. Returns (records, skipped per bias type):
+    a perturbation that cannot apply (no other item with a different image...) is counted there.
+    """
+    captions = captions or {}
+    records: list[BiasRecord] = []
+    skipped: dict[str, int] = {t: 0 for t in bias_types}
+    for index, item in enumerate(items):
+        answer = item.candidates[item.order[0] if response == "best" else item.order[-1]]
+        image = item.image or None
+        for bias_type in bias_types:
+            # One stream per (seed, item, bias type): adding a type never changes another's draw.
+            rng = random.Random(hashlib.sha256(f"{seed}:{item.id}:{bias_type}".encode()).hexdigest())
+            base = BiasRecord(
+                id=f"{item.id}:{bias_type}", bias_type=bias_type, bias_category=CATEGORY_OF[bias_type],
+                response=answer, unbiased_instruction=item.question, biased_instruction=item.question,
+                unbiased_image=image, biased_image=image, unbiased_source=item.source,
+                biased_source=item.source,
+            )  # fmt: skip
+            record = _perturb(base, item, items, index, rng, captions)
+            if record is None:
+                skipped[bias_type] += 1
+            else:
+                records.append(record)
+    return records, skipped
+
+
+def _perturb(
+    base: BiasRecord, item: JudgeItem, items: Sequence[JudgeItem], index: int, rng: random.Random,
+    captions: dict[str, str],
+) -> BiasRecord | None:
+    t, image = base.bias_type, base.unbiased_image
+    if t == "text_dominance":
+        return replace(base, biased_image=black_image(image)) if image else None
+    if t == "image_dominance":
+        return replace(base, biased_instruction="")
+    if t == "response_dominance":
+        return replace(base, biased_instruction="", biased_image=None)
+    if t == "instruction_misalignment":
+        other = _other(items, index, rng, lambda o: o.question != item.question)
+        return replace(base, biased_instruction=other.question, biased_source=other.id) if other else None
+    if t == "image_misalignment":
+        other = _other(items, index, rng, lambda o: bool(o.image) and o.image != image)
+        return replace(base, biased_image=other.image, biased_source=other.id) if other and image else None
+    if t == "detail_description":
+        caption = captions.get(item.id) or caption_of(item)
+        return replace(base, biased_instruction=f"{item.question}\n{caption}") if caption else None
+    if t == "unnecessary_image":
+        other = _other(items, index, rng, lambda o: bool(o.image) and o.image != image)
+        if other is None:
+            return None
+        return replace(base, unbiased_image=None, biased_image=other.image, biased_source=other.id)
+    if t == "visual_transformation":
+        if not image:
+            return None
+        transformed, desc = visual_transform(image, rng)
+        return replace(base, biased_image=transformed, biased_source=desc)
+    if t == "texture_insertion":
+        words = query_keywords(item.question)
+        if not image or not words:
+            return None
+        return replace(base, biased_image=insert_text(image, " ".join(words)))
+    raise ValueError(f"unknown bias type {t!r}")
+
+
+# --------------------------------------------------------------------------- prompt and parsing
+
+SYSTEM_PROMPT = "You are a fair judge assistant tasked with providing clear, objective feedback based on specific criteria."
+
+_PROMPT = """###Task Description:
+An instruction (might include an image), a response to evaluate, and a score rubric representing the evaluation criteria are given.
+1. Write a detailed feedback that assesses the quality of the response strictly based on the given score rubric, not evaluating in general.
+2. After writing the feedback, write a score that is an integer between 1 and 10. You should refer to the score rubric.
+3. The output format should look as follows: "### Feedback: (write a feedback for criteria) ### Score: (an integer number between 1 and 10)"
+4. Please do not generate any other opening, closing, and explanations.
+
+###The instruction to evaluate:
+{instruction}
+
+###Response to evaluate:
+{response}
+
+###Score Rubric:
+Is the response helpful, correct and faithful to the instruction and the image (if any)? 1 means the response is unhelpful or wrong; 10 means it fully and correctly answers the instruction given the image.
+
+###Feedback: """
+
+
+def judge_prompt(record: BiasRecord, biased: bool) -> JudgePrompt:
+    """The Prometheus-style 1-10 score prompt for the unbiased or the biased input of a record."""
+    instruction = record.biased_instruction if biased else record.unbiased_instruction
+    image = record.biased_image if biased else record.unbiased_image
+    return JudgePrompt(
+        item_id=f"{record.id}:{'biased' if biased else 'unbiased'}", system=SYSTEM_PROMPT,
+        user=_PROMPT.format(instruction=instruction, response=record.response), image=image,
+        protocol="score", style="prometheus", num_candidates=1, shown=(0,), target="",
+    )  # fmt: skip
+
+
+_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def parse_bias_score(text: str) -> float | None:
+    """The benchmark's score parsing: float(text), else the first number after the last
+    "### Score:", else the last number anywhere, else None."""
+    try:
+        return float(text.strip())
+    except ValueError:
+        pass
+    marker = text.rfind("### Score:")
+    if marker >= 0:
+        m = _NUMBER_RE.search(text, marker + len("### Score:"))
+        if m:
+            return float(m.group())
+    numbers = _NUMBER_RE.findall(text)
+    return float(numbers[-1]) if numbers else None
+
+
+__all__ = [
+    "BC_TYPES", "BD_TYPES", "BIAS_TYPES", "BiasDataError", "BiasRecord", "CATEGORY_OF",
+    "TRANSFORM_FAMILIES", "black_image", "canonical_bias_type", "caption_of", "insert_text",
+    "judge_prompt", "make_records", "parse_bias_score", "query_keywords", "read_records",
+    "scene_caption", "visual_transform",
+]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- evaluation
+
+CAPTION_SYSTEM = (
+    "You are a helpful assistant. Describe the image in detail: the objects, their colours, "
+    "shapes, sizes, positions and any text. Put the description inside <answer> </answer>."
+)
+
+
+def caption_prompt(item: JudgeItem) -> JudgePrompt:
+    return JudgePrompt(
+        item_id=f"{item.id}:caption", system=CAPTION_SYSTEM, user="Describe this image in detail.",
+        image=item.image or None, protocol="caption", style="answer", num_candidates=0, shown=(), target="",
+    )  # fmt: skip
+
+
+def read_caption(text: str) -> str | None:
+    """The description in the last <answer> block, else the text after </think>, else the text."""
+    blocks = re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)
+    caption = blocks[-1] if blocks else text.rsplit("</think>", 1)[-1]
+    caption = caption.strip()
+    return caption or None
+
+
+def _is_published(path: str) -> bool:
+    """A published MM-JudgeBias file (rows with bias_type), as opposed to a PPJD parquet."""
+    p = Path(path)
+    if p.suffix != ".parquet":
+        return True
+    import pyarrow.parquet as pq
+
+    return "bias_type" in pq.read_schema(p).names
+
+
+def load_records(cfg, generate) -> tuple[list[BiasRecord], list[str]]:
+    """The records of `cfg.eval`: published rows, or the nine perturbations of PPJD / scene items.
+    Items without a caption get one from the judge itself as the captioning engine."""
+    e = cfg.eval
+    if e.data and _is_published(e.data):
+        return read_records(e.data, e.image_dir or None, e.limit), [f"published records: {e.data}"]
+    if e.data:
+        from pjray.data.sources import read_items
+
+        items = read_items(e.data)
+    else:
+        from pjray.ppjd.perturb import scene_items
+
+        items = scene_items(e.num_items, seed=e.scene_seed, num_candidates=3, image_size=e.image_size)
+    if e.limit:
+        items = items[: e.limit]
+    need = [it for it in items if it.image and caption_of(it) is None]
+    captions: dict[str, str] = {}
+    if need:
+        texts = generate([caption_prompt(it) for it in need], e.seeds[0])
+        captions = {it.id: c for it, t in zip(need, texts) if (c := read_caption(t))}
+    records, skipped = make_records(items, seed=e.scene_seed, captions=captions)
+    notes = [f"records built from {len(items)} items by the nine PIL perturbations ({e.data or 'synthetic scenes'})"]
+    if need:
+        notes.append(f"{len(need)} captions for detail_description came from the judge as captioning engine")
+    notes += [f"{t}: {k} items could not be perturbed and were skipped" for t, k in skipped.items() if k]
+    return records, notes
+
+
+def evaluate_bias(cfg, generate):
+    """MM-JudgeBias report: BD/BC per bias type, per category and overall, over seeds."""
+    from pjray.eval.metrics import OVERALL, Row, bias_metric, bias_summary
+    from pjray.eval.report import EvalReport, seed_cells
+
+    e = cfg.eval
+    records, notes = load_records(cfg, generate)
+    prompts = [p for r in records for p in (judge_prompt(r, biased=False), judge_prompt(r, biased=True))]
+    per_seed = []
+    unparsed, examples = 0, []
+    for seed in e.seeds:
+        texts = generate(prompts, seed)
+        scores = [parse_bias_score(t) for t in texts]
+        for s, t in zip(scores, texts):
+            if s is None:
+                unparsed += 1
+                if len(examples) < 5:
+                    examples.append(t[:200].replace("\n", " "))
+        pairs: dict[str, list[tuple[float | None, float | None]]] = {t: [] for t in BIAS_TYPES}
+        bad: dict[str, int] = {t: 0 for t in BIAS_TYPES}
+        for i, r in enumerate(records):
+            y, yhat = scores[2 * i], scores[2 * i + 1]
+            pairs[r.bias_type].append((y, yhat))
+            bad[r.bias_type] += (y is None) + (yhat is None)
+        rows: dict[str, Row] = {}
+        for t in BIAS_TYPES:
+            if pairs[t]:
+                v = bias_metric(t, pairs[t])
+                rows[t] = Row(v.value, v.n, bad[t], v.skipped + v.dropped_none)
+        summary = bias_summary({t: r.value for t, r in rows.items()})
+        for name, value in summary.items():
+            members = CATEGORIES.get(name, BIAS_TYPES)
+            rows["overall (mean of 9)" if name == OVERALL else name] = Row(
+                value, sum(rows[t].n for t in members if t in rows), sum(rows[t].unparsed for t in members if t in rows)
+            )
+        per_seed.append(rows)
+    notes += [
+        "BD for text/image/response dominance and instruction/image misalignment; BC for the four robustness types",
+        "scores parsed as the benchmark does; pairs with a None score dropped (counted in unparsed)",
+        f"seeds aggregated by {e.seed_agg}",
+    ]
+    return EvalReport(
+        bench="mm_judgebias", judge=e.judge, data=e.data, seeds=list(e.seeds),
+        tables={"bias": seed_cells(per_seed, e.seed_agg)},
+        outputs=len(prompts) * len(e.seeds), unparsed=unparsed, unparsed_examples=examples, notes=notes,
+    )  # fmt: skip

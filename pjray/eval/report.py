@@ -1,0 +1,184 @@
+"""Evaluation reports: one JSON with every number, a markdown table, and matplotlib PNG plots.
+
+A report is a set of named tables (`metric -> row -> Cell`): rows are source datasets (plus
+`overall`) for MLLM-as-a-Judge, rates for the Mode a/b diagnosis, bias types and categories for
+MM-JudgeBias. Each cell carries the seed-aggregated value, its std over seeds, the per-seed
+values, how many items entered it, and how many judge outputs were unreadable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pjray.eval.metrics import BIAS_TYPES, aggregate_seeds
+
+
+@dataclass(frozen=True)
+class Cell:
+    value: float | None  # aggregated over seeds; None: undefined on every seed
+    std: float | None = None
+    per_seed: tuple[float | None, ...] = ()
+    n: int = 0  # items in the metric (summed over seeds)
+    unparsed: int = 0  # unreadable judge outputs (summed over seeds)
+    skipped: int = 0  # items left out by the metric's rule (summed over seeds)
+
+
+@dataclass
+class EvalReport:
+    bench: str
+    judge: str
+    data: str
+    seeds: list[int]
+    tables: dict[str, dict[str, Cell]]  # metric -> row -> cell, in display order
+    outputs: int  # judge outputs read (all seeds)
+    unparsed: int  # of which unreadable
+    unparsed_examples: list[str] = field(default_factory=list)  # a few, truncated
+    notes: list[str] = field(default_factory=list)  # conventions in force, skipped items, ...
+    settings: dict[str, Any] = field(default_factory=dict)
+    cache_hits: int = 0
+
+    def flat_metrics(self, prefix: str = "eval/") -> dict[str, float]:
+        """`eval/<table>/<row>` -> value, for W&B (undefined values left out)."""
+        out = {
+            f"{prefix}{table}/{row}": cell.value
+            for table, rows in self.tables.items()
+            for row, cell in rows.items()
+            if cell.value is not None
+        }
+        out[f"{prefix}unparsed_fraction"] = self.unparsed / self.outputs if self.outputs else 0.0
+        return out  # type: ignore[return-value]
+
+
+def seed_cells(per_seed_rows: list[dict[str, Any]], how: str) -> dict[str, Cell]:
+    """Combine one table computed per seed (row -> object with value, n[, unparsed, skipped])
+    into cells aggregated over seeds. A row missing on a seed counts as undefined there."""
+    names: list[str] = []
+    for rows in per_seed_rows:
+        names += [r for r in rows if r not in names]
+    cells = {}
+    for name in names:
+        got = [rows.get(name) for rows in per_seed_rows]
+        agg = aggregate_seeds([None if g is None else g.value for g in got], how)
+        cells[name] = Cell(
+            value=agg.value,
+            std=agg.std,
+            per_seed=agg.per_seed,
+            n=sum(getattr(g, "n", 0) for g in got if g is not None),
+            unparsed=sum(getattr(g, "unparsed", 0) for g in got if g is not None),
+            skipped=sum(getattr(g, "skipped", 0) + getattr(g, "dropped_none", 0) for g in got if g is not None),
+        )
+    return cells
+
+
+# --------------------------------------------------------------------------- writers
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.3f}"
+
+
+def to_markdown(report: EvalReport) -> str:
+    """The report as markdown: one row per dataset/bias, one column per metric table."""
+    lines = [f"# Evaluation: {report.bench}", "", f"- judge: `{report.judge}`", f"- data: `{report.data or 'synthetic scenes'}`"]
+    lines.append(f"- seeds: {report.seeds}")
+    frac = report.unparsed / report.outputs if report.outputs else 0.0
+    lines.append(f"- judge outputs: {report.outputs}, unparseable: {report.unparsed} ({frac:.1%})")
+    if report.cache_hits:
+        lines.append(f"- outputs taken from the cache: {report.cache_hits}")
+    lines += [f"- {note}" for note in report.notes]
+    lines.append("")
+    tables = list(report.tables)
+    rows: list[str] = []
+    for t in tables:
+        rows += [r for r in report.tables[t] if r not in rows]
+    std_shown = len(report.seeds) > 1
+    header = "| | " + " | ".join(tables) + " | n | unparsed |"
+    lines += [header, "|" + "---|" * (len(tables) + 3)]
+    for r in rows:
+        cells = [report.tables[t].get(r) for t in tables]
+        shown = []
+        for c in cells:
+            if c is None:
+                shown.append("")
+            else:
+                shown.append(_fmt(c.value) + (f" ± {_fmt(c.std)}" if std_shown and c.std is not None else ""))
+        first = next(c for c in cells if c is not None)
+        lines.append(f"| {r} | " + " | ".join(shown) + f" | {first.n} | {first.unparsed} |")
+    if report.unparsed_examples:
+        lines += ["", "Unparseable outputs (first few):", ""]
+        lines += [f"- `{ex}`" for ex in report.unparsed_examples]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(report: EvalReport, out_dir: Path) -> list[Path]:
+    """Per-table bar charts (per dataset / rate / bias type), plus a bias radar for MM-JudgeBias."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers; set before pyplot is imported
+    import matplotlib.pyplot as plt
+
+    paths = []
+    tables = list(report.tables.items())
+    fig, axes = plt.subplots(len(tables), 1, figsize=(max(6.0, 0.6 * max(len(r) for _, r in tables) + 2), 3.2 * len(tables)), squeeze=False)
+    for ax, (name, rows) in zip(axes[:, 0], tables):
+        labels = list(rows)
+        values = [rows[r].value if rows[r].value is not None else 0.0 for r in labels]
+        errs = [rows[r].std or 0.0 for r in labels]
+        colours = ["#555555" if r == "overall" else "#3b75af" for r in labels]
+        ax.bar(range(len(labels)), values, yerr=errs, color=colours, capsize=3)
+        for i, r in enumerate(labels):
+            if rows[r].value is None:
+                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(labels)), labels, rotation=45, ha="right", fontsize=8)
+        ax.set_title(name, fontsize=10)
+    fig.suptitle(f"{report.bench}: {Path(report.judge).name or report.judge}", fontsize=11)
+    fig.tight_layout()
+    path = out_dir / "bars.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    paths.append(path)
+
+    per_bias = report.tables.get("bias")
+    if per_bias and all(t in per_bias for t in BIAS_TYPES):
+        angles = [2 * math.pi * i / len(BIAS_TYPES) for i in range(len(BIAS_TYPES))]
+        values = [per_bias[t].value or 0.0 for t in BIAS_TYPES]
+        fig = plt.figure(figsize=(6, 6))
+        ax = fig.add_subplot(projection="polar")
+        ax.plot(angles + angles[:1], values + values[:1], color="#3b75af")
+        ax.fill(angles + angles[:1], values + values[:1], color="#3b75af", alpha=0.25)
+        ax.set_xticks(angles, [t.replace("_", "\n") for t in BIAS_TYPES], fontsize=7)
+        ax.set_ylim(0, 1)
+        ax.set_title("MM-JudgeBias (BD / BC, higher is better)", fontsize=10)
+        path = out_dir / "bias_radar.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_report(report: EvalReport, out_dir: str | Path, plots: bool = True) -> dict[str, Path]:
+    """Write report.json, report.md and (optionally) PNG plots; returns their paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "report.json", "markdown": out / "report.md"}
+    paths["json"].write_text(json.dumps(asdict(report), indent=2, default=str))
+    paths["markdown"].write_text(to_markdown(report))
+    if plots:
+        for p in _plot(report, out):
+            paths[p.stem] = p
+    return paths
+
+
+def log_wandb(report: EvalReport, tracking_cfg: Any, out_dir: Path, config: dict[str, Any]) -> None:
+    """Log the report's numbers (and plots) to W&B through `pjray.tracking.Tracker`."""
+    from pjray.tracking import Tracker
+
+    tracker = Tracker(tracking_cfg, out_dir, config, resume=False)
+    try:
+        tracker.log(report.flat_metrics(), step=0)
+    finally:
+        tracker.close()

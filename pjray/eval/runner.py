@@ -1,0 +1,236 @@
+"""Judging for evaluation: RolloutWorkers in a WorkerPool, a per-item output cache, and the
+`pjray eval` entry point that runs one benchmark and writes its report.
+
+The judge runs through the same engines as training (HF `generate` on CPU, vLLM on GPU), one
+sample per prompt. `eval.temperature=0` is greedy, done as top-k 1 so that both engines take it
+without a special path. Prompts are spread over `eval.workers` actors in rounds of
+`eval.prompts_per_call` prompts per worker; after each round the outputs are appended to
+`<output_dir>/cache.jsonl`, keyed by a hash of (system, user text, image bytes, judge
+fingerprint, seed, sampling settings), so an interrupted or repeated run judges only what is
+missing. Greedy outputs do not depend on how prompts are batched; sampled ones do (each engine
+call seeds its own stream), so a sampled rerun that mixes cached and new outputs is still
+reproducible per item, not bit-identical to a fresh run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from pjray.config import Config, ConfigError, RolloutConfig
+from pjray.types import Completion, JudgePrompt
+
+log = logging.getLogger(__name__)
+
+CACHE_FILE = "cache.jsonl"
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def judge_fingerprint(judge: str) -> str:
+    """Identifies the judge's weights: for a local directory its config and the size and mtime
+    of every weight file (a re-export changes it), for a hub id the id itself."""
+    path = Path(judge)
+    if not path.is_dir():
+        return f"hub:{judge}"
+    h = hashlib.sha256(str(path.resolve()).encode())
+    for f in sorted(path.iterdir()):
+        if f.suffix in (".safetensors", ".bin", ".pt") or f.name == "config.json":
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def cache_key(prompt: JudgePrompt, fingerprint: str, seed: int, sampling: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    h.update(json.dumps([prompt.system, prompt.user, fingerprint, seed, sampling], sort_keys=True).encode())
+    h.update(hashlib.sha256(prompt.image).digest() if prompt.image is not None else b"no-image")
+    return h.hexdigest()
+
+
+class OutputCache:
+    """An append-only JSONL of judge outputs: {key, item_id, seed, text, finish_reason}."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.entries: dict[str, dict[str, Any]] = {}
+        if path is not None and path.exists():
+            for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                try:
+                    entry = json.loads(line)
+                    self.entries[entry["key"]] = entry
+                except (json.JSONDecodeError, KeyError):
+                    # A run killed mid-write leaves a partial last line: that output is re-judged.
+                    log.warning("%s line %d: unreadable cache entry skipped", path, lineno)
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self.entries.get(key)
+
+    def put_many(self, entries: list[dict[str, Any]]) -> None:
+        for e in entries:
+            self.entries[e["key"]] = e
+        if self.path is not None and entries:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write("".join(json.dumps(e) + "\n" for e in entries))
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def generate_with_pool(pool: Any, prompts: list[JudgePrompt], seed: int) -> list[Completion]:
+    """One completion per prompt from the pool's workers (contiguous chunks, one per worker),
+    in prompt order. Used by the eval runner and by the trainer's held-out eval."""
+    if not prompts:
+        return []
+    workers = len(pool)
+    size, extra = divmod(len(prompts), workers)
+    chunks, start = [], 0
+    for w in range(workers):
+        end = start + size + (w < extra)
+        if end > start:
+            chunks.append(list(range(start, end)))
+        start = end
+    results = pool.call("generate", [([prompts[i] for i in chunk], 1, seed * 1_000 + w) for w, chunk in enumerate(chunks)])
+    out: list[Completion | None] = [None] * len(prompts)
+    for chunk, completions in zip(chunks, results):
+        for c in completions:
+            out[chunk[c.prompt_index]] = dataclasses.replace(c, prompt_index=chunk[c.prompt_index])
+    assert all(c is not None for c in out)
+    return out  # type: ignore[return-value]
+
+
+def eval_sampling(cfg: Config) -> RolloutConfig:
+    """The rollout settings of the eval judge: eval.* sampling on the configured backend."""
+    e = cfg.eval
+    greedy = e.temperature == 0
+    return dataclasses.replace(
+        cfg.rollout,
+        num_workers=e.workers,
+        num_cpus_per_worker=e.num_cpus_per_worker,
+        num_gpus_per_worker=e.num_gpus_per_worker,
+        max_new_tokens=e.max_new_tokens,
+        temperature=1.0 if greedy else e.temperature,
+        top_p=1.0 if greedy else e.top_p,
+        top_k=1 if greedy else cfg.rollout.top_k,
+    )
+
+
+def connect_ray(cfg: Config) -> None:
+    """Join RAY_ADDRESS / ray.address, or start a local cluster (user env vars win in actors)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+    kwargs = {} if address else {"num_cpus": cfg.ray.num_cpus or None}
+    env = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}
+    ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True, **kwargs)
+
+
+class JudgeRunner:
+    """A pool of judge actors plus the output cache. `generate(prompts, seed) -> texts`."""
+
+    def __init__(self, cfg: Config, cache_path: Path | None):
+        from pjray.rl.placement import Placement, RoleResources, WorkerPool
+        from pjray.rl.rollout import RolloutWorker
+
+        e = cfg.eval
+        if not e.judge:
+            raise ConfigError("eval.judge: required (an HF directory or hub id; `pjray eval --judge`)")
+        if cfg.rollout.backend == "vllm" and e.num_gpus_per_worker <= 0:
+            raise ConfigError("eval.num_gpus_per_worker: rollout.backend=vllm needs GPUs (> 0)")
+        self.cfg = cfg
+        self.rollout_cfg = eval_sampling(cfg)
+        self.sampling = {
+            k: getattr(self.rollout_cfg, k) for k in ("backend", "max_new_tokens", "temperature", "top_p", "top_k")
+        }
+        self.sampling["think_prefix"] = cfg.model.think_prefix
+        self.fingerprint = judge_fingerprint(e.judge)
+        self.cache = OutputCache(cache_path)
+        self.cache_hits = 0
+        self.judged = 0
+        connect_ray(cfg)
+        self.placement = Placement(
+            {"judge": RoleResources(e.workers, e.num_cpus_per_worker, e.num_gpus_per_worker)},
+            strategy=cfg.ray.placement_strategy,
+        )
+        self.pool = WorkerPool(
+            self.placement, "judge", RolloutWorker, lambda i: (e.judge, cfg.model, self.rollout_cfg, i), max_retries=2
+        )
+
+    def generate(self, prompts: list[JudgePrompt], seed: int) -> list[str]:
+        """One response text per prompt, from the cache where present."""
+        keys = [cache_key(p, self.fingerprint, seed, self.sampling) for p in prompts]
+        todo = [i for i, k in enumerate(keys) if self.cache.get(k) is None]
+        self.cache_hits += len(prompts) - len(todo)
+        round_size = self.cfg.eval.prompts_per_call * len(self.pool)
+        for start in range(0, len(todo), round_size):
+            batch = todo[start : start + round_size]
+            t0 = time.perf_counter()
+            completions = generate_with_pool(self.pool, [prompts[i] for i in batch], seed + start)
+            self.cache.put_many(
+                [
+                    {"key": keys[i], "item_id": prompts[i].item_id, "seed": seed, "text": c.text, "finish_reason": c.finish_reason}
+                    for i, c in zip(batch, completions)
+                ]
+            )
+            self.judged += len(batch)
+            log.info("judged %d/%d prompts (%.1fs)", min(start + round_size, len(todo)), len(todo), time.perf_counter() - t0)
+        return [self.cache.get(k)["text"] for k in keys]  # type: ignore[index]
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+        self.placement.shutdown()
+
+    def __enter__(self) -> JudgeRunner:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+# --------------------------------------------------------------------------- pjray eval
+
+
+def run_eval(cfg: Config) -> dict[str, Path]:
+    """Run `cfg.eval.bench` on `cfg.eval.judge` and write the report; returns the written paths."""
+    from pjray.config import to_dict
+    from pjray.eval.report import log_wandb, write_report
+
+    e = cfg.eval
+    out = Path(e.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with JudgeRunner(cfg, out / CACHE_FILE if e.cache else None) as runner:
+        report = evaluate(cfg, runner.generate)
+        report.cache_hits = runner.cache_hits
+    report.settings = {"eval": to_dict(cfg)["eval"], "sampling": runner.sampling, "judge_fingerprint": runner.fingerprint}
+    paths = write_report(report, out, plots=e.plots)
+    if e.wandb:
+        log_wandb(report, cfg.tracking, out, to_dict(cfg))
+    return paths
+
+
+def evaluate(cfg: Config, generate: Any):
+    """The report of `cfg.eval.bench` given a `generate(prompts, seed) -> texts` function."""
+    bench = cfg.eval.bench
+    if bench in ("score", "pair", "batch"):
+        from pjray.eval.judge_bench import evaluate_bench
+
+        return evaluate_bench(cfg, generate)
+    if bench == "perceptual_bias":
+        from pjray.eval.bias import evaluate_modes
+
+        return evaluate_modes(cfg, generate)
+    if bench == "mm_judgebias":
+        from pjray.eval.mm_judgebias import evaluate_bias
+
+        return evaluate_bias(cfg, generate)
+    raise ConfigError(f"eval.bench={bench!r}: unknown")

@@ -1,0 +1,325 @@
+"""The vLLM rollout engine: `RolloutEngine` over `vllm.LLM`, and its weight-sync worker extension.
+
+`VllmEngine(model_path, model_cfg, rollout_cfg)` keeps every semantic `pjray.rl.rollout`
+documents for engines (sampling exactly from RolloutConfig, stop only at EOS, placeholder
+tokens never sampled, logprobs of the raw logits, completions ordered by prompt and sample,
+deterministic in the seed), so the driver and the reward never see which backend ran.
+
+Images: vLLM gets the raw `render_chat` text (ONE un-expanded placeholder) plus the decoded
+image as `multi_modal_data` (`vllm_request`), and expands the placeholder itself. It never
+sees processor-expanded ids, so the double expansion of image tokens (an M-RoPE crash or a
+silently corrupted prompt in other frameworks) cannot happen here; the learner builds its own
+inputs (pixel values, grid sizes) from the same text and image with the HF processor.
+
+Weights, one call per sync from the driver, in one of three transports (trainer.sync_backend):
+
+* object_store: `load_weights(plan, refs)`, fetching one bucket at a time from the Ray object
+  store and handing it to every vLLM worker (`collective_rpc`, one per bucket). The CPU path,
+  and the fallback that works for any layout (also used to bring one rebuilt worker up to date).
+* gloo / nccl: `init_weight_sync(...)` once, then `receive_weights(plan)` per sync: one
+  `collective_rpc` in which every vLLM rank receives all buckets by broadcast from learner
+  rank 0 (`pjray.rl.sync`).
+* ipc: `load_ipc(plan, handles)`: one `collective_rpc` mapping the colocated learner rank's
+  CUDA IPC buffers.
+
+Each vLLM worker loads buckets with the model's own `load_weights` (HF names in, vLLM's fused
+layout out) inside vLLM's layerwise in-place reload (`pjray_begin_update` /
+`pjray_finish_update`), which re-runs the post-load processing of every layer (e.g. repacked CPU
+linear weights), and the engine resets the prefix cache after every sync: cached KV blocks were
+computed by the old weights. Colocated engines run with sleep mode: `sleep()` frees weights and
+KV cache while the learner trains; a sync wakes the weights first, loads, then the KV cache.
+
+vLLM's model names differ from the learner's (fused qkv / gate_up projections), so
+`checksums()` hashes vLLM's own parameters: compare two engines with it, and an engine with the
+learner through logprobs (the tests do).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from pjray.config import ModelConfig, RolloutConfig
+from pjray.models.loading import decode_image, is_text_only, load_processor, render_chat
+from pjray.rl.sync import WeightSyncGroup, dumps, loads, open_ipc_handle, receive_buckets
+from pjray.rl.weights import Bucket, state_checksums, unpack
+from pjray.types import Completion, JudgePrompt
+
+__all__ = ["VllmEngine", "WeightSyncExtension", "vllm_request"]
+
+EOS_TOKEN = "<|im_end|>"
+# vLLM caps a logit bias at +-100: exp(-100) is 0 in every float format, an exact ban.
+_BAN_BIAS = -100.0
+
+
+def vllm_request(processor: Any, prompt: JudgePrompt, think_prefix: bool = True) -> dict[str, Any]:
+    """What vLLM receives for one judge prompt: raw chat text, and the image beside it.
+
+    Returns {"prompt": render_chat text} plus, when the prompt has an image,
+    {"multi_modal_data": {"image": PIL image}}. The text holds exactly one un-expanded
+    placeholder per image; vLLM's own processor expands it, once.
+    """
+    request: dict[str, Any] = {"prompt": render_chat(processor, prompt, think_prefix=think_prefix)}
+    if prompt.image is not None:
+        request["multi_modal_data"] = {"image": decode_image(prompt.image)}
+    return request
+
+
+def _prompt_seed(seed: int, prompt_index: int) -> int:
+    """A per-request sampling seed: vLLM seeds each request on its own, so the samples of a
+    prompt do not depend on which other prompts share the batch."""
+    return int(np.random.SeedSequence([seed, prompt_index]).generate_state(1, dtype=np.uint32)[0] >> 1)
+
+
+class WeightSyncExtension:
+    """Methods added to every vLLM worker (`worker_extension_cls`), called by `collective_rpc`.
+
+    `self` is the vLLM worker: `self.model_runner.model` is the served model, `self.rank` the
+    worker's rank inside its engine, `self.device` its device. Plans and handles arrive pickled
+    (`pjray.rl.sync.dumps`): vLLM's RPC encoder takes only plain types and tensors.
+    """
+
+    def pjray_init_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> int:
+        """Join the broadcast group as rank `rank_offset + self.rank`; returns that rank."""
+        old = getattr(self, "_pjray_group", None)
+        if old is not None:
+            old.close()
+        rank = rank_offset + int(self.rank)
+        self._pjray_group = WeightSyncGroup(host, port, rank, world_size, backend)
+        return rank
+
+    def pjray_receive_broadcast(self, plan: bytes) -> None:
+        """Receive every bucket of `plan` from learner rank 0 and load it (one update)."""
+        self.pjray_begin_update()
+        receive_buckets(self._pjray_group, loads(plan), self._pjray_load)
+        self.pjray_finish_update()
+
+    def pjray_load_ipc(self, plan: bytes, handles: bytes) -> None:
+        """Map the colocated learner's CUDA IPC buffers and load them (one update)."""
+        self.pjray_begin_update()
+        device_index = torch.cuda.current_device()
+        for bucket, handle in zip(loads(plan), loads(handles)):
+            self._pjray_load(bucket, open_ipc_handle(handle, device_index))
+        self.pjray_finish_update()
+        torch.cuda.synchronize()  # loaded before the learner frees the buffers
+
+    def pjray_begin_update(self) -> None:
+        """Start an in-place reload of the checkpoint-format weights.
+
+        After loading, vLLM post-processes some layers into a kernel layout (e.g. repacked
+        linear weights on CPU) and drops their loaders, so `load_weights` cannot simply run
+        again. vLLM's layerwise reload restores each layer's checkpoint-format parameters,
+        takes the new weights (in any number of `load_weights` calls) and re-runs the
+        processing once a layer is complete; every parameter must arrive before
+        `pjray_finish_update` (the learner always sends all of them).
+        """
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.model)
+
+    def pjray_load_bucket(self, bucket: bytes, flat: torch.Tensor) -> None:
+        """Load one flat bucket sent through the RPC itself (the object-store path), between
+        `pjray_begin_update` and `pjray_finish_update`."""
+        self._pjray_load(loads(bucket), flat.to(self.device))
+
+    def pjray_finish_update(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.model, self.vllm_config.model_config)
+
+    def pjray_checksums(self) -> dict[str, str]:
+        return state_checksums(self.model_runner.model.named_parameters())
+
+    def _pjray_load(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        from vllm.config import set_current_vllm_config
+
+        # The model's own loader maps HF names onto vLLM's fused, tensor-parallel layout.
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.model.load_weights(weights=list(unpack(bucket, flat).items()))
+
+
+class VllmEngine:
+    """Rollouts with `vllm.LLM` (GPU; or vLLM's CPU build for text-only judges).
+
+    The engine lives inside a `RolloutWorker` actor, which holds rollout.tensor_parallel_size
+    GPUs (split mode) or a share of one learner GPU (colocated, with sleep mode).
+    """
+
+    def __init__(self, model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig) -> None:
+        self.model_cfg, self.rollout_cfg = model_cfg, rollout_cfg
+        on_cpu = rollout_cfg.device == "cpu"
+        if on_cpu:
+            # The engine core in this process: one process per worker on a small CPU box, and
+            # collective_rpc calls the worker extension directly. A user's settings win.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import LLM  # noqa: PLC0415  (imported only when this backend is chosen)
+
+        self.processor = load_processor(model_path)
+        tokenizer = self.processor.tokenizer
+        eos = {tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.eos_token_id}
+        eos.discard(None)
+        eos.discard(tokenizer.unk_token_id)
+        if not eos:
+            raise ValueError(f"{model_path}: no EOS token ({EOS_TOKEN} unknown and no eos_token)")
+        self.eos_ids: tuple[int, ...] = tuple(sorted(eos))
+        placeholders = (self.processor.image_token_id, self.processor.video_token_id)
+        self.banned_ids: tuple[int, ...] = tuple(sorted(i for i in placeholders if i is not None))
+        self.sleep_enabled = rollout_cfg.colocate
+        self.asleep = False
+
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "tokenizer": model_path,
+            "dtype": model_cfg.dtype,
+            "tensor_parallel_size": rollout_cfg.tensor_parallel_size,
+            "max_model_len": rollout_cfg.max_model_len,
+            "enable_prefix_caching": True,
+            "enable_sleep_mode": self.sleep_enabled,
+            # Sampling comes from RolloutConfig only, never from the checkpoint's defaults.
+            "generation_config": "vllm",
+            "worker_extension_cls": f"{__name__}.WeightSyncExtension",
+            "seed": 0,
+        }
+        if on_cpu:
+            kwargs["enforce_eager"] = True  # no compile step for a test-sized model
+        else:
+            kwargs["gpu_memory_utilization"] = rollout_cfg.gpu_memory_utilization
+            # TP ranks as processes of this actor, on the GPUs Ray gave it (one node).
+            kwargs["distributed_executor_backend"] = "mp" if rollout_cfg.tensor_parallel_size > 1 else None
+        if not is_text_only(self.processor):
+            kwargs["limit_mm_per_prompt"] = {"image": 1, "video": 0}
+        self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+
+    # -- generation -----------------------------------------------------------------------
+
+    def sampling_params(self, n: int, seed: int) -> Any:
+        from vllm import SamplingParams
+
+        cfg = self.rollout_cfg
+        return SamplingParams(
+            n=n,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,  # 0 = off, as in RolloutConfig
+            max_tokens=cfg.max_new_tokens,
+            stop_token_ids=list(self.eos_ids),
+            logprobs=0,  # the sampled token's logprob; vLLM's default mode reads raw logits
+            logit_bias={i: _BAN_BIAS for i in self.banned_ids} or None,
+            seed=seed,
+            skip_special_tokens=True,
+        )
+
+    def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
+        """n samples per prompt, ordered by (prompt_index, sample_index)."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        if self.asleep:
+            self.wake_up()
+        requests = [vllm_request(self.processor, p, self.model_cfg.think_prefix) for p in prompts]
+        params = [self.sampling_params(n, _prompt_seed(seed, i)) for i in range(len(prompts))]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        decode = self.processor.tokenizer.decode
+        completions: list[Completion] = []
+        for prompt_index, request_output in enumerate(outputs):
+            for sample_index, out in enumerate(request_output.outputs):
+                token_ids = tuple(out.token_ids)
+                logprobs = tuple(float(step[tok].logprob) for step, tok in zip(out.logprobs, token_ids))
+                completions.append(
+                    Completion(
+                        prompt_index=prompt_index,
+                        sample_index=sample_index,
+                        token_ids=token_ids,
+                        logprobs=logprobs,
+                        text=decode(token_ids, skip_special_tokens=True),
+                        finish_reason="length" if out.finish_reason == "length" else "stop",
+                    )
+                )
+        return completions
+
+    def continuation_logprobs(self, prompt: JudgePrompt, continuation: tuple[int, ...]) -> list[float]:
+        """Logprob of each token of `continuation` after `prompt` under the served weights.
+
+        One prefill with prompt logprobs (no sampling): how tests compare the engine with the
+        learner after a sync.
+        """
+        from vllm import SamplingParams
+
+        request = vllm_request(self.processor, prompt, self.model_cfg.think_prefix)
+        prompt_ids = self.processor.tokenizer(request["prompt"], add_special_tokens=False)["input_ids"]
+        full = {"prompt_token_ids": list(prompt_ids) + list(continuation)}
+        if "multi_modal_data" in request:
+            raise ValueError("continuation_logprobs: text-only prompts (token ids cannot carry an image)")
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
+        out = self.llm.generate([full], params, use_tqdm=False)[0]
+        steps = out.prompt_logprobs[len(prompt_ids) :]
+        return [float(step[tok].logprob) for step, tok in zip(steps, continuation)]
+
+    # -- weights --------------------------------------------------------------------------
+
+    def load_weights(self, plan: list[Bucket], refs: list[Any]) -> None:
+        """Object-store sync: fetch one bucket at a time and load it on every vLLM worker."""
+        if len(plan) != len(refs):
+            raise ValueError(f"load_weights: {len(plan)} buckets in the plan but {len(refs)} refs")
+        self._before_load()
+        self.llm.collective_rpc("pjray_begin_update")
+        for bucket, ref in zip(plan, refs):
+            flat = ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
+            self.llm.collective_rpc("pjray_load_bucket", args=(dumps(bucket), flat))
+            del flat
+        self.llm.collective_rpc("pjray_finish_update")
+        self._after_load()
+
+    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
+        """Join the learner's broadcast group; returns the ranks of this engine's workers."""
+        return self.llm.collective_rpc(
+            "pjray_init_sync_group", args=(host, port, rank_offset, world_size, backend)
+        )
+
+    def receive_weights(self, plan: list[Bucket]) -> None:
+        """Broadcast sync: every vLLM rank receives all buckets of `plan` in one RPC."""
+        self._before_load()
+        self.llm.collective_rpc("pjray_receive_broadcast", args=(dumps(plan),))
+        self._after_load()
+
+    def load_ipc(self, plan: list[Bucket], handles: list[Any]) -> None:
+        """Colocated sync: map the learner rank's CUDA IPC buffers, in one RPC."""
+        self._before_load()
+        self.llm.collective_rpc("pjray_load_ipc", args=(dumps(plan), dumps(handles)))
+        self._after_load()
+
+    def _before_load(self) -> None:
+        if self.asleep:
+            # Weights only: the KV cache stays released until the load is done, so the learner's
+            # buffers and the engine's weights are what share the GPU during the sync.
+            self.llm.wake_up(tags=["weights"])
+
+    def _after_load(self) -> None:
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        # Cached KV blocks were computed with the old weights.
+        self.llm.reset_prefix_cache()
+
+    def checksums(self) -> dict[str, str]:
+        """`state_checksums` of vLLM's own parameters on its rank 0 (vLLM's names)."""
+        return self.llm.collective_rpc("pjray_checksums")[0]
+
+    def sleep(self) -> None:
+        """Release weights and KV cache (colocated engines); a no-op without sleep mode."""
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False

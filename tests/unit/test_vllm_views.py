@@ -1,0 +1,182 @@
+"""The two views of one multimodal prompt agree, and the vLLM layouts the config accepts.
+
+The rollout (vLLM) sees the raw chat text with one un-expanded image placeholder plus the image
+as `multi_modal_data`; the learner sees the processor-expanded ids with pixel values. Both come
+from the same `render_chat` text, so they must describe the same prompt: same text, and the
+placeholder expands (once) to exactly `image_token_count` pad tokens. None of this needs vLLM:
+`vllm_request` is the pure function that builds what vLLM receives.
+"""
+
+from __future__ import annotations
+
+import io
+
+import PIL.Image
+import pytest
+import torch
+
+from pjray.config import ConfigError, load
+from pjray.models.loading import image_token_count, load_processor, processor_inputs, render_chat
+from pjray.models.tiny import TINY_ARCHS, build_tiny_judge
+from pjray.rl.learner import collate
+from pjray.rl.vllm_engine import vllm_request
+from pjray.types import Experience, JudgePrompt
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
+
+
+def _png(size: tuple[int, int], colour: str = "red") -> bytes:
+    buf = io.BytesIO()
+    PIL.Image.new("RGB", size, colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _prompt(image: bytes | None) -> JudgePrompt:
+    return JudgePrompt(
+        item_id="p0", system="You are a careful judge.", user="Rank the answers A, B, C.", image=image,
+        protocol="batch", style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=TINY_ARCHS)
+def vlm_processor(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    path = build_tiny_judge(tmp_path_factory.mktemp(request.param), arch=request.param, seed=0)
+    return load_processor(path)
+
+
+@pytest.fixture(scope="module")
+def text_processor(tmp_path_factory: pytest.TempPathFactory):
+    return load_processor(build_tiny_judge(tmp_path_factory.mktemp("qwen2"), arch="qwen2", seed=0))
+
+
+@pytest.mark.parametrize("size", [(64, 64), (112, 80)])
+def test_vllm_and_trainer_views_of_one_prompt_agree(vlm_processor, size: tuple[int, int]) -> None:
+    image = _png(size)
+    prompt = _prompt(image)
+    text = render_chat(vlm_processor, prompt)
+    request = vllm_request(vlm_processor, prompt)
+
+    # vLLM's view: the same raw text, one un-expanded placeholder, the decoded image beside it.
+    assert set(request) == {"prompt", "multi_modal_data"}
+    assert request["prompt"] == text
+    assert text.count(vlm_processor.image_token) == 1
+    assert text.count("<|vision_start|>") == 1
+    vllm_image = request["multi_modal_data"]["image"]
+    assert isinstance(vllm_image, PIL.Image.Image) and vllm_image.size == size
+
+    # The trainer's view: the processor expands that one placeholder into the image's tokens.
+    expected = image_token_count(vlm_processor, image)
+    inputs = processor_inputs(vlm_processor, [text], [image])
+    ids = inputs["input_ids"][0]
+    assert int((ids == vlm_processor.image_token_id).sum()) == expected > 1
+    assert int(inputs["image_grid_thw"].prod(-1).sum()) // vlm_processor.image_processor.merge_size**2 == expected
+
+    # Expanding vLLM's view (text + image, as vLLM's processor does once) gives exactly the
+    # trainer's prompt ids, and the learner's collate keeps them in front of the response.
+    from_vllm_view = processor_inputs(vlm_processor, [request["prompt"]], [vllm_image])["input_ids"][0]
+    assert torch.equal(from_vllm_view, ids)
+    batch = collate(vlm_processor, [Experience(prompt_text=text, image=image, response_ids=(5, 6), advantage=1.0)])
+    assert torch.equal(batch.input_ids[0, : len(ids)], ids)
+    assert batch.input_ids[0, len(ids) :].tolist() == [5, 6]
+
+
+def test_expanded_text_cannot_be_a_prompt(vlm_processor) -> None:
+    """The double-expansion bug needs expanded ids (or text) next to the image: every entry
+    point that pairs a text with an image insists on exactly one placeholder."""
+    image = _png((64, 64))
+    text = render_chat(vlm_processor, _prompt(image))
+    n = image_token_count(vlm_processor, image)
+    expanded = text.replace(vlm_processor.image_token, vlm_processor.image_token * n)
+    with pytest.raises(ValueError, match="placeholder"):
+        processor_inputs(vlm_processor, [expanded], [image])
+
+
+def test_text_only_prompt_has_no_multimodal_data(vlm_processor, text_processor) -> None:
+    request = vllm_request(vlm_processor, _prompt(None))
+    assert set(request) == {"prompt"} and vlm_processor.image_token not in request["prompt"]
+    text_request = vllm_request(text_processor, _prompt(None))
+    assert set(text_request) == {"prompt"}
+    # A text-only judge never silently drops an image.
+    with pytest.raises(ValueError, match="text-only"):
+        vllm_request(text_processor, _prompt(_png((64, 64))))
+
+
+# ---------------------------------------------------------------------------------------------
+# The vLLM / GPU layouts the config accepts and rejects (pure validation, no cluster needed)
+# ---------------------------------------------------------------------------------------------
+
+VLLM_CPU = ["rollout.backend=vllm", "rollout.device=cpu", "model.tiny_arch=qwen2", "data.images=false"]
+SPLIT = [
+    "rollout.backend=vllm", "rollout.num_gpus_per_worker=1", "learner.num_gpus_per_rank=1",
+    "learner.num_ranks=2", "rollout.num_workers=2", "learner.micro_batch_size=2",
+]  # fmt: skip
+COLOCATED = SPLIT[:-1] + [
+    "learner.micro_batch_size=2", "rollout.colocate=true", "learner.num_gpus_per_rank=0.5",
+    "rollout.num_gpus_per_worker=0.4", "trainer.sync_backend=ipc",
+]  # fmt: skip
+
+
+def test_good_layouts_load() -> None:
+    assert load(overrides=VLLM_CPU + ["trainer.sync_backend=gloo"]).rollout.device == "cpu"
+    assert load(overrides=SPLIT + ["trainer.sync_backend=nccl", "ray.num_gpus=4"]).trainer.sync_backend == "nccl"
+    assert load(overrides=COLOCATED + ["ray.num_gpus=2"]).rollout.colocate
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["rollout.backend=vllm"], "rollout.num_gpus_per_worker"),
+        (VLLM_CPU[:2] + ["data.images=false"], "model.tiny_arch"),
+        (VLLM_CPU[:3], "data.images"),
+        (VLLM_CPU + ["rollout.num_gpus_per_worker=1"], "rollout.device=cpu"),
+        (VLLM_CPU + ["rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size"),
+        (["rollout.device=cuda"], "rollout.device=cuda"),
+        (["rollout.device=tpu"], "rollout.device"),
+        (["trainer.sync_backend=ipc"], "trainer.sync_backend=ipc"),
+        (["trainer.sync_backend=gloo"], "trainer.sync_backend=gloo"),
+        (SPLIT + ["rollout.tensor_parallel_size=2"], "rollout.num_gpus_per_worker"),
+        (SPLIT + ["ray.num_gpus=3"], "ray.num_gpus"),
+        (SPLIT + ["rollout.colocate=true"], "rollout.num_gpus_per_worker"),
+        (COLOCATED + ["trainer.sync_backend=nccl"], "trainer.sync_backend=nccl"),
+        (COLOCATED + ["rollout.num_workers=1"], "rollout.num_workers"),
+        (COLOCATED + ["ray.num_gpus=1"], "ray.num_gpus"),
+        (["rollout.colocate=true"], "rollout.colocate"),
+    ],
+)
+def test_bad_layouts_name_the_key(overrides: list[str], key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load(overrides=overrides)
+
+
+def _documented_layouts() -> list[tuple[str, list[str]]]:
+    """(yaml, overrides) of every `pjray train --config configs/X.yaml ...` line in the GPU
+    recipes' header comments, so the layouts the docs advertise are the ones tested."""
+    from pathlib import Path
+
+    out = []
+    for path in sorted((Path(__file__).parents[2] / "configs").glob("*.yaml")):
+        lines = [line.lstrip("# ").rstrip() for line in path.read_text().splitlines() if line.startswith("#")]
+        joined = " ".join(line[:-1] if line.endswith("\\") else line + "\n" for line in lines)
+        for command in joined.splitlines():
+            if "pjray train --config" in command:
+                words = command.split("pjray train --config", 1)[1].split()
+                out.append((words[0], words[1:]))
+    return out
+
+
+LAYOUTS = _documented_layouts()
+
+
+def test_gpu_recipes_document_their_layouts() -> None:
+    names = {name for name, _ in LAYOUTS}
+    assert {"configs/qwen3vl_4b.yaml", "configs/flex_judge_7b.yaml"} <= names
+    assert len(LAYOUTS) >= 6  # split, colocated and multi-node for each recipe
+
+
+@pytest.mark.parametrize("name, overrides", LAYOUTS, ids=[f"{n}:{len(o)}" for n, o in LAYOUTS])
+def test_documented_gpu_layouts_validate(name: str, overrides: list[str]) -> None:
+    from pathlib import Path
+
+    cfg = load(Path(__file__).parents[2] / name, overrides)
+    assert cfg.rollout.backend == "vllm" and cfg.rollout.num_gpus_per_worker > 0
+    assert cfg.trainer.sync_backend == ("ipc" if cfg.rollout.colocate else "nccl")
