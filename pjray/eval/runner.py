@@ -131,7 +131,11 @@ def connect_ray(cfg: Config) -> None:
         return
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
     kwargs = {} if address else {"num_cpus": cfg.ray.num_cpus or None}
+    from pjray.rl.trainer import job_env_vars
+
     env = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}
+    # Inside a Ray job, ray.init refuses to set a variable the job's runtime env already sets.
+    env = {key: value for key, value in env.items() if key not in job_env_vars()}
     ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True, **kwargs)
 
 

@@ -350,7 +350,8 @@ def processor_inputs(
     `texts[i]` holds one placeholder when `images[i]` is set and none otherwise; rows with and
     without images may be mixed. Returns input_ids / attention_mask / mm_token_type_ids [B, T]
     (long), pixel_values [sum of patches, D] and image_grid_thw [n_images, 3] (both None when
-    no row has an image). `padding_side` "left" suits generate, "right" the learner.
+    no row has an image; mm_token_type_ids too for a text-only judge). `padding_side` "left"
+    suits generate, "right" the learner.
     """
     if len(texts) != len(images):
         raise ValueError(f"got {len(texts)} texts but {len(images)} images (use None for no image)")
@@ -364,7 +365,7 @@ def processor_inputs(
         return {
             "input_ids": out["input_ids"],
             "attention_mask": out["attention_mask"],
-            "mm_token_type_ids": torch.zeros_like(out["input_ids"]),
+            "mm_token_type_ids": None,  # a causal LM takes no modality ids
             "pixel_values": None,
             "image_grid_thw": None,
         }

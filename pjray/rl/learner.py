@@ -631,6 +631,18 @@ class LearnerRank:
             old.close()
         self._sync_group = WeightSyncGroup(host, port, 0, world_size, backend) if self.rank == 0 else None
 
+    def sync_address(self) -> tuple[str, int]:
+        """This rank's node IP and a free port there, for the broadcast group's store. Asked of
+        the rank itself: its bundle has no CPU left for a probe task once it runs."""
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
     def weight_plan(self, bucket_bytes: int) -> list[Bucket]:
         """The bucket plan broadcast_weights sends (from parameter shapes; no gather)."""
         named = self._named_parameters()

@@ -422,7 +422,7 @@ class Trainer:
         backend = self.cfg.trainer.sync_backend
         if backend not in ("gloo", "nccl"):
             return
-        host, port = self.placement.master_address("learner")
+        host, port = ray.get(self.learners[0].sync_address.remote())
         tp = self.cfg.rollout.tensor_parallel_size
         world = 1 + len(self.rollout) * tp
         joins = [r.init_weight_sync.remote(host, port, world, backend) for r in self.learners]
@@ -466,7 +466,6 @@ class Trainer:
     def step_metrics(self, rollouts: Rollouts, advantages: torch.Tensor, actor: dict[str, float], timer: Timer) -> dict[str, float]:
         totals = [r.total for r in rollouts.rewards]
         lengths = [len(c.token_ids) for c in rollouts.completions]
-        max_new = self.cfg.rollout.max_new_tokens
         tokens = sum(lengths)
         metrics = {
             "reward/mean": mean(totals),

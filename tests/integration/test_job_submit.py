@@ -51,6 +51,24 @@ def test_actor_defaults_yield_to_the_job_runtime_env(monkeypatch):
     assert actor_env()["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] == "1"
 
 
+def test_cluster_manifests_parse_and_agree():
+    """The shipped cluster files are valid YAML, and the RayJob carries the shared runtime env."""
+    import yaml
+
+    clusters = REPO / "clusters"
+    runtime_env = yaml.safe_load((clusters / "runtime_env.yaml").read_text())
+    assert set(runtime_env) == {"env_vars"}
+    assert all(isinstance(v, str) for v in runtime_env["env_vars"].values())  # Ray wants strings
+    raycluster, pvc = yaml.safe_load_all((clusters / "kuberay-raycluster.yaml").read_text())
+    assert (raycluster["kind"], pvc["kind"]) == ("RayCluster", "PersistentVolumeClaim")
+    rayjob = yaml.safe_load((clusters / "kuberay-rayjob.yaml").read_text())
+    assert rayjob["kind"] == "RayJob" and rayjob["spec"]["entrypoint"].startswith("pjray train")
+    job_env = yaml.safe_load(rayjob["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert runtime_env["env_vars"].items() <= job_env.items()
+    launcher = yaml.safe_load((clusters / "aws-cluster.yaml").read_text())
+    assert launcher["provider"]["type"] == "aws" and launcher["head_node_type"] in launcher["available_node_types"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -111,7 +129,7 @@ def stop_session(head: subprocess.Popen) -> None:
     """SIGTERM lets `ray start --block` shut its node down; SIGKILL the session's leftovers."""
     try:
         os.killpg(head.pid, signal.SIGTERM)
-        head.wait(timeout=30)
+        head.wait(timeout=10)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
     try:

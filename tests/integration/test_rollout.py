@@ -13,7 +13,6 @@ positions or context (so a broken padding path would go unnoticed) and it almost
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import io
 import os
 import re
@@ -25,10 +24,10 @@ import ray
 import torch
 from safetensors.torch import load_file, save_file
 
-from pjray.config import ConfigError, ModelConfig, RolloutConfig
+from pjray.config import ModelConfig, RolloutConfig
 from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs, render_chat
 from pjray.models.tiny import build_tiny_judge
-from pjray.rl.rollout import HFEngine, RolloutEngine, RolloutWorker, build_engine
+from pjray.rl.rollout import HFEngine, RolloutEngine, RolloutWorker
 from pjray.rl.weights import Bucket, BucketEntry, pack, plan_buckets, state_checksums
 from pjray.types import Completion, JudgePrompt
 
@@ -233,13 +232,6 @@ def test_load_weights_rejects_bad_plans(engine: HFEngine, ray_local):
     with pytest.raises(ValueError, match="1 buckets in the plan but 0 refs"):
         engine.load_weights([one_entry(name, param.shape)], [])
     assert engine.checksums() == before  # a rejected plan changes nothing
-
-
-def test_vllm_backend_without_engine_module_is_a_config_error(judge_dir):
-    if importlib.util.find_spec("pjray.rl.vllm_engine") is not None:
-        pytest.skip("pjray.rl.vllm_engine exists; this checks the message when it cannot import")
-    with pytest.raises(ConfigError, match="rollout.backend=vllm"):
-        build_engine(judge_dir, ModelConfig(), RolloutConfig(backend="vllm", num_gpus_per_worker=1))
 
 
 def test_rollout_worker_through_ray(judge_dir, other_judge_dir, rollout_cfg, ray_local):

@@ -6,14 +6,18 @@ an environment of its own. Everything is real: vLLM's engine and sampler, Ray, D
 
 1. `VllmEngine` generates n samples per prompt with the sampler's logprobs, in order, stopping
    only at EOS, deterministic in the seed, and its logprobs equal the HF model's.
-2. The GRPO driver with rollout.backend=vllm runs end to end; afterwards the engine serves the
-   learner's weights: its logprobs of a fixed continuation equal the DeepSpeed learner's, and
-   differ from the initial weights'. Once per transport: the object store, and the gloo
-   broadcast group (the NCCL path's code with CPU tensors).
+2. `load_weights` in buckets makes the engine serve exactly the new weights (vLLM's layerwise
+   reload re-runs its CPU weight repacking) and resets the prefix cache.
+3. The GRPO driver with rollout.backend=vllm runs end to end; after each sync the engine serves
+   the learner's weights: its logprobs of a fixed continuation equal the DeepSpeed (ZeRO-3)
+   learner's, and differ from the previous weights'. Both transports the CPU can run go through
+   Trainer.sync_weights: the gloo broadcast group (the NCCL path's code with CPU tensors) and
+   the object store.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -60,6 +64,7 @@ def _prompt(user: str) -> JudgePrompt:
     )  # fmt: skip
 
 
+TESTS_DIR = Path(__file__).resolve().parent
 PROMPTS = [_prompt("Which answer is right? A: red B: blue C: green"), _prompt("Rank the three answers.")]
 
 
@@ -129,23 +134,38 @@ def test_load_weights_in_buckets(engine: VllmEngine, tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def local_ray():
     # DeepSpeed JIT-builds its shm op per environment: a cache of this venv's own keeps the
-    # two venvs from rebuilding (and locking) each other's copy.
+    # two venvs from rebuilding (and locking) each other's copy. Reward workers import the
+    # test reward from this directory.
     extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    env = {**actor_env(), "TORCH_EXTENSIONS_DIR": extensions}
+    path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    env = {**actor_env(), "TORCH_EXTENSIONS_DIR": extensions, "PYTHONPATH": path}
     ray.init(num_cpus=2, runtime_env={"env_vars": env})
     yield
     ray.shutdown()
 
 
-@pytest.mark.parametrize("sync_backend", ["object_store", "gloo"])
-def test_grpo_steps_and_weight_sync_with_vllm(local_ray, tmp_path: Path, sync_backend: str) -> None:
+def _served_matches_learner(trainer: Trainer, prompt: JudgePrompt, continuation: tuple[int, ...]) -> list[float]:
+    """The engine's logprobs of `continuation`, checked equal to the DeepSpeed learner's."""
+    text = render_chat(trainer.processor, prompt, think_prefix=trainer.cfg.model.think_prefix)
+    experience = Experience(prompt_text=text, image=None, response_ids=continuation, advantage=0.0)
+    learner = ray.get(trainer.learners[0].compute_logprobs.remote([experience], "policy"))[0]
+    served = ray.get(trainer.rollout.actors[0].continuation_logprobs.remote(prompt, continuation))
+    assert served == pytest.approx(list(learner), abs=2e-3)
+    return served
+
+
+def test_grpo_steps_and_weight_sync_with_vllm(local_ray, tmp_path: Path) -> None:
+    """GRPO with vLLM rollouts end to end, syncing over the gloo broadcast group for two steps
+    and then over the object store for a third (one setup, both transports of Trainer.sync_weights).
+    The reward (a leading space, ~0.2 for the random judge) has variance, so weights move."""
     cfg = load(
         overrides=VLLM_CPU + [
-            f"trainer.sync_backend={sync_backend}",
+            "trainer.sync_backend=gloo",
             f"trainer.run_dir={tmp_path / 'run'}",
-            "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.save_every=0", "trainer.export_hf=false",
+            "trainer.steps=2", "trainer.prompts_per_step=4", "trainer.save_every=0", "trainer.export_hf=false",
             "trainer.sync_bucket_mb=1",  # several buckets for a ~0.1M-parameter model
-            "algo.group_size=4", "learner.micro_batch_size=4", "learner.lr=0.05", "learner.zero_stage=3",
+            "reward.function=learnable_rewards:starts_with_space",
+            "algo.group_size=4", "learner.micro_batch_size=8", "learner.lr=0.05", "learner.zero_stage=3",
             "rollout.max_new_tokens=12", "rollout.num_cpus_per_worker=0.5", "learner.num_cpus_per_rank=0.5",
             "data.num_items=16", "data.image_size=64", "tracking.wandb=false",
         ]
@@ -156,21 +176,22 @@ def test_grpo_steps_and_weight_sync_with_vllm(local_ray, tmp_path: Path, sync_ba
         worker = trainer.rollout.actors[0]
         prompt = PROMPTS[0]
         continuation = tuple(ray.get(worker.generate.remote([prompt], 1, 0))[0].token_ids)
-        before = ray.get(worker.continuation_logprobs.remote(prompt, continuation))
+        initial = _served_matches_learner(trainer, prompt, continuation)
 
-        trainer.run()  # 2 GRPO steps: vLLM rollouts, rewards, DeepSpeed ZeRO-3 update, sync
+        trainer.run()  # 2 GRPO steps: vLLM rollouts, rewards, DeepSpeed ZeRO-3 update, gloo sync
+        metrics = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [m["training/global_step"] for m in metrics] == [1, 2]
+        assert all(m["timing_s/sync"] > 0 for m in metrics)
+        after_gloo = _served_matches_learner(trainer, prompt, continuation)
+        assert max(abs(a - b) for a, b in zip(after_gloo, initial)) > 1e-3  # new weights served
 
-        metrics = [line for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines() if line]
-        assert len(metrics) == 2 and '"timing_s/sync"' in metrics[-1]
-        text = render_chat(trainer.processor, prompt, think_prefix=cfg.model.think_prefix)
-        experience = Experience(prompt_text=text, image=None, response_ids=continuation, advantage=0.0)
-        learner = ray.get(trainer.learners[0].compute_logprobs.remote([experience], "policy"))[0]
-        after = ray.get(worker.continuation_logprobs.remote(prompt, continuation))
-        # The engine serves the learner's weights, not the initial ones.
-        assert after == pytest.approx(list(learner), abs=2e-3)
-        assert max(abs(a - b) for a, b in zip(after, before)) > 1e-2
-        # And it samples from them.
-        assert len(ray.get(worker.generate.remote(PROMPTS, 2, 1))) == 4
+        # One more step, synced through the object store (the transport every layout has).
+        trainer.cfg.trainer.sync_backend = "object_store"
+        trainer.cfg.trainer.steps = 3
+        trainer.run()
+        after_store = _served_matches_learner(trainer, prompt, continuation)
+        assert max(abs(a - b) for a, b in zip(after_store, after_gloo)) > 1e-3
+        assert len(ray.get(worker.generate.remote(PROMPTS, 2, 1))) == 4  # and it samples from them
     finally:
         trainer.shutdown()
         os.environ.pop("MASTER_PORT", None)

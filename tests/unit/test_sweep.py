@@ -9,7 +9,7 @@ import pytest
 
 from pjray.cli import main
 from pjray.config import ConfigError
-from pjray.sweep import collect_results, parse_grid, plan_sweep, split_values, write_results
+from pjray.sweep import collect_results, plan_sweep, split_values, write_results
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -180,3 +180,40 @@ def test_documented_gpu_layouts_validate(name: str, overrides: list[str]) -> Non
     cfg = load(Path(__file__).parents[2] / name, overrides)
     assert cfg.rollout.backend == "vllm" and cfg.rollout.num_gpus_per_worker > 0
     assert cfg.trainer.sync_backend == ("ipc" if cfg.rollout.colocate else "nccl")
+
+
+def test_vllm_backend_without_vllm_is_a_config_error() -> None:
+    """Where vLLM does not import (the main CPU venv), choosing it fails as a config error that
+    says how to get it, before any model is loaded."""
+    import importlib.util
+
+    from pjray.config import ModelConfig, RolloutConfig
+    from pjray.rl.rollout import build_engine
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm imports here; this checks the message where it does not")
+    with pytest.raises(ConfigError, match="rollout.backend=vllm.*vllm_cpu_env.sh"):
+        build_engine("/nonexistent", ModelConfig(), RolloutConfig(backend="vllm", num_gpus_per_worker=1))
+
+
+def test_text_only_judge_rollout_and_learner_views_agree(tmp_path) -> None:
+    """A text-only judge (the model the CPU vLLM check serves) through the HF engine and the
+    learner's collate: the learner's logprobs of the sampled tokens are the sampler's."""
+    from pjray.config import load as load_config
+    from pjray.models.loading import load_judge
+    from pjray.rl.learner import forward_logprobs
+    from pjray.rl.rollout import HFEngine
+
+    path = str(build_tiny_judge(tmp_path / "qwen2", arch="qwen2", seed=0))
+    cfg = load_config(overrides=["model.tiny_arch=qwen2", "data.images=false", "rollout.max_new_tokens=8"])
+    engine = HFEngine(path, cfg.model, cfg.rollout)
+    assert engine.banned_ids == ()  # no image placeholders to ban
+    out = engine.generate([_prompt(None)], n=2, seed=0)
+    model, processor = load_judge(path, trainable=False)
+    text = render_chat(processor, _prompt(None))
+    batch = collate(processor, [Experience(prompt_text=text, image=None, response_ids=c.token_ids, advantage=0.0) for c in out])
+    with torch.no_grad():
+        logp, _ = forward_logprobs(model, processor, batch)
+    mask = batch.response_mask[:, 1:].bool()
+    for row, c in enumerate(out):
+        torch.testing.assert_close(logp[row][mask[row]], torch.tensor(c.logprobs), atol=1e-4, rtol=0)

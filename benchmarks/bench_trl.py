@@ -1,0 +1,180 @@
+"""pjray against TRL's `GRPOTrainer`: wall time per GRPO step for the same work, on CPU.
+
+Both train the same tiny random Qwen2-VL judge (pjray.models.tiny, built once) on the same
+rendered judge prompts, without images (data.images=false) (scene items from the PPJD job, candidates shuffled and
+lettered by pjray.data.prompts, chat template and "<think>" prefix applied) with the same reward
+(pjray.reward.judge_reward: format x Levenshtein ranking), group size, prompts per step,
+response length, sampling (temperature 1, no top-k/top-p), learning rate (constant), clip 0.2,
+k3 KL to a reference model at the same coefficient, token-mean loss over the step's batch,
+gradient clip 1.0 and one on-policy optimizer step per generation batch. Prints the median step
+time over the steps after the first (which pays one-off costs) and the ratio.
+
+What cannot be made identical, and why:
+- Process layout: pjray generates in a rollout actor, scores in a reward actor and trains in a
+  DeepSpeed (ZeRO-2, gloo) learner actor, with a weight sync to the rollout engine after every
+  step; TRL does all of it in one process with one model. That is the comparison being made.
+- Threads: Ray actors run with one intra-op thread each; TRL's process uses torch's default
+  (all cores). On a 2-core machine that favours TRL's single process.
+- Prompt order: TRL's sampler shuffles the dataset with its own seed, so steps see different
+  (equally sized) prompts; rewards are not compared, only time.
+- Response lengths differ per sample (both stop at EOS or the length limit), so each row
+  reports response tokens per step beside the time.
+- pjray's dual clip (c=3) has no TRL counterpart; it is turned off here (algo.dual_clip=0).
+- No images: TRL's VLM path expects its own conversational image format and processor, and
+  pjray's tiny processors are image-only subclasses; text prompts keep the two inputs
+  byte-identical. Image preprocessing time is therefore not part of this comparison.
+
+Needs TRL (`pip install 'pjray[bench]'`, or `pip install trl`).
+
+    python benchmarks/bench_trl.py [--steps 5] [--prompts 4] [--group 4] [--max-new 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+
+from pjray.config import load
+from pjray.data.prompts import render_batch
+from pjray.models.loading import load_processor, render_chat
+from pjray.models.tiny import build_tiny_judge
+from pjray.reward import judge_reward
+from pjray.rl.trainer import Trainer, actor_env, load_items
+
+LR = 1e-4
+KL = 0.01
+
+
+def pjray_overrides(args: argparse.Namespace, model: Path, run_dir: Path) -> list[str]:
+    return [
+        f"model.path={model}", "data.images=false",
+        f"data.num_items={args.items}", f"trainer.run_dir={run_dir}", f"trainer.steps={args.steps}",
+        f"trainer.prompts_per_step={args.prompts}", f"algo.group_size={args.group}",
+        f"learner.micro_batch_size={args.prompts * args.group}", f"rollout.max_new_tokens={args.max_new}",
+        f"learner.lr={LR}", f"algo.kl_coef={KL}", "algo.dual_clip=0", "learner.zero_stage=2",
+        "tracking.wandb=false", "trainer.export_hf=false", "trainer.save_every=0", "trainer.resume=disable",
+    ]
+
+
+def run_pjray(args: argparse.Namespace, model: Path, run_dir: Path) -> tuple[list[float], list[float]]:
+    trainer = Trainer(load(overrides=pjray_overrides(args, model, run_dir)))
+    times, tokens = [], []
+    try:
+        trainer.setup()
+        for trainer.step in range(1, args.steps + 1):
+            metrics = trainer.train_step()
+            times.append(metrics["timing_s/step"])
+            tokens.append(metrics["perf/total_num_tokens"])
+    finally:
+        trainer.shutdown()
+    return times, tokens
+
+
+def judge_prompts(args: argparse.Namespace, model: Path, run_dir: Path) -> tuple[list[str], list[str]]:
+    """The exact prompt texts and targets pjray's trainer renders for these items."""
+    cfg = load(overrides=pjray_overrides(args, model, run_dir))
+    processor = load_processor(model)
+    texts, targets = [], []
+    for index, item in enumerate(load_items(cfg)):
+        prompt = render_batch(item, random.Random(f"{cfg.trainer.seed}/{index}"), style=cfg.reward.style)
+        prompt = dataclasses.replace(prompt, image=None)  # text-only judge, as data.images=false
+        texts.append(render_chat(processor, prompt, think_prefix=cfg.model.think_prefix))
+        targets.append(prompt.target)
+    return texts, targets
+
+
+def run_trl(args: argparse.Namespace, model: Path, texts: list[str], targets: list[str], out: Path) -> tuple[list[float], list[float]]:
+    from datasets import Dataset
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    def reward(completions: list[str], target: list[str], **_: object) -> list[float]:
+        return [judge_reward(c, t, think_prefilled=True).total for c, t in zip(completions, target)]
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.start = 0.0
+
+        def on_step_begin(self, *_, **__):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            self.times.append(time.perf_counter() - self.start)
+
+    tokens: list[float] = []
+
+    class TokenCount(TrainerCallback):
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "completions/mean_length" in logs:
+                tokens.append(logs["completions/mean_length"] * args.prompts * args.group)
+
+    config = GRPOConfig(
+        output_dir=str(out), max_steps=args.steps, learning_rate=LR, lr_scheduler_type="constant",
+        warmup_steps=0, per_device_train_batch_size=args.prompts * args.group, gradient_accumulation_steps=1,
+        steps_per_generation=1, num_generations=args.group, max_completion_length=args.max_new,
+        temperature=1.0, top_p=1.0, top_k=0, beta=KL, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+        max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        bf16=False, seed=0, dataloader_num_workers=0,
+        gradient_checkpointing=False,  # pjray's model.gradient_checkpointing default; TRL turns it on
+    )
+    clock = StepClock()
+    trainer = GRPOTrainer(
+        model=AutoModelForImageTextToText.from_pretrained(model),
+        processing_class=AutoTokenizer.from_pretrained(model),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": texts, "target": targets}),
+        callbacks=[clock, TokenCount()],
+    )
+    trainer.train()
+    return clock.times, tokens
+
+
+def median_after_first(values: list[float]) -> float:
+    return statistics.median(values[1:] or values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--group", type=int, default=4, help="responses per prompt")
+    parser.add_argument("--max-new", type=int, default=32, help="response token limit")
+    parser.add_argument("--items", type=int, default=32, help="scene items to draw prompts from")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model = build_tiny_judge(root / "judge", arch="qwen2_vl", seed=0)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": actor_env()})
+        try:
+            texts, targets = judge_prompts(args, model, root / "pjray")
+            pj_times, pj_tokens = run_pjray(args, model, root / "pjray")
+        finally:
+            ray.shutdown()
+        trl_times, trl_tokens = run_trl(args, model, texts, targets, root / "trl")
+
+    pj, trl = median_after_first(pj_times), median_after_first(trl_times)
+    print(f"\nGRPO on CPU, tiny Qwen2-VL judge, text prompts: {args.prompts} prompts x {args.group} responses, "
+          f"<= {args.max_new} new tokens, {args.steps} steps; median of steps 2..{args.steps}")
+    print("| trainer | s/step | resp tokens/step | all steps (s) |")
+    print("|---|---|---|---|")
+    print(f"| pjray (Ray actors, DeepSpeed ZeRO-2) | {pj:.3f} | {statistics.median(pj_tokens):.0f} | "
+          + ", ".join(f"{t:.2f}" for t in pj_times) + " |")
+    trl_tok = f"{statistics.median(trl_tokens):.0f}" if trl_tokens else "-"
+    print(f"| TRL GRPOTrainer (one process) | {trl:.3f} | {trl_tok} | " + ", ".join(f"{t:.2f}" for t in trl_times) + " |")
+    print(f"\npjray / TRL step time: {pj / trl:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
