@@ -5,7 +5,7 @@ for a few steps on the tiny judge (~0.2M parameters) and on a ~114M-parameter ra
 and prints the median per-phase seconds of the steps after the first (which pays one-off costs),
 plus response tokens/s and the Ray/driver overhead (step time not covered by a phase).
 
-    python benchmarks/bench_step.py [--steps 4] [--tiny-only] [--ranks 1]
+    python benchmarks/bench_step.py [--steps 4] [--base-steps 2] [--prompts 4] [--ranks 1] [--tiny-only]
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ from pjray.rl.trainer import Trainer, actor_env
 PHASES = ("gen", "reward", "adv", "ref", "update", "sync")
 
 
-def run(model_path: str | None, steps: int, ranks: int, run_dir: Path) -> list[dict[str, float]]:
+def run(model_path: str | None, steps: int, ranks: int, prompts: int, run_dir: Path) -> list[dict[str, float]]:
     overrides = [
         f"trainer.run_dir={run_dir}",
         f"trainer.steps={steps}",
-        "trainer.prompts_per_step=4",
+        f"trainer.prompts_per_step={prompts}",
         "algo.group_size=4",
         f"learner.num_ranks={ranks}",
-        f"learner.micro_batch_size={16 // ranks}",
+        f"learner.micro_batch_size={prompts * 4 // ranks}",
         "rollout.max_new_tokens=32",
         "data.num_items=64",
         "tracking.wandb=false",
@@ -66,6 +66,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=1)
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step (x4 samples)")
+    parser.add_argument("--base-steps", type=int, default=2, help="steps for the 114M judge")
     parser.add_argument("--tiny-only", action="store_true")
     args = parser.parse_args()
 
@@ -73,15 +75,16 @@ def main() -> None:
     results = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            results["tiny (0.2M)"] = summarize(run(None, args.steps, args.ranks, Path(tmp) / "tiny"))
+            results["tiny (0.2M)"] = summarize(run(None, args.steps, args.ranks, args.prompts, Path(tmp) / "tiny"))
             if not args.tiny_only:
                 base = build_base_judge(Path(tmp) / "base_model")
-                results["qwen2vl-114M"] = summarize(run(str(base), args.steps, args.ranks, Path(tmp) / "base"))
+                rows = run(str(base), args.base_steps, args.ranks, args.prompts, Path(tmp) / "base")
+                results["qwen2vl-114M"] = summarize(rows)
     finally:
         ray.shutdown()
 
-    print(f"\nGRPO step on CPU: 4 prompts x 4 samples, <=32 new tokens, {args.ranks} learner rank(s), "
-          f"median of steps 2..{args.steps} (seconds)")
+    print(f"\nGRPO step on CPU: {args.prompts} prompts x 4 samples, <=32 new tokens, {args.ranks} learner "
+          f"rank(s); median of the steps after the first (tiny: {args.steps}, 114M: {args.base_steps} steps); seconds")
     cols = [*PHASES, "overhead", "step"]
     print("| model | " + " | ".join(cols) + " | resp tokens | tokens/s (step) | tokens/s (gen) |")
     print("|---" * (len(cols) + 4) + "|")
