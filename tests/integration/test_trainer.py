@@ -87,9 +87,12 @@ def test_train_checkpoint_export_and_resume(local_ray, tmp_path):
         "reward.num_workers=1",
         "trainer.save_every=3",
     ]
-    assert main(["train", *common, "trainer.steps=3"]) == 0
+    # The held-out Mode a/b eval runs on step 3 only.
+    assert main(["train", *common, "trainer.steps=3", "eval.every_steps=3", "eval.train_num_items=4"]) == 0
     first = read_metrics(run_dir)
     assert [m["step"] for m in first] == [1, 2, 3]
+    assert "eval/error_rate" not in first[1]
+    assert {"eval/error_rate", "eval/mode_a_rate", "eval/mode_b_rate"} <= set(first[2])
     for key in ("reward/mean", "reward/std", "rollout/frac_zero_std", "actor/pg_loss", "actor/kl_loss",
                 "actor/grad_norm", "timing_s/gen", "timing_s/reward", "timing_s/ref", "timing_s/update",
                 "timing_s/sync", "perf/throughput", "response_length/mean"):
