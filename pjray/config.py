@@ -205,6 +205,14 @@ class EvalConfig:
     seeds: list[int] = field(default_factory=lambda: [0])
     seed_agg: str = "mean"  # mean | median (Flex-Judge takes the median of the score r)
     tie_rule: str = "official"  # pair w.o. tie: official (skip true or predicted C) | downstream (skip true C)
+    # pair: none (accuracy per seed, aggregated by seed_agg) | majority (Flex-Judge: each item's
+    # verdict is the majority over the seeds, ties -> the first seed's; accuracy computed once)
+    pair_vote: str = "none"
+    # score: drop (unreadable scores left out of r, counted) | minus_one (Flex-Judge: kept as -1)
+    unparsed_score: str = "drop"
+    # batch: official (every item, prediction as read) | perception_judge (prediction cut to
+    # len(truth); items whose truth has <= 2 letters skipped and counted)
+    batch_convention: str = "official"
     prompt_format: str = "paper"  # paper (think/answer, 1-10) | original (the benchmark's prompt)
     batch_style: str = "scores"  # paper batch prompt: scores (one per answer) | ranking (letters)
     # Judge score -> the benchmark's 1-5: auto (ceil_half for paper, none for original) | ceil_half | none
@@ -456,6 +464,9 @@ _EVAL_CHOICES: dict[str, tuple[str, ...]] = {
     "bench": ("score", "pair", "batch", "perceptual_bias", "mm_judgebias"),
     "seed_agg": ("mean", "median"),
     "tie_rule": ("official", "downstream"),
+    "pair_vote": ("none", "majority"),
+    "unparsed_score": ("drop", "minus_one"),
+    "batch_convention": ("official", "perception_judge"),
     "prompt_format": ("paper", "original"),
     "batch_style": ("scores", "ranking"),
     "score_mapping": ("auto", "ceil_half", "none"),

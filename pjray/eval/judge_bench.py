@@ -288,12 +288,16 @@ def read_pair(text: str, prompt_format: str, think_prefilled: bool) -> str | Non
     return parse_pair(text, think_prefilled=think_prefilled).ranking
 
 
-def read_batch(text: str, k: int, prompt_format: str, think_prefilled: bool, style: str = "scores") -> str | None:
+def read_batch(
+    text: str, k: int, prompt_format: str, think_prefilled: bool, style: str = "scores", truncate: bool = False
+) -> str | None:
     """The predicted ranking string best -> worst, or None.
 
     paper/scores: K integer answer blocks ranked by score; tied scores are still ranked (the
     later letter first on ties, as the downstream evaluations do). paper/ranking: the letters.
     original: the `[[X]]` letters in order (partial rankings are kept: the distance counts them).
+    `truncate` (eval.batch_convention=perception_judge): paper/scores with more than K answer
+    blocks ranks the first K, as Perception-Judge cuts the digits it reads to len(truth).
     """
     if prompt_format == "original":
         letters = [t.upper() for t in _original_verdicts(text) if t.upper() in LETTERS[:k]]
@@ -304,16 +308,22 @@ def read_batch(text: str, k: int, prompt_format: str, think_prefilled: bool, sty
         return j.ranking
     if j.scores is not None and len(j.scores) == k:
         return ranking_from_scores(j.scores)
+    if truncate and j.scores is not None and len(j.scores) > k:
+        return ranking_from_scores(j.scores[:k])
     return None
 
 
-def to_record(row: BenchRow, text: str, prompt_format: str, think_prefilled: bool, score_mapping: str, batch_style: str = "scores"):
+def to_record(
+    row: BenchRow, text: str, prompt_format: str, think_prefilled: bool, score_mapping: str,
+    batch_style: str = "scores", batch_truncate: bool = False,
+):  # fmt: skip
     """The metric record of one judged row (ScoreRecord / PairRecord / BatchRecord)."""
     if row.protocol == "score":
         return ScoreRecord(row.dataset, read_score(text, prompt_format, think_prefilled, score_mapping), float(row.truth))
     if row.protocol == "pair":
         return PairRecord(row.dataset, read_pair(text, prompt_format, think_prefilled), row.truth)
-    return BatchRecord(row.dataset, read_batch(text, len(row.answers), prompt_format, think_prefilled, batch_style), row.truth)
+    ranking = read_batch(text, len(row.answers), prompt_format, think_prefilled, batch_style, batch_truncate)
+    return BatchRecord(row.dataset, ranking, row.truth)
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -326,43 +336,75 @@ def resolve_score_mapping(prompt_format: str, score_mapping: str) -> str:
     return "ceil_half" if prompt_format == "paper" else "none"
 
 
+def _tables(bench: str, records: list, e) -> dict:
+    """The metric tables of one set of records under the configured conventions."""
+    from pjray.eval.metrics import batch_table, pair_table, score_table
+
+    if bench == "score":
+        return {"pearson": score_table(records, unparsed=e.unparsed_score)}
+    if bench == "pair":
+        return {
+            "acc_with_tie": pair_table(records, with_ties=True, tie_rule=e.tie_rule),
+            "acc_without_tie": pair_table(records, with_ties=False, tie_rule=e.tie_rule),
+        }
+    return {
+        "levenshtein_raw": batch_table(records, normalized=False, convention=e.batch_convention),
+        "levenshtein_norm": batch_table(records, normalized=True, convention=e.batch_convention),
+    }
+
+
 def evaluate_bench(cfg, generate) -> "EvalReport":
-    """Judge every row of `cfg.eval.data` under each seed; per-dataset tables aggregated over seeds."""
-    from pjray.eval.metrics import batch_table, pair_table, score_table, with_dataset_mean
+    """Judge every row of `cfg.eval.data` under each seed; per-dataset tables aggregated over seeds.
+
+    With `eval.pair_vote=majority` (pair only) the seeds' verdicts are first voted per item and
+    the tables are computed once on the voted verdicts, so each table has one "seed" column.
+    """
+    from pjray.eval.metrics import PERCEPTION_JUDGE_MIN_BATCH, vote_pairs, with_dataset_mean
     from pjray.eval.report import EvalReport, seed_cells
 
     e = cfg.eval
     mapping = resolve_score_mapping(e.prompt_format, e.score_mapping)
+    truncate = e.batch_convention == "perception_judge"
+    vote = e.bench == "pair" and e.pair_vote == "majority"
     rows = read_rows(e.data, e.bench, e.image_dir or None, e.limit)
     prompts = [build_prompt(r, e.prompt_format, e.batch_style) for r in rows]
     per_seed: dict[str, list] = {}
+    seed_records: list[list] = []
     unparsed, examples = 0, []
     for seed in e.seeds:
         texts = generate(prompts, seed)
-        records = [to_record(r, t, e.prompt_format, cfg.model.think_prefix, mapping, e.batch_style) for r, t in zip(rows, texts)]
+        records = [
+            to_record(r, t, e.prompt_format, cfg.model.think_prefix, mapping, e.batch_style, truncate)
+            for r, t in zip(rows, texts)
+        ]
         for rec, text in zip(records, texts):
             if rec.pred is None:
                 unparsed += 1
                 if len(examples) < 5:
                     examples.append(text[:200].replace("\n", " "))
-        if e.bench == "score":
-            tables = {"pearson": score_table(records)}
-        elif e.bench == "pair":
-            tables = {
-                "acc_with_tie": pair_table(records, with_ties=True, tie_rule=e.tie_rule),
-                "acc_without_tie": pair_table(records, with_ties=False, tie_rule=e.tie_rule),
-            }
-        else:
-            tables = {"levenshtein_raw": batch_table(records, normalized=False), "levenshtein_norm": batch_table(records, normalized=True)}
-        for name, table in tables.items():
+        if vote:
+            seed_records.append(records)  # tables come from the voted verdicts, after all seeds
+            continue
+        for name, table in _tables(e.bench, records, e).items():
             per_seed.setdefault(name, []).append(with_dataset_mean(table))
+    if vote:
+        for name, table in _tables(e.bench, vote_pairs(seed_records), e).items():
+            per_seed[name] = [with_dataset_mean(table)]
     notes = [
         f"prompt format: {e.prompt_format}" + (f", judge scores mapped to 1-5 with {mapping}" if e.bench == "score" else ""),
         "overall = pooled over all items (official); dataset_mean = mean over datasets (paper tables)",
-        f"seeds aggregated by {e.seed_agg}",
-    ]
+        (
+            f"pair verdicts voted by majority over the {len(e.seeds)} seeds (ties: the first seed's verdict); "
+            "accuracy computed once on the voted verdicts"
+            if vote else f"seeds aggregated by {e.seed_agg}"
+        ),
+    ]  # fmt: skip
     if e.bench == "score":
-        notes.append("unreadable scores are left out of r and counted (Flex-Judge instead keeps them as -1)")
+        notes.append(
+            "unreadable scores kept in r as -1 (Flex-Judge) and counted"
+            if e.unparsed_score == "minus_one"
+            else "unreadable scores are left out of r and counted (eval.unparsed_score=minus_one keeps them as -1)"
+        )
     if e.bench == "pair":
         notes.append(
             f"without-tie rule: {e.tie_rule} ("
@@ -371,6 +413,12 @@ def evaluate_bench(cfg, generate) -> "EvalReport":
         )
     if e.bench == "batch":
         notes.append("raw = official notebook; norm = distance / max(len) (paper tables); unreadable = empty ranking")
+        if truncate:
+            skipped = sum(len(r.truth) < PERCEPTION_JUDGE_MIN_BATCH for r in rows)
+            notes.append(
+                f"batch convention: perception_judge (prediction cut to len(truth); {skipped} item(s) with "
+                "<= 2 answers skipped per seed, counted as `skipped` in report.json)"
+            )
     return EvalReport(
         bench=e.bench, judge=e.judge, data=e.data, seeds=list(e.seeds),
         tables={name: seed_cells(tables, e.seed_agg) for name, tables in per_seed.items()},

@@ -8,6 +8,13 @@ MLLM-as-a-Judge (Dongping-Chen/MLLM-Judge, `scripts/calculate_metrics.ipynb`):
 - batch: Levenshtein distance between the predicted and the human ranking strings, per-dataset
   mean and pooled mean; raw (official) and normalised by max(len) (the paper tables, downstream).
 
+Downstream conventions, opt-in (the official behaviour is every default):
+- Flex-Judge (`test/evaluate.py`) keeps an unreadable score as -1 in Pearson r
+  (`score_table(..., unparsed="minus_one")`) and votes pair verdicts by majority over seeds
+  before computing accuracy once (`majority_verdict`, `vote_pairs`).
+- Perception-Judge (`eval/evaluate_metric.ipynb`) truncates the predicted ranking to len(truth)
+  and skips batches whose truth has at most 2 letters (`batch_table(..., convention=...)`).
+
 MM-JudgeBias (naver-ai/MM-JudgeBias, `mm_judgebias/bias.py`, `metrics.py`), S = 10:
 - BD = mean over pairs with y > 1 of max(0, y - yhat) / (y - 1)
 - BC = mean of 1 - |y - yhat| / max(y - 1, S - y), 1.0 where that denominator is 0
@@ -36,6 +43,11 @@ OVERALL = "overall"  # the pooled row of every per-dataset table
 
 TIE_RULES = ("official", "downstream")
 SEED_AGGREGATIONS = ("mean", "median")
+UNPARSED_SCORES = ("drop", "minus_one")  # score protocol: drop unreadable scores | keep them as -1
+PAIR_VOTES = ("none", "majority")  # pair protocol: per-seed accuracy | accuracy of the seeds' majority
+BATCH_CONVENTIONS = ("official", "perception_judge")
+UNPARSED_SCORE_VALUE = -1.0  # Flex-Judge's stand-in prediction for an unreadable score
+PERCEPTION_JUDGE_MIN_BATCH = 3  # Perception-Judge skips batches whose truth has fewer letters
 
 BD_TYPES: tuple[str, ...] = (
     "text_dominance",
@@ -135,16 +147,27 @@ def map_score(value: float | None, mapping: str) -> float | None:
     raise ValueError(f"unknown score mapping {mapping!r}; expected ceil_half or none")
 
 
-def score_table(records: Iterable[ScoreRecord]) -> Table:
-    """Pearson r per dataset and pooled. Unreadable scores are dropped from r and counted."""
+def score_table(records: Iterable[ScoreRecord], unparsed: str = "drop") -> Table:
+    """Pearson r per dataset and pooled.
+
+    Unreadable scores are counted (`Row.unparsed`) under both rules. `drop` (default) leaves
+    them out of r. `minus_one` keeps them with prediction -1, as Flex-Judge's `test/evaluate.py`
+    does: a judge that fails to answer is then penalised through r instead of being scored only
+    on the items it could read, so `n` counts them.
+    """
+    if unparsed not in UNPARSED_SCORES:
+        raise ValueError(f"unknown unparsed-score rule {unparsed!r}; expected one of {UNPARSED_SCORES}")
     groups = _by_dataset(records)
     table: Table = {}
     for name, rows in groups.items():
-        kept = [r for r in rows if r.pred is not None]
+        if unparsed == "minus_one":
+            pairs = [(UNPARSED_SCORE_VALUE if r.pred is None else r.pred, r.human) for r in rows]
+        else:
+            pairs = [(r.pred, r.human) for r in rows if r.pred is not None]
         table[name] = Row(
-            value=pearson([r.pred for r in kept], [r.human for r in kept]),  # type: ignore[misc]
-            n=len(kept),
-            unparsed=len(rows) - len(kept),
+            value=pearson([p for p, _ in pairs], [h for _, h in pairs]),
+            n=len(pairs),
+            unparsed=sum(r.pred is None for r in rows),
         )
     return table
 
@@ -201,6 +224,44 @@ def pair_table(records: Iterable[PairRecord], with_ties: bool, tie_rule: str = "
     return {name: pair_accuracy(rows, with_ties, tie_rule) for name, rows in _by_dataset(records).items()}
 
 
+def majority_verdict(verdicts: Sequence[str | None]) -> str | None:
+    """The most common of one item's per-seed verdicts (Flex-Judge's pair majority vote).
+
+    An unreadable verdict (None) is a vote like any other, so an item most seeds could not
+    read stays unreadable (and counts as wrong) instead of being decided by one lucky seed.
+    Ties between equally common verdicts go to the one given first in seed order, i.e. the
+    first seed's verdict whenever it is among the tied ones (always so with 2 or 3 seeds).
+    """
+    if not verdicts:
+        raise ValueError("majority_verdict: no verdicts")
+    counts: dict[str | None, int] = {}
+    for v in verdicts:  # dicts keep first-seen order, which is the tie-break
+        counts[v] = counts.get(v, 0) + 1
+    top = max(counts.values())
+    return next(v for v, c in counts.items() if c == top)
+
+
+def vote_pairs(per_seed: Sequence[Sequence[PairRecord]]) -> list[PairRecord]:
+    """One record per item whose verdict is the `majority_verdict` over the seeds.
+
+    `per_seed[s][i]` is item i judged under seed s; every seed must list the same items in the
+    same order (same dataset and truth), as the evaluation loop produces them.
+    """
+    if not per_seed:
+        raise ValueError("vote_pairs: no seeds")
+    n = len(per_seed[0])
+    if any(len(records) != n for records in per_seed):
+        raise ValueError(f"vote_pairs: seeds judged different numbers of items {[len(r) for r in per_seed]}")
+    voted = []
+    for i in range(n):
+        items = [records[i] for records in per_seed]
+        first = items[0]
+        if any((r.dataset, r.truth) != (first.dataset, first.truth) for r in items):
+            raise ValueError(f"vote_pairs: item {i} differs between seeds ({first.dataset}, {first.truth})")
+        voted.append(PairRecord(first.dataset, majority_verdict([r.pred for r in items]), first.truth))
+    return voted
+
+
 # --------------------------------------------------------------------------- batch protocol
 
 
@@ -215,15 +276,29 @@ def batch_distance(pred: str | None, truth: str, normalized: bool) -> float:
     return d / longest if longest else 0.0
 
 
-def batch_table(records: Iterable[BatchRecord], normalized: bool) -> Table:
-    """Mean Levenshtein distance per dataset and pooled (lower is better)."""
+def batch_table(records: Iterable[BatchRecord], normalized: bool, convention: str = "official") -> Table:
+    """Mean Levenshtein distance per dataset and pooled (lower is better).
+
+    `official`: every item, the prediction as read. `perception_judge` (Perception-Judge's
+    `eval/evaluate_metric.ipynb`): items whose truth has at most 2 letters are skipped (counted
+    in `Row.skipped`), and the prediction is cut to len(truth) first, so extra letters cost
+    nothing while missing ones still do.
+    """
+    if convention not in BATCH_CONVENTIONS:
+        raise ValueError(f"unknown batch convention {convention!r}; expected one of {BATCH_CONVENTIONS}")
     table: Table = {}
     for name, rows in _by_dataset(records).items():
-        ds = [batch_distance(r.pred, r.truth, normalized) for r in rows]
+        if convention == "perception_judge":
+            kept = [r for r in rows if len(r.truth) >= PERCEPTION_JUDGE_MIN_BATCH]
+            ds = [batch_distance(r.pred[: len(r.truth)] if r.pred else r.pred, r.truth, normalized) for r in kept]
+        else:
+            kept = rows
+            ds = [batch_distance(r.pred, r.truth, normalized) for r in rows]
         table[name] = Row(
             value=sum(ds) / len(ds) if ds else None,
             n=len(ds),
             unparsed=sum(r.pred is None for r in rows),
+            skipped=len(rows) - len(kept),
         )
     return table
 

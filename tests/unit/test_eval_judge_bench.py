@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pjray.config import load
+from pjray.config import ConfigError, load
 from pjray.eval.judge_bench import (
     BenchDataError,
     build_prompt,
@@ -143,3 +143,77 @@ def test_evaluate_score_and_batch_with_canned_judge():
     assert report.tables["levenshtein_raw"][OVERALL].value == pytest.approx(1.5)
     assert report.tables["levenshtein_norm"][OVERALL].value == pytest.approx(0.5)
     assert report.unparsed == 1
+
+
+# --------------------------------------------------------------------------- downstream conventions
+
+
+@pytest.mark.parametrize("key", ["pair_vote", "unparsed_score", "batch_convention"])
+def test_convention_keys_are_validated(key):
+    with pytest.raises(ConfigError, match=rf"eval\.{key}='bogus'"):
+        load(overrides=[f"eval.{key}=bogus"])
+    e = load().eval
+    assert (e.pair_vote, e.unparsed_score, e.batch_convention) == ("none", "drop", "official")
+
+
+def test_evaluate_pair_majority_vote():
+    verdicts = {  # per seed: pair-0 (truth A), pair-1 (truth B), pair-2 (truth C, coco)
+        0: ("A", "B", "A"),
+        1: ("B", "B", "C"),
+        2: ("A", "A", None),
+    }
+    text = {"A": "<answer>8</answer><answer>2</answer>", "B": "<answer>2</answer><answer>8</answer>",
+            "C": "<answer>4</answer><answer>4</answer>", None: "unreadable"}  # fmt: skip
+
+    def generate(prompts, seed):
+        return ["<think>x</think>" + text[verdicts[seed][int(p.item_id.split("-")[1])]] for p in prompts]
+
+    over = ["eval.bench=pair", f"eval.data={FIXTURES / 'pair.jsonl'}", "eval.seeds=[0,1,2]"]
+    per_seed = evaluate_bench(load(overrides=over), generate)
+    # per seed with ties: 2/3, 2/3, 1/3
+    assert per_seed.tables["acc_with_tie"][OVERALL].per_seed == pytest.approx((2 / 3, 2 / 3, 1 / 3))
+    voted = evaluate_bench(load(overrides=over + ["eval.pair_vote=majority"]), generate)
+    # voted: pair-0 A,B,A -> A right; pair-1 B,B,A -> B right; pair-2 A,C,None tied -> A (seed 0), wrong
+    cell = voted.tables["acc_with_tie"][OVERALL]
+    assert cell.value == pytest.approx(2 / 3) and cell.per_seed == pytest.approx((2 / 3,)) and cell.n == 3
+    assert voted.tables["acc_without_tie"][OVERALL].value == 1.0  # pair-2 (true tie) skipped
+    assert voted.outputs == 9 and voted.unparsed == 1
+    assert any("majority" in n for n in voted.notes)
+
+
+def test_evaluate_score_unparsed_minus_one():
+    answers = {f"score-{i}": f"<think>x</think><answer>{s}</answer>" for i, s in enumerate((8, 3, 10))}  # score-3 unreadable
+    over = ["eval.bench=score", f"eval.data={FIXTURES / 'score.jsonl'}"]
+    dropped = evaluate_bench(load(overrides=over), _canned(answers)).tables["pearson"][OVERALL]
+    assert dropped.value == pytest.approx(1.0) and dropped.n == 3 and dropped.unparsed == 1
+    kept = evaluate_bench(load(overrides=over + ["eval.unparsed_score=minus_one"]), _canned(answers)).tables["pearson"][OVERALL]
+    # pred (4, 2, 5, -1) vs human (4, 2, 5, 1): dx = (1.5, -.5, 2.5, -3.5), dy = (1, -1, 2, -2)
+    # sum dx*dy = 14, sum dx^2 = 21, sum dy^2 = 10 -> r = 14 / sqrt(210)
+    assert kept.value == pytest.approx(14 / 210**0.5) and kept.n == 4 and kept.unparsed == 1
+
+
+def test_evaluate_batch_perception_judge(tmp_path):
+    data = tmp_path / "batch.jsonl"
+    data.write_text(
+        '{"id": 1, "instruction": "q", "original_dataset": "d", "answers": ["a", "b", "c", "d"], "human": "DBCA"}\n'
+        '{"id": 2, "instruction": "q", "original_dataset": "d", "answers": ["a", "b"], "human": "BA"}\n'
+    )
+    answers = {
+        "batch-1": "<think>x</think>" + "".join(f"<answer>{s}</answer>" for s in (1, 3, 2, 4, 9)),  # 5 scores for 4
+        "batch-2": "<think>x</think><answer>2</answer><answer>8</answer>",  # BA: right
+    }
+    over = ["eval.bench=batch", f"eval.data={data}"]
+    official = evaluate_bench(load(overrides=over), _canned(answers))
+    # batch-1 unreadable (5 scores): raw 4; batch-2: 0
+    assert official.tables["levenshtein_raw"][OVERALL].value == pytest.approx(2.0) and official.unparsed == 1
+    pj = evaluate_bench(load(overrides=over + ["eval.batch_convention=perception_judge"]), _canned(answers))
+    # batch-1: the first 4 scores (1, 3, 2, 4) -> DBCA == truth; batch-2 skipped (2 answers)
+    raw = pj.tables["levenshtein_raw"][OVERALL]
+    assert raw.value == 0 and raw.n == 1 and raw.skipped == 1 and pj.unparsed == 0
+    assert any("1 item(s) with <= 2 answers skipped" in n for n in pj.notes)
+
+
+def test_read_batch_truncate():
+    text = "<think>x</think>" + "".join(f"<answer>{s}</answer>" for s in (1, 3, 2, 4, 9))
+    assert read_batch(text, 4, "paper", False) is None
+    assert read_batch(text, 4, "paper", False, truncate=True) == "DBCA"

@@ -20,12 +20,14 @@ from pjray.eval.metrics import (
     bias_degradation,
     bias_metric,
     bias_summary,
+    majority_verdict,
     map_score,
     mode_rates,
     pair_accuracy,
     pair_table,
     pearson,
     score_table,
+    vote_pairs,
     with_dataset_mean,
 )
 
@@ -185,3 +187,67 @@ def test_aggregate_seeds():
 def test_reserved_dataset_name():
     with pytest.raises(ValueError, match="overall"):
         score_table([ScoreRecord("overall", 1, 1)])
+
+
+# --------------------------------------------------------------------------- downstream conventions
+
+
+def test_score_table_unparsed_minus_one():
+    records = [ScoreRecord("a", 1, 1), ScoreRecord("a", 2, 2), ScoreRecord("a", None, 5)]
+    assert score_table(records)["a"] == Row(pytest.approx(1.0), n=2, unparsed=1)  # drop: the default
+    kept = score_table(records, unparsed="minus_one")["a"]
+    # pred (1, 2, -1) vs human (1, 2, 5): dx = (1, 4, -5)/3, dy = (-5, -2, 7)/3
+    # sum dx*dy = -48/9, sum dx^2 = 42/9, sum dy^2 = 78/9 -> r = -48 / sqrt(42 * 78) = -16 / sqrt(364)
+    assert kept.value == pytest.approx(-16 / math.sqrt(364)) and kept.n == 3 and kept.unparsed == 1
+    with pytest.raises(ValueError):
+        score_table(records, unparsed="zero")
+
+
+def test_majority_verdict_and_tie_break():
+    assert majority_verdict(["A", "B", "A"]) == "A"
+    assert majority_verdict(["B", "A", "C"]) == "B"  # all tied: the first seed's verdict
+    assert majority_verdict(["A", "B"]) == "A"
+    assert majority_verdict(["C", "A", "A", "C"]) == "C"  # 2-2: the first seed's verdict
+    assert majority_verdict(["A", "B", "B", "C", "C"]) == "B"  # first seen among the tied B, C
+    assert majority_verdict([None, None, "A"]) is None  # unreadable is a vote: stays unreadable
+    assert majority_verdict(["A", None, None, "A", "B"]) == "A"
+    with pytest.raises(ValueError):
+        majority_verdict([])
+
+
+def test_vote_pairs_accuracy_once():
+    seeds = [
+        [PairRecord("d", "A", "A"), PairRecord("d", "B", "A"), PairRecord("d", "C", "C")],
+        [PairRecord("d", "A", "A"), PairRecord("d", "A", "A"), PairRecord("d", "A", "C")],
+        [PairRecord("d", "B", "A"), PairRecord("d", "A", "A"), PairRecord("d", None, "C")],
+    ]
+    voted = vote_pairs(seeds)
+    # item 0: A,A,B -> A; item 1: B,A,A -> A; item 2: C,A,None all tied -> C (first seed)
+    assert [r.pred for r in voted] == ["A", "A", "C"] and [r.truth for r in voted] == ["A", "A", "C"]
+    assert pair_accuracy(voted, with_ties=True).value == 1.0
+    # per seed: 2/3, 2/3, 1/3 (mean 5/9): voting is not the same number
+    assert [pair_accuracy(s, with_ties=True).value for s in seeds] == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+    with pytest.raises(ValueError, match="numbers of items"):
+        vote_pairs([seeds[0], seeds[1][:2]])
+    with pytest.raises(ValueError, match="item 0 differs"):
+        vote_pairs([seeds[0], [PairRecord("d", "A", "B")] + seeds[1][1:]])
+
+
+def test_batch_table_perception_judge_convention():
+    recs = [
+        BatchRecord("x", "ABCD", "ABC"),  # a prediction longer than the truth
+        BatchRecord("x", "BA", "AB"),  # a 2-answer batch
+        BatchRecord("y", None, "ABC"),
+    ]
+    raw, norm = batch_table(recs, normalized=False), batch_table(recs, normalized=True)
+    # official: distances 1, 2, 3 (norm 1/4, 1, 1)
+    assert raw["x"].value == pytest.approx(1.5) and raw[OVERALL].value == pytest.approx(2.0) and raw[OVERALL].skipped == 0
+    assert norm[OVERALL].value == pytest.approx((0.25 + 1 + 1) / 3)
+    pj = batch_table(recs, normalized=False, convention="perception_judge")
+    # "ABCD" cut to "ABC": 0; "BA" vs "AB" skipped (len 2); None: 3
+    assert pj["x"] == Row(0.0, n=1, unparsed=0, skipped=1)
+    assert pj[OVERALL] == Row(pytest.approx(1.5), n=2, unparsed=1, skipped=1)
+    pj_norm = batch_table(recs, normalized=True, convention="perception_judge")
+    assert pj_norm[OVERALL].value == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        batch_table(recs, normalized=False, convention="flex")
