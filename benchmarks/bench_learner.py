@@ -35,13 +35,11 @@ import time
 from pathlib import Path
 
 import ray
-import torch
-from transformers import AutoConfig, AutoModelForImageTextToText
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
 from pjray.data.prompts import render_batch
 from pjray.models.loading import load_processor, render_chat
-from pjray.models.tiny import build_tiny_judge
+from pjray.models.tiny import build_base_judge, build_tiny_judge
 from pjray.ppjd.perturb import scene_items
 from pjray.rl.learner import LearnerRank
 from pjray.rl.trainer import actor_env
@@ -53,26 +51,6 @@ class TimedRank(LearnerRank):
 
     def peak_rss_mb(self) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def build_mid_judge(out_dir: Path, seed: int = 0) -> Path:
-    """A ~14M-parameter random Qwen2-VL judge: the tiny judge with a wider, deeper text model."""
-    path = build_tiny_judge(out_dir, arch="qwen2_vl", seed=seed)
-    config = AutoConfig.from_pretrained(path)
-    text = config.text_config
-    text.hidden_size, text.intermediate_size, text.num_hidden_layers = 384, 1536, 6
-    text.num_attention_heads, text.num_key_value_heads = 6, 6
-    text.layer_types = ["full_attention"] * text.num_hidden_layers
-    text.rope_parameters = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 12, 12]}
-    config.vision_config.hidden_size = 384  # the vision merger projects into the text width
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    finally:
-        torch.random.set_rng_state(state)
-    model.save_pretrained(path)
-    return path
 
 
 def experiences(model_path: Path, count: int, resp_len: int, seed: int = 0) -> tuple[list[Experience], int]:
@@ -158,7 +136,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         models = {"tiny (0.2M)": build_tiny_judge(Path(tmp) / "tiny", seed=0)}
         if not args.tiny_only:
-            models["qwen2vl-mid (14M)"] = build_mid_judge(Path(tmp) / "mid")
+            models["qwen2vl-mid (14M)"] = build_base_judge(Path(tmp) / "mid", hidden=384, layers=6, heads=6)  # ~14.7M
         ray.init(num_cpus=args.ranks, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": actor_env()})  # fmt: skip
         try:

@@ -247,17 +247,22 @@ def build_tiny_judge(out_dir: str | os.PathLike, arch: str = "qwen2_vl", seed: i
     return out
 
 
-def build_base_judge(out_dir: str | os.PathLike, seed: int = 0) -> Path:
-    """A ~114M-parameter random Qwen2-VL judge (text hidden 768, 12 layers, the tiny judge's
-    2-layer vision tower, tokenizer and processor): a realistic size for CPU benchmarks."""
+def build_base_judge(
+    out_dir: str | os.PathLike, seed: int = 0, hidden: int = 768, layers: int = 12, heads: int = 12
+) -> Path:
+    """A larger random Qwen2-VL judge for CPU benchmarks: by default ~114M parameters (text
+    hidden 768, 12 layers), with the tiny judge's 2-layer vision tower, tokenizer and processor.
+    `hidden / heads` must be 64 (the M-RoPE sections below split a 64-wide head)."""
+    if hidden != 64 * heads:
+        raise ValueError(f"hidden={hidden}, heads={heads}: the head width must be 64")
     path = build_tiny_judge(out_dir, arch="qwen2_vl", seed=seed)
     config = AutoConfig.from_pretrained(path)
     text = config.text_config
-    text.hidden_size, text.intermediate_size, text.num_hidden_layers = 768, 3072, 12
-    text.num_attention_heads, text.num_key_value_heads = 12, 12
+    text.hidden_size, text.intermediate_size, text.num_hidden_layers = hidden, 4 * hidden, layers
+    text.num_attention_heads, text.num_key_value_heads = heads, heads
     text.layer_types = ["full_attention"] * text.num_hidden_layers  # sized by the tiny config
     text.rope_parameters = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [8, 12, 12]}
-    config.vision_config.hidden_size = 768  # the vision merger projects into the text width
+    config.vision_config.hidden_size = hidden  # the vision merger projects into the text width
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
