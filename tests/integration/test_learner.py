@@ -406,18 +406,6 @@ def test_bad_calls_fail_loudly(judge_dir: str, rank_env: None) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _launch(judge_dir: str, zero_stage: int, world_size: int, grad_accum_steps: int) -> list:
     import ray
 
@@ -465,7 +453,7 @@ def _exported(ranks: list) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero_stage", [2, 3])
-def test_two_ranks_match_one_rank(judge_dir: str, zero_stage: int, ray_cluster: None, tmp_path: Path) -> None:
+def test_two_ranks_match_one_rank(judge_dir: str, zero_stage: int, ray_local: None, tmp_path: Path) -> None:
     import ray
 
     exps = _experiences(8, seed=7)

@@ -109,16 +109,6 @@ def stopping_engine(stopping_dir, rollout_cfg) -> HFEngine:
     return HFEngine(stopping_dir, ModelConfig(), rollout_cfg, max_batch_prompts=2)
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _bucket_refs(model: torch.nn.Module, bucket_bytes: int) -> tuple[list[Bucket], list[ray.ObjectRef]]:
     """What the learner sends: a bucket plan and one ray.put flat tensor per bucket."""
     params = dict(model.named_parameters())
