@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,9 +22,8 @@ from pjray.data.sources import read_items
 from pjray.ppjd.perturb import perception_problems, reasoning_problems
 from pjray.ppjd.pipeline import _qa_of, run_ppjd
 from pjray.ppjd.sources import scene_rows
+from support.ppjd import only_attribute_words_differ
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from test_ppjd_sources import only_attribute_words_differ  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +134,43 @@ def test_rerun_after_a_crash_writes_no_duplicates(local_ray, tmp_path):
     assert third["shards"]["written_this_run"] == 0 and third["counts"] == first["counts"]
     with pytest.raises(ValueError, match="num_items"):
         run_ppjd(scene_cfg(tmp_path, num_items=21))
+
+
+def test_killed_job_resumes_without_duplicates(local_ray, tmp_path):
+    """SIGKILL a running `pjray ppjd` (driver and its Ray cluster) after its first shards land."""
+    out = tmp_path / "killed"
+    overrides = ["ppjd.source=scenes", "ppjd.num_items=240", "ppjd.image_size=256", "ppjd.shard_size=8",
+                 f"ppjd.output_dir={out}", "ray.num_cpus=1"]
+    # RAY_ADDRESS=local: its own local cluster, not the one this test process holds.
+    env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}
+    job = subprocess.Popen([sys.executable, "-m", "pjray", "ppjd", *overrides], env=env, start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shards = out / "ppjd"
+    try:
+        deadline = time.monotonic() + 180
+        while len(list(shards.glob("shard-*.parquet"))) < 3:
+            assert job.poll() is None, f"the job ended (rc {job.returncode}) before it could be killed"
+            assert time.monotonic() < deadline, "no shards written within 180 s"
+            time.sleep(0.05)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)  # the driver, its raylet and workers: one session
+        job.wait()
+    before = {f.name: f.stat().st_mtime_ns for f in shards.glob("shard-*.parquet")}
+    assert 3 <= len(before) < 30, f"{len(before)} of 30 shards written before the kill"
+
+    cfg = PPJDConfig(source="scenes", num_items=240, image_size=256, shard_size=8, output_dir=str(out))
+    manifest = run_ppjd(cfg)
+    assert manifest["shards"]["complete"] == 30
+    assert manifest["shards"]["written_this_run"] == 30 - len(before)
+    assert_counts_add_up(manifest)
+    assert manifest["counts"]["read"] == 240
+    # Shards finished before the kill were kept as they were, not rewritten.
+    assert {f.name: f.stat().st_mtime_ns for f in shards.glob("shard-*.parquet") if f.name in before} == before
+    ids = [it.id for it in read_items(shards)]
+    rejected = [r["id"] for r in rejects(out)]
+    assert len(ids) == len(set(ids)) == manifest["counts"]["kept"]
+    assert len(rejected) == len(set(rejected)) == manifest["counts"]["rejected"]
+    assert sorted(ids + rejected) == sorted(r.id for r in scene_rows(240, 0, 256))
 
 
 def test_train_builds_scene_data_with_the_pipeline(local_ray, tmp_path):

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 import json
-import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pjray.data.scenes import COLORS, LOCATIONS, SHAPES, SIZES
 from pjray.ppjd.perturb import perception_problems, reasoning_problems, scene_items
 from pjray.ppjd.pipeline import (
     _frame,
@@ -22,26 +19,7 @@ from pjray.ppjd.pipeline import (
     vqa_oracle,
 )
 from pjray.ppjd.sources import ANSWER_KEYS, file_rows, mmpr_rows, read_source, scene_rows
-
-# Words a perception-only rewrite of a scene answer may change: attribute values, and the
-# derived words (counts, relations, yes/no) that follow from them.
-ATTRIBUTE_WORDS = set(COLORS) | set(SHAPES) | set(SIZES) | {w for loc in LOCATIONS for w in loc.split()} | {
-    "1/8", "1/4", "yes", "no", "left", "right", "above", "below", "higher", "lower", *map(str, range(10))}
-
-
-def only_attribute_words_differ(chosen: str, candidate: str) -> bool:
-    """Same steps (sentences) in the same order, each differing at most in attribute words."""
-    split = lambda t: [s for s in re.split(r"(?<=[.])\s+|\n", t) if s]  # noqa: E731
-    a_steps, b_steps = split(chosen), split(candidate)
-    if len(a_steps) != len(b_steps):
-        return False
-    for x, y in zip(a_steps, b_steps):
-        a, b = x.split(), y.split()
-        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(a=a, b=b, autojunk=False).get_opcodes():
-            if tag != "equal" and not {w.strip(".?,:") for w in a[i1:i2] + b[j1:j2]} <= ATTRIBUTE_WORDS:
-                return False
-    return True
-
+from support.ppjd import only_attribute_words_differ
 
 def test_mmpr_meta_and_answer_field_names(tmp_path):
     root = tmp_path / "images" / "geo"
