@@ -3,8 +3,12 @@
 Runs the real trainer (Ray actors, HF rollout engine, reward pool, DeepSpeed learner over gloo)
 for a few steps on the tiny judge (~0.2M parameters) and on a ~114M-parameter random Qwen2-VL,
 and prints the median per-phase seconds of the steps after the first (which pays one-off costs),
-plus response tokens/s and the untimed rest of the step (driver work between phases; the Ray
-call overhead is inside each phase).
+plus response tokens/s and the untimed rest of the step (driver work between phases).
+
+A second table splits each worker phase's wall time into the compute its workers measured
+around their own work (the slowest worker's, per call) and the overhead around it (Ray dispatch,
+object-store transfers, driver work inside the phase); its step row sets the step's wall time
+against all the compute, so its overhead also holds adv, sync and the untimed rest.
 
     python benchmarks/bench_step.py [--steps 4] [--base-steps 2] [--prompts 4] [--ranks 1] [--tiny-only]
 """
@@ -20,7 +24,7 @@ import ray
 
 from pjray.config import load
 from pjray.models.tiny import build_base_judge
-from pjray.rl.trainer import Trainer, actor_env
+from pjray.rl.trainer import COMPUTE_PHASES, Trainer, actor_env
 
 PHASES = ("gen", "reward", "adv", "ref", "update", "sync")
 
@@ -63,6 +67,39 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def overhead_rows(rows: list[dict[str, float]]) -> list[tuple[str, float, float | None, float]]:
+    """(phase, wall, compute, overhead) medians over the steps after the first: each worker
+    phase that ran, the rest of the step (no worker compute measured: all of it is overhead)
+    and the step against the sum of compute. Each column is its own median, so wall - compute
+    can differ from overhead by a little."""
+    timed = rows[1:] or rows
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in timed)
+
+    phases = [p for p in COMPUTE_PHASES if f"timing_s/{p}_compute" in timed[0]]
+    out: list[tuple[str, float, float | None, float]] = [
+        (p, median(f"timing_s/{p}"), median(f"timing_s/{p}_compute"), median(f"timing_s/{p}_overhead"))
+        for p in phases
+    ]
+    rest = statistics.median(r["timing_s/step"] - sum(r[f"timing_s/{p}"] for p in phases) for r in timed)
+    out.append(("rest: adv, sync, untimed", rest, None, rest))
+    out.append(("step", median("timing_s/step"), median("timing_s/compute"), median("timing_s/ray_overhead")))
+    return out
+
+
+def print_overhead(results: dict[str, list[tuple[str, float, float | None, float]]]) -> None:
+    print("\nRay overhead per phase: wall time in the driver, compute inside the workers (slowest worker "
+          "per call), overhead = wall - compute; median of the steps after the first; seconds")
+    print("| model | phase | wall s | compute s | overhead s | overhead % |")
+    print("|---|---|---|---|---|---|")
+    for name, rows in results.items():
+        for phase, wall, compute, overhead in rows:
+            busy = f"{compute:.3f}" if compute is not None else "-"
+            share = 100 * overhead / wall if wall else 0.0
+            print(f"| {name} | {phase} | {wall:.3f} | {busy} | {overhead:.3f} | {share:.1f}% |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
@@ -73,14 +110,15 @@ def main() -> None:
     args = parser.parse_args()
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": actor_env()})
-    results = {}
+    results, overheads = {}, {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            results["tiny (0.2M)"] = summarize(run(None, args.steps, args.ranks, args.prompts, Path(tmp) / "tiny"))
+            rows = run(None, args.steps, args.ranks, args.prompts, Path(tmp) / "tiny")
+            results["tiny (0.2M)"], overheads["tiny (0.2M)"] = summarize(rows), overhead_rows(rows)
             if not args.tiny_only:
                 base = build_base_judge(Path(tmp) / "base_model")
                 rows = run(str(base), args.base_steps, args.ranks, args.prompts, Path(tmp) / "base")
-                results["qwen2vl-114M"] = summarize(rows)
+                results["qwen2vl-114M"], overheads["qwen2vl-114M"] = summarize(rows), overhead_rows(rows)
     finally:
         ray.shutdown()
 
@@ -92,6 +130,7 @@ def main() -> None:
     for name, r in results.items():
         cells = " | ".join(f"{r[c]:.3f}" for c in cols)
         print(f"| {name} | {cells} | {r['tokens']:.0f} | {r['tok_s']:.1f} | {r['gen_tok_s']:.1f} |")
+    print_overhead(overheads)
 
 
 if __name__ == "__main__":

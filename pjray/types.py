@@ -6,10 +6,13 @@ Tensor shapes are given in the field comments (B = sequences in a batch, T = pad
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,25 @@ class RewardResult:
     ranking: float  # in [0, 1]; computed only when the prediction could be read, else 0
     pred: str | None  # predicted ranking string
     reason: str
+
+
+@dataclass(frozen=True)
+class Timed(Generic[T]):
+    """A worker's answer to one call with the seconds its work took inside the worker.
+
+    `compute_s` is measured around the work only, so everything Ray adds to the call (dispatch,
+    (de)serialising arguments and results, object-store transfers, queueing) lies outside it.
+    """
+
+    value: T
+    compute_s: float
+
+    @classmethod
+    def measure(cls, fn: Callable[..., T], *args: Any) -> Timed[T]:
+        """Call `fn(*args)` and time it with `time.perf_counter`."""
+        start = time.perf_counter()
+        value = fn(*args)
+        return cls(value, time.perf_counter() - start)
 
 
 @dataclass(frozen=True)

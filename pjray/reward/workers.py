@@ -7,7 +7,7 @@ from typing import Callable
 
 from pjray.config import RewardConfig
 from pjray.reward import judge_reward
-from pjray.types import Completion, RewardResult
+from pjray.types import Completion, RewardResult, Timed
 
 
 def load_function(spec: str) -> Callable[[str, str], float]:
@@ -65,6 +65,10 @@ class RewardWorker:
                 )
             results.append(result)
         return results
+
+    def score_timed(self, completions: list[Completion], targets: list[str]) -> Timed[list[RewardResult]]:
+        """`score`, with the seconds it took in this worker."""
+        return Timed.measure(self.score, completions, targets)
 
     def ready(self) -> bool:
         return True

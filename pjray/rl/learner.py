@@ -37,7 +37,7 @@ from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
 from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from pjray.rl.weights import Bucket, pack, plan_buckets, state_checksums
-from pjray.types import Experience, TrainBatch
+from pjray.types import Experience, Timed, TrainBatch
 
 if TYPE_CHECKING:
     import ray
@@ -455,6 +455,12 @@ class LearnerRank:
         finally:
             self.engine.train(was_training)
 
+    def compute_logprobs_timed(
+        self, experiences: Sequence[Experience], which: str = "policy"
+    ) -> Timed[list[tuple[float, ...]]]:
+        """`compute_logprobs`, with the seconds it took on this rank (collate and forwards)."""
+        return Timed.measure(self.compute_logprobs, experiences, which)
+
     # -----------------------------------------------------------------------------------------
     # Training
     # -----------------------------------------------------------------------------------------
@@ -566,6 +572,13 @@ class LearnerRank:
             "actor/num_tokens": totals[2],
             "actor/num_seqs": totals[3],
         }
+
+    def train_step_timed(
+        self, experiences: Sequence[Experience], global_tokens: float, global_seqs: float
+    ) -> Timed[dict[str, float]]:
+        """`train_step`, with the seconds it took on this rank (collate, forward, backward,
+        optimizer step and the all-reduce of its metrics)."""
+        return Timed.measure(self.train_step, experiences, global_tokens, global_seqs)
 
     def _grad_norm(self) -> float | None:
         """L2 norm of the trainable parameters' .grad (None when no gradient is held there)."""

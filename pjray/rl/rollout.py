@@ -45,7 +45,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from pjray.config import ConfigError, ModelConfig, RolloutConfig
 from pjray.models.loading import load_judge, processor_inputs, render_chat
 from pjray.rl.weights import Bucket, state_checksums, unpack
-from pjray.types import Completion, JudgePrompt
+from pjray.types import Completion, JudgePrompt, Timed
 
 __all__ = ["HFEngine", "RolloutEngine", "RolloutWorker", "build_engine"]
 
@@ -332,6 +332,10 @@ class RolloutWorker:
     def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
         """See `RolloutEngine.generate`; prompt_index counts within this call's `prompts`."""
         return self.engine.generate(prompts, n, seed)
+
+    def generate_timed(self, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
+        """`generate`, with the seconds the engine's generate took in this worker."""
+        return Timed.measure(self.engine.generate, prompts, n, seed)
 
     def load_weights(self, plan: list[Bucket], refs: list[Any]) -> None:
         """See `HFEngine.load_weights`. Pass `refs` inside a list so Ray does not resolve them

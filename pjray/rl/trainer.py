@@ -28,7 +28,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, TypeVar
 
 import ray
 import torch
@@ -44,7 +44,7 @@ from pjray.rl.learner import LearnerRank
 from pjray.rl.placement import Placement, RoleResources, WorkerPool
 from pjray.rl.rollout import RolloutWorker
 from pjray.tracking import Tracker
-from pjray.types import Completion, Experience, JudgeItem, JudgePrompt, RewardResult
+from pjray.types import Completion, Experience, JudgeItem, JudgePrompt, RewardResult, Timed
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,19 @@ log = logging.getLogger(__name__)
 # no loss, no gradient and no share of the token counts.
 FILLER = Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.0)
 
+# Phases whose work runs in workers that time it themselves (Timed answers).
+COMPUTE_PHASES = ("gen", "reward", "ref", "old_log_prob", "update")
+
+T = TypeVar("T")
+
 
 class Timer:
-    """Accumulates wall time per phase: `with timer("gen"): ...` -> timing_s/gen."""
+    """Accumulates wall time per phase (`with timer("gen"): ...` -> timing_s/gen) and, for the
+    phases in COMPUTE_PHASES, the compute seconds the workers measured (`timer.unwrap`)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.compute: dict[str, float] = defaultdict(float)
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
@@ -66,6 +73,26 @@ class Timer:
             yield
         finally:
             self.seconds[phase] += time.perf_counter() - start
+
+    def unwrap(self, phase: str, answers: list[Timed[T]]) -> list[T]:
+        """The values of one call to several workers at once; adds the slowest worker's compute
+        seconds to `phase`, since the driver waits for that one."""
+        self.compute[phase] += max((a.compute_s for a in answers), default=0.0)
+        return [a.value for a in answers]
+
+    def metrics(self) -> dict[str, float]:
+        """timing_s/<phase> (wall) for every phase; for each phase of COMPUTE_PHASES that ran,
+        timing_s/<phase>_compute and timing_s/<phase>_overhead (wall - compute: Ray dispatch,
+        transfers, driver work inside the phase); timing_s/compute, their sum; and
+        timing_s/ray_overhead = timing_s/step - timing_s/compute."""
+        out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
+        ran = [p for p in COMPUTE_PHASES if p in self.seconds]
+        for phase in ran:
+            out[f"timing_s/{phase}_compute"] = self.compute[phase]
+            out[f"timing_s/{phase}_overhead"] = self.seconds[phase] - self.compute[phase]
+        out["timing_s/compute"] = sum(self.compute[p] for p in ran)
+        out["timing_s/ray_overhead"] = self.seconds["step"] - out["timing_s/compute"]
+        return out
 
 
 @dataclasses.dataclass
@@ -286,16 +313,16 @@ class Trainer:
         # Reference logprobs for the KL term.
         if self.cfg.algo.kl_coef > 0:
             with timer("ref"):
-                experiences = self.attach_logprobs(experiences, "ref")
+                experiences = self.attach_logprobs(experiences, "ref", timer)
 
         # Old-policy logprobs, needed only when a step takes several optimizer steps.
         if self.cfg.algo.ppo_mini_batches * self.cfg.algo.ppo_epochs > 1:
             with timer("old_log_prob"):
-                experiences = self.attach_logprobs(experiences, "policy")
+                experiences = self.attach_logprobs(experiences, "policy", timer)
 
         # The policy update: mini-batches x epochs optimizer steps over DeepSpeed ranks.
         with timer("update"):
-            actor_metrics = self.update(experiences)
+            actor_metrics = self.update(experiences, timer)
 
         # Send the new weights to every rollout engine.
         with timer("sync"):
@@ -314,9 +341,9 @@ class Trainer:
         for round_index in range(rounds):
             need = want - len(kept.prompts)
             with timer("gen"):
-                prompts, completions = self.generate(need, seed=self.step * 1_000 + round_index)
+                prompts, completions = self.generate(need, seed=self.step * 1_000 + round_index, timer=timer)
             with timer("reward"):
-                results = self.score(prompts, completions)
+                results = self.score(prompts, completions, timer)
             with timer("adv"):
                 zero = zero_std_groups(torch.tensor([r.total for r in results]), n).tolist()
             zero_groups += sum(zero)
@@ -338,7 +365,7 @@ class Trainer:
             log.warning("step %d: every group had zero reward variance", self.step)
         return kept
 
-    def generate(self, num_prompts: int, seed: int) -> tuple[list[JudgePrompt], list[Completion]]:
+    def generate(self, num_prompts: int, seed: int, timer: Timer) -> tuple[list[JudgePrompt], list[Completion]]:
         """Sample items, render prompts (candidates shuffled per prompt) and generate n each."""
         prompts = []
         for index, item in self.sampler.take(num_prompts):
@@ -347,10 +374,11 @@ class Trainer:
             # data.images=false: a text-only judge (validated against the model in config).
             prompts.append(prompt if self.cfg.data.images else dataclasses.replace(prompt, image=None))
         chunks = split_evenly(list(range(len(prompts))), len(self.rollout))
-        results = self.rollout.call(
-            "generate",
+        answers = self.rollout.call(
+            "generate_timed",
             [([prompts[i] for i in chunk], self.cfg.algo.group_size, seed * 100 + w) for w, chunk in enumerate(chunks)],
         )
+        results = timer.unwrap("gen", answers)
         completions = []
         for chunk, chunk_completions in zip(chunks, results):
             for c in chunk_completions:
@@ -358,12 +386,13 @@ class Trainer:
         completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
         return prompts, completions
 
-    def score(self, prompts: list[JudgePrompt], completions: list[Completion]) -> list[RewardResult]:
+    def score(self, prompts: list[JudgePrompt], completions: list[Completion], timer: Timer) -> list[RewardResult]:
         targets = [prompts[c.prompt_index].target for c in completions]
         chunks = split_evenly(list(range(len(completions))), len(self.reward))
-        results = self.reward.call(
-            "score", [([completions[i] for i in chunk], [targets[i] for i in chunk]) for chunk in chunks]
+        answers = self.reward.call(
+            "score_timed", [([completions[i] for i in chunk], [targets[i] for i in chunk]) for chunk in chunks]
         )
+        results = timer.unwrap("reward", answers)
         return [r for chunk_results in results for r in chunk_results]
 
     def experiences(self, rollouts: Rollouts, advantages: list[float]) -> list[Experience]:
@@ -388,16 +417,17 @@ class Trainer:
         minis = [padded[m * per_mini : (m + 1) * per_mini] for m in range(cfg.algo.ppo_mini_batches)]
         return [split_evenly(mini, cfg.learner.num_ranks) for mini in minis]
 
-    def attach_logprobs(self, experiences: list[Experience], which: str) -> list[Experience]:
-        field = "ref_logprobs" if which == "ref" else "old_logprobs"
+    def attach_logprobs(self, experiences: list[Experience], which: str, timer: Timer) -> list[Experience]:
+        field, phase = ("ref_logprobs", "ref") if which == "ref" else ("old_logprobs", "old_log_prob")
         out: list[Experience] = []
         for mini in self.padded_shards(experiences):
-            per_rank = ray.get([r.compute_logprobs.remote(shard, which) for r, shard in zip(self.learners, mini)])
+            calls = [r.compute_logprobs_timed.remote(shard, which) for r, shard in zip(self.learners, mini)]
+            per_rank = timer.unwrap(phase, ray.get(calls))
             for shard, logprobs in zip(mini, per_rank):
                 out.extend(dataclasses.replace(e, **{field: lp}) for e, lp in zip(shard, logprobs))
         return out[: len(experiences)]
 
-    def update(self, experiences: list[Experience]) -> dict[str, float]:
+    def update(self, experiences: list[Experience], timer: Timer) -> dict[str, float]:
         collected: dict[str, list[float]] = defaultdict(list)
         for _ in range(self.cfg.algo.ppo_epochs):
             for mini in self.padded_shards(experiences):
@@ -405,9 +435,10 @@ class Trainer:
                 tokens = float(sum(len(e.response_ids) for e in real))
                 if not real:
                     continue
-                per_rank = ray.get(
-                    [r.train_step.remote(shard, tokens, float(len(real))) for r, shard in zip(self.learners, mini)]
-                )
+                calls = [
+                    r.train_step_timed.remote(shard, tokens, float(len(real))) for r, shard in zip(self.learners, mini)
+                ]
+                per_rank = timer.unwrap("update", ray.get(calls))
                 for metrics in per_rank:
                     for key, value in metrics.items():
                         collected[key].append(value)
@@ -489,7 +520,7 @@ class Trainer:
             "training/global_step": float(self.step),
         }
         metrics.update(actor)
-        metrics.update({f"timing_s/{k}": v for k, v in timer.seconds.items()})
+        metrics.update(timer.metrics())
         return metrics
 
     def save_checkpoint(self) -> None:

@@ -11,7 +11,8 @@ import ray
 
 from pjray.cli import main
 from pjray.config import load
-from pjray.rl.trainer import Trainer, actor_env, latest_checkpoint
+from pjray.rl.trainer import Timer, Trainer, actor_env, latest_checkpoint
+from pjray.types import Timed
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -39,6 +40,38 @@ def local_ray():
 
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_ray_overhead(metrics: dict, phases: tuple[str, ...]) -> None:
+    """Worker compute of each phase lies within the phase's wall time, its overhead is the rest,
+    and the step's Ray overhead is the step's wall time less all the compute."""
+    compute, overheads = 0.0, 0.0
+    for phase in phases:
+        wall = metrics[f"timing_s/{phase}"]
+        busy = metrics[f"timing_s/{phase}_compute"]
+        overhead = metrics[f"timing_s/{phase}_overhead"]
+        assert 0 < busy <= wall + 1e-3, (phase, busy, wall)
+        assert overhead == pytest.approx(wall - busy, abs=1e-9)
+        compute += busy
+        overheads += overhead
+    assert metrics["timing_s/compute"] == pytest.approx(compute, abs=1e-9)
+    assert metrics["timing_s/ray_overhead"] == pytest.approx(metrics["timing_s/step"] - compute, abs=1e-9)
+    # The step's overhead also holds the phases without worker compute (sync) and driver work.
+    assert metrics["timing_s/ray_overhead"] >= overheads + metrics["timing_s/sync"] - 1e-3
+
+
+def test_timer_counts_the_slowest_worker_per_call():
+    timer = Timer()
+    # Two calls of the update phase: the driver waits for the slower rank of each.
+    assert timer.unwrap("update", [Timed("a", 0.2), Timed("b", 0.3)]) == ["a", "b"]
+    timer.unwrap("update", [Timed("c", 0.1)])
+    timer.seconds.update(update=0.5, sync=0.1, step=0.7)
+    metrics = timer.metrics()
+    assert metrics["timing_s/update_compute"] == pytest.approx(0.4)
+    assert metrics["timing_s/update_overhead"] == pytest.approx(0.1)
+    assert "timing_s/sync_compute" not in metrics and "timing_s/gen_compute" not in metrics
+    assert metrics["timing_s/compute"] == pytest.approx(0.4)
+    assert metrics["timing_s/ray_overhead"] == pytest.approx(0.3)
 
 
 def test_learns_a_trivial_reward_with_two_ranks(local_ray, tmp_path):
@@ -97,6 +130,8 @@ def test_train_checkpoint_export_and_resume(local_ray, tmp_path):
                 "actor/grad_norm", "timing_s/gen", "timing_s/reward", "timing_s/ref", "timing_s/update",
                 "timing_s/sync", "perf/throughput", "response_length/mean"):
         assert key in first[-1], key
+    for metrics in first:  # two learner ranks: compute is the slower rank's
+        check_ray_overhead(metrics, ("gen", "reward", "ref", "update"))
     assert latest_checkpoint(run_dir).name == "global_step_3"
     hf = run_dir / "hf_model"
     assert (hf / "config.json").exists()
