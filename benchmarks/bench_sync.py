@@ -12,10 +12,11 @@ tensor travels as an out-of-band uint8 buffer and is mapped read-only on get).
 The baseline is one `copy_` of the same number of bytes in one process, one thread (the
 actors run with one intra-op thread too): the floor for any transfer on this machine.
 
-Models: the tiny test judge (~0.2M parameters) and a ~114M-parameter Qwen2-VL (text hidden
-768, 12 layers, a 2-layer vision tower) with random weights built from a config, no download.
+Models (`--models`): the tiny test judge (~0.2M parameters) and random Qwen2-VLs built from a
+config (no download) with the tiny judge's 2-layer vision tower: `14M` (text hidden 384, 6
+layers), `114M` (768, 12) and `300M` (1024, 24; ~1.2 GB of fp32, several GB of RAM in all).
 
-    python benchmarks/bench_sync.py [--bucket-mb 64] [--reps 3] [--tiny-only]
+    python benchmarks/bench_sync.py [--bucket-mb 64] [--reps 3] [--models tiny,14M,114M,300M]
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from pjray.models.loading import load_judge
 from pjray.models.tiny import build_base_judge, build_tiny_judge
 from pjray.rl.rollout import RolloutWorker
 from pjray.rl.weights import pack, plan_buckets, state_checksums
+
+
+# name -> (hidden, layers, heads) of `build_base_judge`; "tiny" is the test judge.
+SIZES = {"14M": (384, 6, 6), "114M": (768, 12, 12), "300M": (1024, 24, 16)}
 
 
 class Sender:
@@ -115,13 +120,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--tiny-only", action="store_true")
+    parser.add_argument("--models", default="tiny,114M", help=f"comma list of tiny,{','.join(SIZES)}")
     args = parser.parse_args()
+    names = args.models.split(",")
+    unknown = [n for n in names if n != "tiny" and n not in SIZES]
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; choose from tiny,{','.join(SIZES)}")
 
     with tempfile.TemporaryDirectory() as tmp:
-        models = {"tiny": build_tiny_judge(Path(tmp) / "tiny", seed=0)}
-        if not args.tiny_only:
-            models["qwen2vl-114M"] = build_base_judge(Path(tmp) / "large")
+        models = {}
+        for name in names:
+            if name == "tiny":
+                models[name] = build_tiny_judge(Path(tmp) / name, seed=0)
+            else:
+                hidden, layers, heads = SIZES[name]
+                models[f"qwen2vl-{name}"] = build_base_judge(Path(tmp) / name, hidden=hidden, layers=layers, heads=heads)
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         rows = []
         try:
