@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--sweep-dir", help="where trial run dirs and results go (default: runs/sweeps/<name>)")
     sweep.add_argument("--submit", default="", metavar="ADDRESS",
                        help="run trials as Ray jobs on this job API address (http://HEAD:8265)")
+    sweep.add_argument("--max-concurrent", type=int, default=1, metavar="N",
+                       help="with --submit: up to N trial jobs in flight at once (default 1)")
     sweep.add_argument("overrides", nargs="*", help="dotted overrides for every trial (before --grid)")
     args = parser.parse_args(argv)
     if args.command == "eval":

@@ -6,9 +6,21 @@ The grid is expanded into trials (the cartesian product of the axes) and every t
 loaded and validated before the first one runs, so a misspelt key or an impossible combination
 fails at once, naming the trial and the key. Each trial is an ordinary `pjray train` with
 `trainer.run_dir=<sweep_dir>/<trial>` and `tracking.group=<sweep name>`. Trials run one after
-another, in this process on the connected (or a local) Ray cluster, or, with `--submit ADDRESS`,
-as Ray jobs on that cluster. Then every run's `metrics.jsonl` is read back and summarised in
-`results.json`, `results.md` and PNG plots in the sweep directory.
+another in this process on the connected (or a local) Ray cluster, or, with `--submit ADDRESS`,
+as Ray jobs on that cluster, up to `--max-concurrent N` at once (default 1): one loop polls the
+jobs in flight and submits the next trial when one ends. Then every run's `metrics.jsonl` is read
+back and summarised in `results.json`, `results.md` and PNG plots in the sweep directory.
+
+Concurrent jobs need no resource bookkeeping here: each trial's training reserves its own
+placement group (every learner, rollout and reward bundle at once), so a job beyond what the
+cluster has free waits for its bundles while the others run, for `ray.placement_timeout_s`
+(10 minutes by default; 0 waits as long as it takes): for a queue longer than that, set it to 0
+in the grid's fixed overrides, or pick N near the number of trials the cluster holds at once.
+
+A trial's job has the submission id `<sweep name>--<trial>`. A rerun that finds that job (or its
+latest resubmission) still pending or running waits for it instead of submitting a duplicate; if
+it has ended, the trial is submitted again as `<sweep name>--<trial>--try2`, `--try3`, ...
+Ctrl-C stops the jobs in flight before the sweep exits.
 
 A trial that finished is recorded in `<run_dir>/sweep_trial.json` and skipped when the sweep is
 run again; an unfinished one resumes from its last checkpoint (trainer.resume=auto). One failed
@@ -21,6 +33,7 @@ import itertools
 import json
 import logging
 import math
+import re
 import shlex
 import statistics
 import time
@@ -28,7 +41,7 @@ import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 from pjray.config import Config, ConfigError, load
 
@@ -180,71 +193,228 @@ def plan_sweep(
 
 
 # --------------------------------------------------------------------------- running
-def run_sweep(plan: SweepPlan, submit: str = "", poll_s: float = 5.0) -> list[TrialResult]:
-    """Run every trial in sequence, then write the results; returns one result per trial."""
+def run_sweep(
+    plan: SweepPlan,
+    submit: str = "",
+    poll_s: float = 5.0,
+    max_concurrent: int = 1,
+    client: JobClient | None = None,
+) -> list[TrialResult]:
+    """Run every unfinished trial, then write the results; returns one result per trial.
+
+    With `submit`, trials are Ray jobs on that job API address, up to `max_concurrent` at once;
+    `client` stands in for `ray.job_submission.JobSubmissionClient(submit)`.
+    """
+    check_concurrency(submit, max_concurrent)
     plan.sweep_dir.mkdir(parents=True, exist_ok=True)
     (plan.sweep_dir / "sweep.json").write_text(json.dumps(
         {"name": plan.name, "config": plan.config_path, "submit": submit or None,
-         "axes": [asdict(a) for a in plan.axes],
+         "max_concurrent": max_concurrent, "axes": [asdict(a) for a in plan.axes],
          "trials": [{"name": t.name, "params": t.params, "overrides": t.overrides} for t in plan.trials]},
         indent=2,
     ))
-    errors: dict[str, str] = {}
-    for index, trial in enumerate(plan.trials, start=1):
-        run_dir = Path(trial.config.trainer.run_dir)
-        if trial_done(run_dir):
-            log.info("sweep %s: trial %d/%d %s already finished", plan.name, index, len(plan.trials), trial.name)
-            continue
-        log.info("sweep %s: trial %d/%d %s", plan.name, index, len(plan.trials), trial.name)
-        start = time.perf_counter()
-        try:
-            if submit:
-                submit_trial(submit, plan.config_path, trial, poll_s)
-            else:
-                from pjray.rl.trainer import train
-
-                train(trial.config)
-        except Exception as err:  # noqa: BLE001 - one failed trial must not stop the sweep
-            errors[trial.name] = f"{type(err).__name__}: {err}"
-            log.error("sweep %s: trial %s failed:\n%s", plan.name, trial.name, traceback.format_exc())
-            continue
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / TRIAL_RECORD).write_text(json.dumps(
-            {"sweep": plan.name, "trial": trial.name, "params": trial.params,
-             "wall_s": round(time.perf_counter() - start, 3)}
-        ))
+    todo = unfinished_trials(plan)
+    if submit:
+        errors = run_jobs(plan, todo, client or job_client(submit), max_concurrent, poll_s)
+    else:
+        errors = run_in_process(plan, todo)
     results = collect_results(plan, errors)
     write_results(plan, results)
     return results
+
+
+def check_concurrency(submit: str, max_concurrent: int) -> None:
+    """Concurrent trials must be separate Ray jobs: in-process trials share one driver."""
+    if max_concurrent < 1:
+        raise ConfigError(f"--max-concurrent {max_concurrent}: at least 1")
+    if max_concurrent > 1 and not submit:
+        raise ConfigError(
+            f"--max-concurrent {max_concurrent} needs --submit ADDRESS: trials run in this process "
+            "share one Ray driver, so they run one after another"
+        )
+
+
+def unfinished_trials(plan: SweepPlan) -> list[Trial]:
+    """The trials without a finished record, in grid order; the others are logged as skipped."""
+    todo = []
+    for index, trial in enumerate(plan.trials, start=1):
+        if trial_done(Path(trial.config.trainer.run_dir)):
+            log.info("sweep %s: trial %d/%d %s already finished", plan.name, index, len(plan.trials), trial.name)
+        else:
+            todo.append(trial)
+    return todo
 
 
 def trial_done(run_dir: Path) -> bool:
     return (run_dir / TRIAL_RECORD).is_file()
 
 
-def submit_trial(address: str, config_path: str | None, trial: Trial, poll_s: float) -> None:
-    """Run one trial as a Ray job on `address` and wait for it.
+def record_trial(plan: SweepPlan, trial: Trial, wall_s: float, job_id: str = "") -> None:
+    """Mark a trial finished, so a rerun of the sweep skips it."""
+    run_dir = Path(trial.config.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {"sweep": plan.name, "trial": trial.name, "params": trial.params,
+                              "wall_s": round(wall_s, 3)}
+    if job_id:
+        record["job"] = job_id
+    (run_dir / TRIAL_RECORD).write_text(json.dumps(record))
+
+
+def run_in_process(plan: SweepPlan, trials: list[Trial]) -> dict[str, str]:
+    """Train the trials one after another in this process; returns errors by trial name."""
+    from pjray.rl.trainer import train
+
+    errors: dict[str, str] = {}
+    for index, trial in enumerate(trials, start=1):
+        log.info("sweep %s: trial %s (%d of %d to run)", plan.name, trial.name, index, len(trials))
+        start = time.perf_counter()
+        try:
+            train(trial.config)
+        except Exception as err:  # noqa: BLE001 - one failed trial must not stop the sweep
+            errors[trial.name] = f"{type(err).__name__}: {err}"
+            log.error("sweep %s: trial %s failed:\n%s", plan.name, trial.name, traceback.format_exc())
+            continue
+        record_trial(plan, trial, time.perf_counter() - start)
+    return errors
+
+
+# --------------------------------------------------------------------------- trials as Ray jobs
+class JobClient(Protocol):
+    """The part of `ray.job_submission.JobSubmissionClient` the sweep uses."""
+
+    def submit_job(self, *, entrypoint: str, submission_id: str, runtime_env: dict[str, Any] | None) -> str: ...
+
+    def get_job_status(self, job_id: str) -> Any: ...
+
+    def get_job_logs(self, job_id: str) -> str: ...
+
+    def stop_job(self, job_id: str) -> bool: ...
+
+    def list_jobs(self) -> list[Any]: ...
+
+
+@dataclass
+class TrialJob:
+    """A trial's Ray job in flight."""
+
+    trial: Trial
+    job_id: str
+    start: float  # perf_counter when this sweep submitted or found it
+
+
+def job_client(address: str) -> JobClient:
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(address)
+
+
+def run_jobs(
+    plan: SweepPlan, trials: list[Trial], client: JobClient, max_concurrent: int, poll_s: float
+) -> dict[str, str]:
+    """Keep up to `max_concurrent` trial jobs in flight until all have ended; returns errors by
+    trial name. On Ctrl-C the jobs in flight are stopped before the interrupt propagates."""
+    attempts = job_attempts(client, plan.name, trials)
+    queue = list(trials)
+    running: list[TrialJob] = []
+    errors: dict[str, str] = {}
+    try:
+        while queue or running:
+            while queue and len(running) < max_concurrent:
+                trial = queue.pop(0)
+                try:
+                    running.append(start_job(client, plan, trial, attempts[trial.name]))
+                except Exception as err:  # noqa: BLE001 - one failed trial must not stop the sweep
+                    errors[trial.name] = f"{type(err).__name__}: {err}"
+                    log.error("sweep %s: trial %s not submitted:\n%s", plan.name, trial.name, traceback.format_exc())
+            ended = False
+            for job in list(running):
+                if finish_job(client, plan, job, errors):
+                    running.remove(job)  # at once: a Ctrl-C in the next poll must not stop it
+                    ended = True
+            if running and not ended:
+                time.sleep(poll_s)
+    except KeyboardInterrupt:
+        stop_jobs(client, running)
+        raise
+    return errors
+
+
+def submission_id(sweep: str, trial: str, attempt: int = 1) -> str:
+    """`<sweep>--<trial>`, then `--try2`, `--try3`, ... for later submissions of the trial."""
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in sweep)
+    base = f"{safe}--{trial}"
+    return base if attempt == 1 else f"{base}--try{attempt}"
+
+
+def job_attempts(client: JobClient, sweep: str, trials: list[Trial]) -> dict[str, int]:
+    """The latest attempt number each trial has on the cluster (0: never submitted)."""
+    known = {str(job.submission_id) for job in client.list_jobs() if job.submission_id}
+    attempts = {}
+    for trial in trials:
+        pattern = re.escape(submission_id(sweep, trial.name)) + r"(?:--try(\d+))?"
+        found = [re.fullmatch(pattern, job_id) for job_id in known]
+        attempts[trial.name] = max((int(m.group(1) or 1) for m in found if m), default=0)
+    return attempts
+
+
+def job_status(client: JobClient, job_id: str) -> str:
+    """PENDING | RUNNING | STOPPED | SUCCEEDED | FAILED (Ray's JobStatus without its class)."""
+    return str(client.get_job_status(job_id)).rsplit(".", 1)[-1]
+
+
+def start_job(client: JobClient, plan: SweepPlan, trial: Trial, attempt: int) -> TrialJob:
+    """Submit the trial as a Ray job, or wait for its job from an earlier run if still going.
 
     The config file's folder is shipped as the job's working dir, so `--config` resolves on the
     cluster; every path inside the config (data, run dirs) must be valid there, and the sweep dir
     must be on a filesystem both this machine and the cluster see, for the results to be read.
     """
-    from ray.job_submission import JobSubmissionClient
-
-    client = JobSubmissionClient(address)
+    if attempt:
+        latest = submission_id(plan.name, trial.name, attempt)
+        if job_status(client, latest) not in TERMINAL_JOB_STATES:
+            log.info("sweep %s: trial %s: Ray job %s is still in flight; waiting for it", plan.name, trial.name, latest)
+            return TrialJob(trial, latest, time.perf_counter())
     command = ["pjray", "train"]
     runtime_env: dict[str, Any] = {}
-    if config_path:
-        command += ["--config", Path(config_path).name]
-        runtime_env["working_dir"] = str(Path(config_path).resolve().parent)
+    if plan.config_path:
+        command += ["--config", Path(plan.config_path).name]
+        runtime_env["working_dir"] = str(Path(plan.config_path).resolve().parent)
     command += trial.overrides
-    job_id = client.submit_job(entrypoint=shlex.join(command), runtime_env=runtime_env or None)
-    log.info("trial %s: submitted as Ray job %s", trial.name, job_id)
-    while (status := str(client.get_job_status(job_id)).rsplit(".", 1)[-1]) not in TERMINAL_JOB_STATES:
-        time.sleep(poll_s)
-    if status != "SUCCEEDED":
-        tail = client.get_job_logs(job_id)[-2000:]
-        raise RuntimeError(f"Ray job {job_id} ended {status}:\n{tail}")
+    job_id = client.submit_job(
+        entrypoint=shlex.join(command), submission_id=submission_id(plan.name, trial.name, attempt + 1),
+        runtime_env=runtime_env or None,
+    )
+    log.info("sweep %s: trial %s: submitted as Ray job %s", plan.name, trial.name, job_id)
+    return TrialJob(trial, job_id, time.perf_counter())
+
+
+def finish_job(client: JobClient, plan: SweepPlan, job: TrialJob, errors: dict[str, str]) -> bool:
+    """Poll one job; when it has ended, record the trial (or its error). True if it ended."""
+    name = job.trial.name
+    try:
+        status = job_status(client, job.job_id)
+        if status not in TERMINAL_JOB_STATES:
+            return False
+        if status != "SUCCEEDED":
+            tail = client.get_job_logs(job.job_id)[-2000:]
+            raise RuntimeError(f"Ray job {job.job_id} ended {status}:\n{tail}")
+    except Exception as err:  # noqa: BLE001 - one failed trial must not stop the sweep
+        errors[name] = f"{type(err).__name__}: {err}"
+        log.error("sweep %s: trial %s failed: %s", plan.name, name, errors[name])
+        return True
+    record_trial(plan, job.trial, time.perf_counter() - job.start, job.job_id)
+    log.info("sweep %s: trial %s finished", plan.name, name)
+    return True
+
+
+def stop_jobs(client: JobClient, jobs: list[TrialJob]) -> None:
+    """Ask Ray to stop each job; one that cannot be stopped is logged and left."""
+    for job in jobs:
+        try:
+            client.stop_job(job.job_id)
+            log.warning("stopped Ray job %s (trial %s)", job.job_id, job.trial.name)
+        except Exception:  # noqa: BLE001 - the others must still be stopped
+            log.exception("could not stop Ray job %s (trial %s)", job.job_id, job.trial.name)
 
 
 # --------------------------------------------------------------------------- results
@@ -405,12 +575,13 @@ def main(args: Any) -> int:
     import sys
 
     try:
+        check_concurrency(args.submit, args.max_concurrent)
         plan = plan_sweep(args.config, args.grid, args.overrides, args.name, args.sweep_dir)
     except ConfigError as err:
         print(f"pjray: bad config: {err}", file=sys.stderr)
         return 2
     print(f"pjray: sweep {plan.name}: {len(plan.trials)} trials in {plan.sweep_dir}")
-    results = run_sweep(plan, submit=args.submit)
+    results = run_sweep(plan, submit=args.submit, max_concurrent=args.max_concurrent)
     print((plan.sweep_dir / "results.md").read_text())
     failed = [r.trial for r in results if r.status != "ok"]
     if failed:

@@ -190,8 +190,11 @@ def test_submit_ppjd_job(cluster, working_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_sweep_submits_trials_as_jobs(cluster, tmp_path, monkeypatch):
-    """`pjray sweep --submit ADDRESS`: each trial is a Ray job; results are read back here."""
+def test_sweep_submits_trials_as_concurrent_jobs(cluster, tmp_path, monkeypatch):
+    """`pjray sweep --submit ADDRESS --max-concurrent 2`: both trials are Ray jobs at once, under
+    ids named after the sweep and trial; results are read back here."""
+    from ray.job_submission import JobSubmissionClient
+
     from pjray.cli import main
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
@@ -199,10 +202,19 @@ def test_sweep_submits_trials_as_jobs(cluster, tmp_path, monkeypatch):
     sweep_dir = tmp_path / "sweep"
     code = main([
         "sweep", "--config", str(REPO / "configs" / "demo.yaml"), "--name", "submitted",
-        "--sweep-dir", str(sweep_dir), "--submit", cluster,
+        "--sweep-dir", str(sweep_dir), "--submit", cluster, "--max-concurrent", "2",
         *TRAIN, "trainer.steps=1", "trainer.export_hf=false",
-        "--grid", "algo.group_size=2",
+        # 0.75 CPU a trial: both placement groups fit the 2-CPU cluster together.
+        "learner.num_cpus_per_rank=0.25", "rollout.num_cpus_per_worker=0.25",
+        "--grid", "trainer.seed=0,1",
     ])
     assert code == 0
     results = json.loads((sweep_dir / "results.json").read_text())["results"]
-    assert [(r["trial"], r["status"], r["steps"]) for r in results] == [("single", "ok", 1)]
+    assert [(r["trial"], r["status"], r["steps"]) for r in results] == [("seed-0", "ok", 1), ("seed-1", "ok", 1)]
+    assert [json.loads((sweep_dir / t / "sweep_trial.json").read_text())["job"] for t in ("seed-0", "seed-1")] == [
+        "submitted--seed-0", "submitted--seed-1",
+    ]
+    jobs = {j.submission_id: j for j in JobSubmissionClient(cluster).list_jobs()}
+    first, second = jobs["submitted--seed-0"], jobs["submitted--seed-1"]
+    assert str(first.status).endswith("SUCCEEDED") and str(second.status).endswith("SUCCEEDED")
+    assert max(first.start_time, second.start_time) < min(first.end_time, second.end_time)  # they overlapped

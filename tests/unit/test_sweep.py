@@ -1,15 +1,18 @@
-"""`pjray sweep`: grid expansion, validation before anything runs, results from metrics files."""
+"""`pjray sweep`: grid expansion, validation before anything runs, trials as concurrent Ray jobs
+(against an in-memory job API), results from metrics files."""
 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from pjray.cli import main
 from pjray.config import ConfigError
-from pjray.sweep import collect_results, plan_sweep, split_values, write_results
+from pjray.sweep import collect_results, plan_sweep, run_sweep, split_values, submission_id, write_results
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -151,3 +154,142 @@ def test_two_trial_sweep_on_the_tiny_judge(tmp_path, capsys):
                  "rollout.max_new_tokens=8", "trainer.steps=2", "trainer.prompts_per_step=2",
                  "learner.micro_batch_size=2", "trainer.export_hf=false", "tracking.wandb=false",
                  "--grid", "algo.group_size=2,4"]) == 0
+
+
+# --------------------------------------------------------------------------- trials as Ray jobs
+class FakeJobs:
+    """A job API in memory: a job ends on its `duration`-th status poll, writing the metrics a
+    training would. Records submissions, stops and the most jobs in flight at once."""
+
+    def __init__(self, duration: dict[str, int] | None = None, fail: tuple[str, ...] = (),
+                 existing: dict[str, str] | None = None, interrupt_on_poll: int = 0):
+        self.duration = duration or {}  # polls until a trial's job ends (default 2)
+        self.fail = fail  # trial names whose jobs fail
+        self.status = dict(existing or {})  # submission id -> status
+        self.run_dirs: dict[str, Path] = {}
+        self.polls: dict[str, int] = {}
+        self.interrupt_on_poll = interrupt_on_poll  # raise KeyboardInterrupt on this poll (1-based)
+        self.submitted: list[str] = []
+        self.stopped: list[str] = []
+        self.most_in_flight = 0
+
+    def in_flight(self) -> int:
+        return sum(s in ("PENDING", "RUNNING") for s in self.status.values())
+
+    def list_jobs(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(submission_id=i, status=s) for i, s in self.status.items()]
+
+    def submit_job(self, *, entrypoint: str, submission_id: str, runtime_env: dict | None) -> str:
+        assert submission_id not in self.status, f"{submission_id} submitted twice"
+        assert entrypoint.startswith("pjray train ")
+        run_dir = next(a for a in shlex.split(entrypoint) if a.startswith("trainer.run_dir="))
+        self.run_dirs[submission_id] = Path(run_dir.partition("=")[2])
+        self.status[submission_id] = "PENDING"
+        self.submitted.append(submission_id)
+        self.most_in_flight = max(self.most_in_flight, self.in_flight())
+        return submission_id
+
+    def get_job_status(self, job_id: str) -> str:
+        if sum(self.polls.values()) + 1 == self.interrupt_on_poll:
+            raise KeyboardInterrupt
+        self.polls[job_id] = self.polls.get(job_id, 0) + 1
+        if self.status[job_id] in ("PENDING", "RUNNING"):
+            trial = job_id.split("--")[1]
+            if self.polls[job_id] < self.duration.get(trial, 2):
+                self.status[job_id] = "RUNNING"
+            elif trial in self.fail:
+                self.status[job_id] = "FAILED"
+            else:
+                self.status[job_id] = "SUCCEEDED"
+                self.run_dirs[job_id].mkdir(parents=True, exist_ok=True)
+                (self.run_dirs[job_id] / "metrics.jsonl").write_text(json.dumps(step(1, 0.5, 0.0, 0.5, 1.0, 10)))
+        return f"JobStatus.{self.status[job_id]}"
+
+    def get_job_logs(self, job_id: str) -> str:
+        return "Traceback ...\nValueError: the trial broke"
+
+    def stop_job(self, job_id: str) -> bool:
+        self.stopped.append(job_id)
+        self.status[job_id] = "STOPPED"
+        return True
+
+
+def seeds_plan(tmp_path: Path, n: int):
+    return plan_sweep(None, [f"trainer.seed={','.join(map(str, range(n)))}"], name="jobs", sweep_dir=tmp_path)
+
+
+def test_jobs_run_at_most_n_at_once_and_each_trial_once(tmp_path):
+    plan = seeds_plan(tmp_path, 5)
+    jobs = FakeJobs(duration={"seed-0": 5, "seed-1": 2, "seed-2": 3, "seed-3": 1, "seed-4": 2})
+    results = run_sweep(plan, submit="http://head:8265", poll_s=0, max_concurrent=2, client=jobs)
+    assert jobs.most_in_flight == 2
+    assert sorted(jobs.submitted) == [f"jobs--seed-{i}" for i in range(5)]
+    assert [r.status for r in results] == ["ok"] * 5
+    record = json.loads((tmp_path / "seed-3" / "sweep_trial.json").read_text())
+    assert (record["trial"], record["job"]) == ("seed-3", "jobs--seed-3")
+    assert json.loads((tmp_path / "sweep.json").read_text())["max_concurrent"] == 2
+
+
+def test_a_failed_job_is_reported_and_the_others_finish(tmp_path):
+    plan = seeds_plan(tmp_path, 3)
+    jobs = FakeJobs(fail=("seed-0",))
+    results = run_sweep(plan, submit="http://head:8265", poll_s=0, max_concurrent=3, client=jobs)
+    assert [r.status for r in results] == ["failed", "ok", "ok"]
+    assert results[0].error.startswith("RuntimeError: Ray job jobs--seed-0 ended FAILED")
+    assert "the trial broke" in results[0].error
+    assert not (tmp_path / "seed-0" / "sweep_trial.json").exists()
+
+
+def test_a_rerun_skips_finished_trials_and_resubmits_ended_jobs(tmp_path):
+    plan = seeds_plan(tmp_path, 2)
+    first = FakeJobs(fail=("seed-1",))
+    run_sweep(plan, submit="http://head:8265", poll_s=0, max_concurrent=2, client=first)
+    # The cluster remembers both jobs; only the failed trial runs again, under a fresh id.
+    again = FakeJobs(existing=first.status)
+    results = run_sweep(plan, submit="http://head:8265", poll_s=0, max_concurrent=2, client=again)
+    assert again.submitted == ["jobs--seed-1--try2"]
+    assert [r.status for r in results] == ["ok", "ok"]
+    third = FakeJobs(existing={**again.status, "jobs--seed-1--try2": "FAILED"})
+    (tmp_path / "seed-1" / "sweep_trial.json").unlink()
+    results = run_sweep(plan, submit="http://head:8265", poll_s=0, client=third)
+    assert third.submitted == ["jobs--seed-1--try3"]
+    assert [r.status for r in results] == ["ok", "ok"]
+
+
+def test_a_job_still_running_from_an_earlier_run_is_waited_for(tmp_path):
+    plan = seeds_plan(tmp_path, 2)
+    jobs = FakeJobs(existing={"jobs--seed-0": "FAILED", "jobs--seed-0--try2": "RUNNING", "other--seed-1": "RUNNING"})
+    jobs.run_dirs["jobs--seed-0--try2"] = tmp_path / "seed-0"
+    results = run_sweep(plan, submit="http://head:8265", poll_s=0, max_concurrent=2, client=jobs)
+    assert jobs.submitted == ["jobs--seed-1"]  # another sweep's job is not this trial's
+    assert jobs.polls["jobs--seed-0--try2"] >= 1
+    assert [r.status for r in results] == ["ok", "ok"]
+    assert json.loads((tmp_path / "seed-0" / "sweep_trial.json").read_text())["job"] == "jobs--seed-0--try2"
+
+
+def test_ctrl_c_stops_the_jobs_in_flight(tmp_path):
+    plan = seeds_plan(tmp_path, 4)
+    jobs = FakeJobs(duration={"seed-0": 1, "seed-1": 3, "seed-2": 9}, interrupt_on_poll=6)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(plan, submit="http://head:8265", poll_s=0, max_concurrent=2, client=jobs)
+    # Polls: seed-0 ends (1), seed-1 (2); seed-2 takes seed-0's place; seed-1 (3), seed-2 (4);
+    # seed-1 ends (5); Ctrl-C comes on the next poll, of seed-2, the only job in flight.
+    assert jobs.submitted == ["jobs--seed-0", "jobs--seed-1", "jobs--seed-2"]
+    assert jobs.stopped == ["jobs--seed-2"]
+    assert [p.parent.name for p in sorted(tmp_path.glob("*/sweep_trial.json"))] == ["seed-0", "seed-1"]
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_submission_ids_are_readable_and_safe():
+    assert submission_id("gs 4/8", "group_size-4__num_candidates-3") == "gs_4_8--group_size-4__num_candidates-3"
+    assert submission_id("gs", "seed-0", 3) == "gs--seed-0--try3"
+
+
+def test_concurrent_trials_need_submit(tmp_path, capsys):
+    plan = seeds_plan(tmp_path, 2)
+    with pytest.raises(ConfigError, match="--max-concurrent 2 needs --submit"):
+        run_sweep(plan, max_concurrent=2)
+    code = main(["sweep", "--sweep-dir", str(tmp_path / "cli"), "--max-concurrent", "2", "--grid", "trainer.seed=0,1"])
+    assert code == 2
+    assert "needs --submit" in capsys.readouterr().err
+    assert not (tmp_path / "cli").exists()
