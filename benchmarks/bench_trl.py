@@ -1,8 +1,11 @@
 """pjray against TRL's `GRPOTrainer`: wall time per GRPO step for the same work, on CPU.
 
 Both train the same tiny random Qwen2-VL judge (pjray.models.tiny, built once) on the same
-rendered judge prompts, without images (data.images=false) (scene items from the PPJD job, candidates shuffled and
-lettered by pjray.data.prompts, chat template and "<think>" prefix applied) with the same reward
+judge prompts (scene items from the PPJD job, candidates shuffled and lettered by
+pjray.data.prompts), by default as text (data.images=false; chat template and "<think>" prefix
+applied by pjray, the same text handed to TRL), with `--images` with each scene's image (TRL
+takes the conversation and the PIL image and applies the chat template itself, so neither side
+adds the "<think>" prefix; the bench checks that TRL's rendering equals pjray's), with the same reward
 (pjray.reward.judge_reward: format x Levenshtein ranking), group size, prompts per step,
 response length, sampling (temperature 1, no top-k/top-p), learning rate (constant), clip 0.2,
 k3 KL to a reference model at the same coefficient, token-mean loss over the step's batch,
@@ -20,19 +23,19 @@ What cannot be made identical, and why:
 - Response lengths differ per sample (both stop at EOS or the length limit), so each row
   reports response tokens per step beside the time.
 - pjray's dual clip (c=3) has no TRL counterpart; it is turned off here (algo.dual_clip=0).
-- No images: TRL's VLM path expects its own conversational image format and processor, and
-  pjray's tiny processors are image-only subclasses; text prompts keep the two inputs
-  byte-identical. Image preprocessing time is therefore not part of this comparison.
+- With `--images`, TRL's multimodal path accepts only conversations (not rendered text), so
+  the "<think>" prefix, which pjray appends after the chat template, is left out on both sides.
 
 Needs TRL (`pip install 'pjray[bench]'`, or `pip install trl`).
 
-    python benchmarks/bench_trl.py [--steps 5] [--prompts 4] [--group 4] [--max-new 32]
+    python benchmarks/bench_trl.py [--steps 5] [--prompts 4] [--group 4] [--max-new 32] [--images]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import logging
 import random
 import statistics
@@ -41,6 +44,7 @@ import time
 from pathlib import Path
 
 import ray
+from PIL import Image
 
 from pjray.config import load
 from pjray.data.prompts import render_batch
@@ -55,7 +59,7 @@ KL = 0.01
 
 def pjray_overrides(args: argparse.Namespace, model: Path, run_dir: Path) -> list[str]:
     return [
-        f"model.path={model}", "data.images=false",
+        f"model.path={model}", f"data.images={str(args.images).lower()}", f"model.think_prefix={str(not args.images).lower()}",
         f"data.num_items={args.items}", f"trainer.run_dir={run_dir}", f"trainer.steps={args.steps}",
         f"trainer.prompts_per_step={args.prompts}", f"algo.group_size={args.group}",
         f"learner.micro_batch_size={args.prompts * args.group}", f"rollout.max_new_tokens={args.max_new}",
@@ -78,26 +82,42 @@ def run_pjray(args: argparse.Namespace, model: Path, run_dir: Path) -> tuple[lis
     return times, tokens
 
 
-def judge_prompts(args: argparse.Namespace, model: Path, run_dir: Path) -> tuple[list[str], list[str]]:
-    """The exact prompt texts and targets pjray's trainer renders for these items."""
+def judge_prompts(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[str, list]:
+    """TRL's dataset columns for the prompts pjray's trainer renders for these items: "prompt"
+    (the rendered text, or with `--images` the conversation), "target", and "image" (PIL)."""
     cfg = load(overrides=pjray_overrides(args, model, run_dir))
     processor = load_processor(model)
-    texts, targets = [], []
+    columns: dict[str, list] = {"prompt": [], "target": [], "image": []}
     for index, item in enumerate(load_items(cfg)):
         prompt = render_batch(item, random.Random(f"{cfg.trainer.seed}/{index}"), style=cfg.reward.style)
-        prompt = dataclasses.replace(prompt, image=None)  # text-only judge, as data.images=false
-        texts.append(render_chat(processor, prompt, think_prefix=cfg.model.think_prefix))
-        targets.append(prompt.target)
-    return texts, targets
+        columns["target"].append(prompt.target)
+        if not args.images:
+            prompt = dataclasses.replace(prompt, image=None)  # text-only judge, as data.images=false
+            columns["prompt"].append(render_chat(processor, prompt, think_prefix=cfg.model.think_prefix))
+            continue
+        columns["prompt"].append([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}])
+        columns["image"].append(Image.open(io.BytesIO(prompt.image)).convert("RGB"))
+        from trl.data_utils import prepare_multimodal_messages
+
+        trl_text = processor.apply_chat_template(
+            prepare_multimodal_messages(columns["prompt"][-1], images=[columns["image"][-1]]),
+            add_generation_prompt=True, tokenize=False,
+        )
+        if trl_text != render_chat(processor, prompt, think_prefix=False):
+            raise RuntimeError(f"TRL would render item {index} differently from pjray:\n{trl_text!r}")
+    if not args.images:
+        del columns["image"]
+    return columns
 
 
-def run_trl(args: argparse.Namespace, model: Path, texts: list[str], targets: list[str], out: Path) -> tuple[list[float], list[float]]:
+def run_trl(args: argparse.Namespace, model: Path, columns: dict[str, list], out: Path) -> tuple[list[float], list[float]]:
     from datasets import Dataset
     from transformers import AutoModelForImageTextToText, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     def reward(completions: list[str], target: list[str], **_: object) -> list[float]:
-        return [judge_reward(c, t, think_prefilled=True).total for c, t in zip(completions, target)]
+        texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]  # conversational: one message
+        return [judge_reward(c, t, think_prefilled=not args.images).total for c, t in zip(texts, target)]
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
@@ -129,10 +149,10 @@ def run_trl(args: argparse.Namespace, model: Path, texts: list[str], targets: li
     clock = StepClock()
     trainer = GRPOTrainer(
         model=AutoModelForImageTextToText.from_pretrained(model),
-        processing_class=AutoTokenizer.from_pretrained(model),
+        processing_class=load_processor(model) if args.images else AutoTokenizer.from_pretrained(model),
         reward_funcs=reward,
         args=config,
-        train_dataset=Dataset.from_dict({"prompt": texts, "target": targets}),
+        train_dataset=Dataset.from_dict(columns),
         callbacks=[clock, TokenCount()],
     )
     trainer.train()
@@ -150,6 +170,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4, help="responses per prompt")
     parser.add_argument("--max-new", type=int, default=32, help="response token limit")
     parser.add_argument("--items", type=int, default=32, help="scene items to draw prompts from")
+    parser.add_argument("--images", action="store_true", help="prompts with their scene images")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -158,14 +179,15 @@ def main() -> None:
         model = build_tiny_judge(root / "judge", arch="qwen2_vl", seed=0)
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": actor_env()})
         try:
-            texts, targets = judge_prompts(args, model, root / "pjray")
+            columns = judge_prompts(args, model, root / "pjray")
             pj_times, pj_tokens = run_pjray(args, model, root / "pjray")
         finally:
             ray.shutdown()
-        trl_times, trl_tokens = run_trl(args, model, texts, targets, root / "trl")
+        trl_times, trl_tokens = run_trl(args, model, columns, root / "trl")
 
     pj, trl = median_after_first(pj_times), median_after_first(trl_times)
-    print(f"\nGRPO on CPU, tiny Qwen2-VL judge, text prompts: {args.prompts} prompts x {args.group} responses, "
+    kind = "image prompts" if args.images else "text prompts"
+    print(f"\nGRPO on CPU, tiny Qwen2-VL judge, {kind}: {args.prompts} prompts x {args.group} responses, "
           f"<= {args.max_new} new tokens, {args.steps} steps; median of steps 2..{args.steps}")
     print("| trainer | s/step | resp tokens/step | all steps (s) |")
     print("|---|---|---|---|")

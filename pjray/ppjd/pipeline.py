@@ -123,7 +123,7 @@ def each_live_row(stage: str, fn: Callable[[dict[str, Any]], str | None]) -> Cal
 
 def _scene_qa(row: dict[str, Any]):
     if not row["scene"]:
-        raise LookupError("the rules backend needs scene facts; this row has none (use ppjd.perturb_backend=llm)")
+        raise LookupError("this row has no scene reference")
     return _qa_of(row["scene"])
 
 
@@ -186,14 +186,25 @@ def verify_with_truth(row: dict[str, Any]) -> str | None:
     return None
 
 
-def extract_scene_facts(row: dict[str, Any]) -> str | None:
-    qa = _scene_qa(row)
-    row["attrs"] = json.dumps([f"{f.ref}: {f.attribute} {f.value}" for f in qa.facts])
+def extract_rules(row: dict[str, Any]) -> str | None:
+    """The facts the rules rewriters can change: a scene's facts, else the lexicon words the answer mentions."""
+    if row["scene"]:
+        qa = _scene_qa(row)
+        row["attrs"] = json.dumps([f"{f.ref}: {f.attribute} {f.value}" for f in qa.facts])
+        return None
+    from pjray.ppjd.lexicon import mentioned_attributes
+
+    attrs = mentioned_attributes(row["chosen"])
+    if not attrs:
+        return "the chosen answer mentions no colour, count, relation, size, shape or quoted text"
+    row["attrs"] = json.dumps(attrs)
     return None
 
 
 def perturb_rules(row: dict[str, Any], num_candidates: int) -> str | None:
-    """Scene levels 0..K-1 from the rules rewriter, with one structured probe per changed fact."""
+    """Levels 0..K-1 from a rules rewriter: the scene rewriter for scene rows, else the lexicon one."""
+    if not row["scene"]:
+        return perturb_lexicon(row, num_candidates)
     from pjray.ppjd.perturb import probe_for, ranked_levels
 
     qa = _scene_qa(row)
@@ -206,6 +217,22 @@ def perturb_rules(row: dict[str, Any], num_candidates: int) -> str | None:
             probe = probe_for(qa, change)
             record = ProbeRecord(level, probe.question, change.original, change.perturbed).to_json()
             probes.append({**record, "obj": change.obj, "attribute": change.attribute})
+    row["probes"] = json.dumps(probes)
+    return None
+
+
+def perturb_lexicon(row: dict[str, Any], num_candidates: int) -> str | None:
+    """Free-text levels 0..K-1 from the lexicon rewriter, with one probe per changed fact and level."""
+    from pjray.ppjd.lexicon import probe_question, ranked_rewrites
+
+    levels = ranked_rewrites(row["question"], row["chosen"], num_candidates,
+                             random.Random(f"pjray.ppjd.lexicon:{row['id']}"))
+    row["levels"] = json.dumps([{"text": r.text, "record": r.to_json()} for r in levels])
+    probes = [
+        {**ProbeRecord(level, probe_question(c), c.original, c.perturbed).to_json(), "class": c.cls}
+        for level, r in enumerate(levels[1:], start=1)
+        for c in r.changes
+    ]
     row["probes"] = json.dumps(probes)
     return None
 
@@ -320,7 +347,7 @@ class CpuStages:
         return _timed("verify", batch, each_live_row("verify", fn))
 
     def extract(self, batch: pd.DataFrame) -> pd.DataFrame:
-        return _timed("extract", batch, each_live_row("extract", extract_scene_facts))
+        return _timed("extract", batch, each_live_row("extract", extract_rules))
 
     def perturb(self, batch: pd.DataFrame) -> pd.DataFrame:
         return _timed("perturb", batch, each_live_row("perturb", lambda r: perturb_rules(r, self.cfg.num_candidates)))

@@ -59,7 +59,7 @@ class Placement:
             self.ranges[role] = range(start, len(bundles))
         self.roles = roles
         self.pg: PlacementGroup = placement_group(bundles, strategy=strategy)
-        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s or None)
         if not ready:
             total = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
             raise RuntimeError(

@@ -197,6 +197,7 @@ class Trainer:
                 "reward": RoleResources(cfg.reward.num_workers, cfg.reward.num_cpus_per_worker, 0.0),
             },
             strategy=cfg.ray.placement_strategy,
+            timeout_s=cfg.ray.placement_timeout_s,
         )
         self.learners = self.launch_learners()
         self.rollout = WorkerPool(

