@@ -60,7 +60,10 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
     timed = rows[1:] or rows
     out = {p: statistics.median(r.get(f"timing_s/{p}", 0.0) for r in timed) for p in PHASES}
     out["step"] = statistics.median(r["timing_s/step"] for r in timed)
-    out["untimed"] = out["step"] - sum(out[p] for p in PHASES)
+    # Per step, then the median: a difference of medians would mix different steps.
+    out["untimed"] = statistics.median(
+        r["timing_s/step"] - sum(r.get(f"timing_s/{p}", 0.0) for p in PHASES) for r in timed
+    )
     out["tokens"] = statistics.median(r["perf/total_num_tokens"] for r in timed)
     out["tok_s"] = statistics.median(r["perf/throughput"] for r in timed)
     out["gen_tok_s"] = out["tokens"] / out["gen"] if out["gen"] else 0.0

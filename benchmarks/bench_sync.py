@@ -14,9 +14,9 @@ actors run with one intra-op thread too): the floor for any transfer on this mac
 
 Models (`--models`): the tiny test judge (~0.2M parameters) and random Qwen2-VLs built from a
 config (no download) with the tiny judge's 2-layer vision tower: `14M` (text hidden 384, 6
-layers), `114M` (768, 12) and `300M` (1024, 24; ~1.2 GB of fp32, several GB of RAM in all).
+layers), `114M` (768, 12) and `400M` (1024, 24; ~1.5 GB of fp32, several GB of RAM in all).
 
-    python benchmarks/bench_sync.py [--bucket-mb 64] [--reps 3] [--models tiny,14M,114M,300M]
+    python benchmarks/bench_sync.py [--bucket-mb 64] [--reps 3] [--models tiny,14M,114M,400M]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pjray.rl.weights import pack, plan_buckets, state_checksums
 
 
 # name -> (hidden, layers, heads) of `build_base_judge`; "tiny" is the test judge.
-SIZES = {"14M": (384, 6, 6), "114M": (768, 12, 12), "300M": (1024, 24, 16)}
+SIZES = {"14M": (384, 6, 6), "114M": (768, 12, 12), "400M": (1024, 24, 16)}
 
 
 class Sender:
