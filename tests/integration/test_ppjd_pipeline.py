@@ -136,8 +136,35 @@ def test_rerun_after_a_crash_writes_no_duplicates(local_ray, tmp_path):
         run_ppjd(scene_cfg(tmp_path, num_items=21))
 
 
+def session_pids(sid: int) -> list[int]:
+    """Live processes of session `sid` (field 6 of /proc/PID/stat; zombies, state Z, are dead)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def kill_session(sid: int, timeout: float = 30.0) -> None:
+    """SIGKILL every process of a session at once and wait until none is left: the driver, its
+    Ray cluster and the Ray workers (each in its own process group, so killpg misses them)."""
+    deadline = time.monotonic() + timeout
+    while pids := session_pids(sid):
+        assert time.monotonic() < deadline, f"processes {pids} of the killed job still alive"
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.05)
+
+
 def test_killed_job_resumes_without_duplicates(local_ray, tmp_path):
-    """SIGKILL a running `pjray ppjd` (driver and its Ray cluster) after its first shards land."""
+    """SIGKILL a running `pjray ppjd` (driver, Ray cluster and workers) after its first shards land."""
     out = tmp_path / "killed"
     overrides = ["ppjd.source=scenes", "ppjd.num_items=240", "ppjd.image_size=256", "ppjd.shard_size=8",
                  f"ppjd.output_dir={out}", "ray.num_cpus=1"]
@@ -153,7 +180,7 @@ def test_killed_job_resumes_without_duplicates(local_ray, tmp_path):
             assert time.monotonic() < deadline, "no shards written within 180 s"
             time.sleep(0.05)
     finally:
-        os.killpg(job.pid, signal.SIGKILL)  # the driver, its raylet and workers: one session
+        kill_session(job.pid)
         job.wait()
     before = {f.name: f.stat().st_mtime_ns for f in shards.glob("shard-*.parquet")}
     assert 3 <= len(before) < 30, f"{len(before)} of 30 shards written before the kill"
