@@ -87,6 +87,8 @@ def judge_prompts(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
     (the rendered text, or with `--images` the conversation), "target", and "image" (PIL)."""
     cfg = load(overrides=pjray_overrides(args, model, run_dir))
     processor = load_processor(model)
+    if args.images:
+        from trl.data_utils import prepare_multimodal_messages
     columns: dict[str, list] = {"prompt": [], "target": [], "image": []}
     for index, item in enumerate(load_items(cfg)):
         prompt = render_batch(item, random.Random(f"{cfg.trainer.seed}/{index}"), style=cfg.reward.style)
@@ -97,8 +99,6 @@ def judge_prompts(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
             continue
         columns["prompt"].append([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}])
         columns["image"].append(Image.open(io.BytesIO(prompt.image)).convert("RGB"))
-        from trl.data_utils import prepare_multimodal_messages
-
         trl_text = processor.apply_chat_template(
             prepare_multimodal_messages(columns["prompt"][-1], images=[columns["image"][-1]]),
             add_generation_prompt=True, tokenize=False,

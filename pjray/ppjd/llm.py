@@ -20,7 +20,6 @@ return reply strings; their greedy replies agree (see `VllmTextEngine`).
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
@@ -268,8 +267,9 @@ class VllmTextEngine:
             raise ValueError(f"the vllm text engine cannot load {spec.gguf_file!r} (GGUF): use engine=hf")
         on_cpu = spec.device == "cpu"
         if on_cpu:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            from pjray.rl.vllm_engine import cpu_engine_env
+
+            cpu_engine_env()
         from transformers import AutoConfig
         from vllm import LLM, SamplingParams  # noqa: PLC0415  (optional, heavy)
 

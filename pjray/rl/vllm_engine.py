@@ -146,6 +146,13 @@ class WeightSyncExtension:
             self.model_runner.model.load_weights(weights=list(unpack(bucket, flat).items()))
 
 
+def cpu_engine_env() -> None:
+    """Settings for vLLM's CPU build, made before `vllm` is imported: the engine core in this
+    process (one process per worker on a small CPU box) and a 1 GiB KV cache. A user's wins."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
 class VllmEngine:
     """Rollouts with `vllm.LLM` (GPU; or vLLM's CPU build for text-only judges).
 
@@ -157,10 +164,8 @@ class VllmEngine:
         self.model_cfg, self.rollout_cfg = model_cfg, rollout_cfg
         on_cpu = rollout_cfg.device == "cpu"
         if on_cpu:
-            # The engine core in this process: one process per worker on a small CPU box, and
-            # collective_rpc calls the worker extension directly. A user's settings win.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            # collective_rpc then calls the worker extension directly.
+            cpu_engine_env()
         from vllm import LLM  # noqa: PLC0415  (imported only when this backend is chosen)
 
         self.processor = load_processor(model_path)
