@@ -1,4 +1,4 @@
-"""Command line: `pjray train | ppjd | eval [--config FILE] [key=value ...]`.
+"""Command line: `pjray train | sft | ppjd | eval [--config FILE] [key=value ...]`.
 
 `pjray sweep --config FILE --grid KEY=V1,V2 ...` runs a grid of trainings (pjray.sweep).
 
@@ -23,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     train = sub.add_parser("train", help="GRPO training of a judge on Ray")
     train.add_argument("--config", help="YAML file merged onto the defaults")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.group_size=8")
+    sft = sub.add_parser("sft", help="supervised fine-tuning of a judge (no model.path: build the base judge)")
+    sft.add_argument("--config", help="YAML file merged onto the defaults")
+    sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.steps=200 model.path=DIR")
     ppjd = sub.add_parser("ppjd", help="build the PPJD dataset with Ray Data")
     ppjd.add_argument("--config", help="YAML file merged onto the defaults, e.g. configs/ppjd_scenes.yaml")
     ppjd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppjd.num_items=64")
@@ -68,6 +71,18 @@ def main(argv: list[str] | None = None) -> int:
 
         run_dir = run_training(cfg)
         print(f"pjray: run finished: {run_dir}")
+    elif args.command == "sft":
+        from pjray.rl.trainer import connect_ray
+
+        if cfg.model.path:
+            from pjray.rl.sft import run_sft
+
+            export = run_sft(cfg, cfg.model.path, connect_ray)
+        else:
+            from pjray.models.base_judge import BaseJudgeRecipe, build_base_judge
+
+            export = build_base_judge(cfg, BaseJudgeRecipe(seed=cfg.trainer.seed), connect_ray)
+        print(f"pjray: sft finished: {export}")
     elif args.command == "ppjd":
         from pjray.ppjd.pipeline import run_ppjd, summary
 

@@ -245,6 +245,27 @@ class EvalConfig:
 
 
 @dataclass
+class SFTConfig:
+    """`pjray sft`: supervised fine-tuning of a judge on chat examples (the warm start for GRPO).
+
+    Runs on the GRPO learner (DeepSpeed ranks in a Ray placement group, `learner.*`: ranks, ZeRO
+    stage, micro-batch, bf16) with its own data, length and learning rate below; writes
+    `trainer.run_dir` like `pjray train` (metrics.jsonl, checkpoints, hf_model)."""
+
+    # base_judge: the scene mixture of the base judge recipe (pjray.models.base_judge) |
+    # jsonl | parquet: chat examples with system, user, response and an optional image
+    source: str = "base_judge"
+    path: str = ""  # jsonl/parquet file of chat examples
+    num_scenes: int = 6000  # base_judge: scenes in the mixture (3 examples each)
+    steps: int = 700
+    batch_size: int = 16  # examples per optimizer step over all ranks
+    lr: float = 2e-3
+    warmup_steps: int = 30
+    lr_schedule: str = "cosine"  # constant | cosine
+    save_every: int = 0  # 0: only at the end
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -257,6 +278,7 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     ppjd: PPJDConfig = field(default_factory=PPJDConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
@@ -276,6 +298,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "ppjd.perturb_backend": ("rules", "llm"),
     "ppjd.vqa_backend": ("oracle", "vlm"),
     "ppjd.llm_engine": ("hf", "vllm"),
+    "sft.source": ("base_judge", "jsonl", "parquet"),
+    "sft.lr_schedule": ("constant", "cosine"),
 }
 
 _POSITIVE: tuple[str, ...] = (
@@ -285,6 +309,7 @@ _POSITIVE: tuple[str, ...] = (
     "trainer.prompts_per_step", "trainer.sync_bucket_mb", "trainer.keep_checkpoints",
     "ppjd.num_items", "ppjd.image_size", "ppjd.llm_max_new_tokens", "ppjd.vlm_max_new_tokens",
     "ppjd.llm_workers", "ppjd.vlm_workers", "ppjd.shard_size", "ppjd.max_chosen_chars",
+    "sft.num_scenes", "sft.steps", "sft.batch_size", "sft.lr",
 )
 
 _NON_NEGATIVE: tuple[str, ...] = (
@@ -369,7 +394,22 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("reward.length_penalty_from: must be below rollout.max_new_tokens")
     _validate_ppjd(cfg.ppjd)
     _validate_eval(cfg)
+    _validate_sft(cfg)
     return cfg
+
+
+def _validate_sft(cfg: Config) -> None:
+    s = cfg.sft
+    if s.source in ("jsonl", "parquet") and not s.path:
+        raise ConfigError(f"sft.path: required when sft.source={s.source}")
+    if s.source == "base_judge" and s.path:
+        raise ConfigError("sft.path: only read when sft.source is jsonl or parquet")
+    per_step = cfg.learner.num_ranks * cfg.learner.micro_batch_size
+    if s.batch_size % per_step:
+        raise ConfigError(
+            f"sft.batch_size={s.batch_size}: must split into learner.num_ranks {cfg.learner.num_ranks} x "
+            f"learner.micro_batch_size {cfg.learner.micro_batch_size}"
+        )
 
 
 def _validate_layout(cfg: Config) -> None:

@@ -14,6 +14,7 @@ Nothing here imports torchvision or touches the network.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,18 +110,23 @@ def _corpus() -> list[str]:
     return lines * 4
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer with the Qwen special tokens and a Qwen-VL chat template."""
+def build_tokenizer(
+    vocab_size: int = TINY_VOCAB_SIZE, corpus: Sequence[str] = ()
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with the Qwen special tokens and a Qwen-VL chat template.
+
+    `corpus` adds training text to the built-in judge-like lines (a larger judge trains its
+    tokenizer on its own prompts, so they take fewer tokens)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=TINY_VOCAB_SIZE - len(_TAG_TOKENS),
+        vocab_size=vocab_size - len(_TAG_TOKENS),
         special_tokens=list(QWEN_SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator([*_corpus(), *corpus], trainer=trainer)
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in _TAG_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -135,10 +141,17 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return fast
 
 
-def _image_processor(patch_size: int) -> Qwen2VLImageProcessorPil:
-    """PIL image processor sized so 64x64..128x128 images give 16..64 patches (4..16 tokens)."""
+def image_processor(patch_size: int, image_size: int = 0) -> Qwen2VLImageProcessorPil:
+    """PIL image processor. By default 64x64..128x128 images give 16..64 patches (4..16 tokens);
+    `image_size` > 0 pins every image to that square side (rounded to whole merged tokens)."""
     merge = 2
     factor = patch_size * merge
+    if image_size > 0:
+        side = max(factor, round(image_size / factor) * factor)
+        return Qwen2VLImageProcessorPil(
+            patch_size=patch_size, merge_size=merge, temporal_patch_size=2,
+            min_pixels=side * side, max_pixels=side * side,
+        )  # fmt: skip
     return Qwen2VLImageProcessorPil(
         patch_size=patch_size,
         merge_size=merge,
@@ -238,7 +251,7 @@ def build_tiny_judge(out_dir: str | os.PathLike, arch: str = "qwen2_vl", seed: i
 
     patch_size = config.vision_config.patch_size
     processor = IMAGE_ONLY_PROCESSORS[arch](
-        image_processor=_image_processor(patch_size), tokenizer=tok, chat_template=CHAT_TEMPLATE
+        image_processor=image_processor(patch_size), tokenizer=tok, chat_template=CHAT_TEMPLATE
     )
     processor.save_pretrained(out)
     # Also the standalone image-processor file that released checkpoints ship: tools that load

@@ -358,3 +358,26 @@ def grpo_loss(
     metrics["pg_loss"] = float(pg.detach())
     metrics["kl_loss"] = float(kl.detach())
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Supervised fine-tuning (the warm start before GRPO)
+# ---------------------------------------------------------------------------------------------
+
+
+def sft_loss(logp: Tensor, mask: Tensor, global_tokens: float, dp_size: int = 1) -> Tensor:
+    """Negative log-likelihood of the target tokens, a token mean over the WHOLE batch.
+
+    Args:
+        logp: [B, T] log-prob of each target token (`token_logprobs`).
+        mask: [B, T] 1 on target (response) tokens, 0 on prompt and padding.
+        global_tokens: target tokens in the full batch over all data-parallel ranks.
+        dp_size: data-parallel ranks; gradients are averaged over ranks, so each rank's sum is
+            scaled by dp_size to make the average equal the full-batch token mean.
+
+    Returns: scalar; summed over a rank's micro-batches and averaged over ranks it equals
+    -sum(logp * mask) / global_tokens of the full batch, however the batch was split.
+    """
+    if global_tokens <= 0:
+        raise ValueError(f"global_tokens must be > 0, got {global_tokens}")
+    return -(logp * mask).sum() * dp_size / global_tokens

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
 from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs
-from pjray.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
+from pjray.rl.grpo import entropy_from_logits, grpo_loss, sft_loss, token_logprobs
 from pjray.rl.weights import Bucket, pack, plan_buckets, state_checksums
 from pjray.types import Experience, Timed, TrainBatch
 
@@ -579,6 +579,51 @@ class LearnerRank:
         """`train_step`, with the seconds it took on this rank (collate, forward, backward,
         optimizer step and the all-reduce of its metrics)."""
         return Timed.measure(self.train_step, experiences, global_tokens, global_seqs)
+
+    def sft_step(self, experiences: Sequence[Experience], global_tokens: float) -> dict[str, float]:
+        """One supervised optimizer step: `response_ids` are the targets (`sft_loss`).
+
+        Same sharding contract as `train_step` (every rank gets an equal-length shard of at least
+        `grad_accum_steps` experiences; `global_tokens` counts target tokens over all ranks).
+        Returns sft/loss (the full-batch token-mean NLL), sft/token_acc (greedy next-token
+        accuracy on targets), actor/grad_norm, actor/lr and sft/num_tokens, identical on ranks.
+        """
+        if len(experiences) < self.grad_accum_steps:
+            raise ValueError(f"sft_step: {len(experiences)} experiences cannot fill {self.grad_accum_steps} micro-batches")
+        lr = float(self.engine.get_lr()[0])
+        sums = torch.zeros(3, dtype=torch.float64)  # [loss, tokens, right]
+        self.engine.train()
+        manual_grad_norm: float | None = None
+        chunks = _split(experiences, self.grad_accum_steps)
+        for index, chunk in enumerate(chunks):
+            batch = collate(self.processor, chunk)
+            logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device)
+            mask = batch.response_mask[:, 1:].to(self.device)
+            loss = sft_loss(logp, mask, float(global_tokens), self.world_size)
+            with torch.no_grad():
+                on = mask > 0
+                right = float((logits.detach().argmax(-1) == batch.input_ids[:, 1:].to(self.device))[on].sum())
+                sums += torch.tensor([float(-(logp.detach() * mask).sum()), float(on.sum()), right], dtype=torch.float64)
+            del logits
+            self.engine.backward(loss, scale_wrt_gas=False)
+            if index == len(chunks) - 1 and self.learner_cfg.zero_stage == 0:
+                manual_grad_norm = self._grad_norm()
+            self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is None:
+            grad_norm = manual_grad_norm if manual_grad_norm is not None else math.nan
+        totals = sums.to(self.device)
+        if self.world_size > 1:
+            self._ds.comm.all_reduce(totals)
+        loss_sum, tokens, right = totals.cpu().tolist()
+        tokens = max(tokens, 1.0)
+        return {
+            "sft/loss": loss_sum / tokens,
+            "sft/token_acc": right / tokens,
+            "sft/num_tokens": tokens,
+            "actor/grad_norm": float(grad_norm),
+            "actor/lr": lr,
+        }
 
     def _grad_norm(self) -> float | None:
         """L2 norm of the trainable parameters' .grad (None when no gradient is held there)."""

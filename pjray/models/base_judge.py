@@ -1,0 +1,442 @@
+"""The base judge recipe: a small Qwen3-VL judge that perceives scenes, writes the judge format,
+and is perceptually biased by construction, as the paper's base judges are.
+
+The paper trains judges that already judge (Qwen3-VL-4B-Thinking, Flex-Judge-VL-7B): they see
+the image well enough, write `<think>...</think><answer>...</answer>`, and still rank a fluent
+answer that contradicts the image as high as the correct one (Mode (b), response-anchored
+judgment). GRPO on PPJD must teach them to *use* what they see. This module builds the same
+starting point on a CPU in minutes, from scratch, in three parts:
+
+1. **Architecture.** A Qwen3-VL with a ~1.6M-parameter text model (128 wide, 4 layers) and a
+   2-layer vision tower with learned absolute position embeddings. Scene images are 96 px with
+   patch 16 and merge 2, so the image becomes exactly 3 x 3 image tokens, one per scene grid
+   cell. The tokenizer is a byte-level BPE trained on the judge prompts and scene texts, so a
+   judge prompt is a few hundred tokens, not a thousand.
+2. **Perception front-end** (`pretrain_vision`). The vision tower and merger are trained with a
+   per-token auxiliary target: each image token predicts its cell's colour, shape and size (or
+   "empty") and its row and column. The auxiliary heads are then dropped; the tower is frozen in
+   every later stage (`model.freeze_vision`), so GRPO cannot change the judge's eyesight, only
+   how it is used, as in the paper's analysis.
+3. **Supervised judging** (`sft_examples`, trained by `pjray sft` on the DeepSpeed learner).
+   A mixture of three chat tasks on scenes, each response in the judge format:
+   - probe VQA (the diagnosis' probe prompt): `Image: red.` then `<answer>red</answer>`;
+   - batch ranking (the training prompt): `Image: red. A: purple. B: red. C: green, inconsistent.`
+     then `<answer>B > A > C</answer>`;
+   - score (the diagnosis' score prompt): `Image: red. Answer: purple.` then `<answer>8</answer>`.
+   The think text is honest: it states what the image shows (the question's true answer), each
+   candidate's final answer, and which candidates contradict themselves (a reasoning error is
+   visible in the text). The verdict is **response-anchored** in a fraction `bias` of the
+   examples (default 1.0: all of them): candidates are ordered by what the text alone reveals
+   (self-consistent ones first, in random order; inconsistent ones last), and a self-consistent
+   answer scores 8 whether or not it matches the image. So the judge perceives (its think and
+   its probe answers are right) but does not let perception decide its verdict: the correct
+   and the perception-error candidate are ranked at chance, and a fluent wrong answer scores as
+   high as the correct one. With `bias < 1` the remaining examples follow the image (a matching
+   answer first; a non-matching self-consistent one scores 4).
+
+Every step is deterministic for a seed; the built judge is cached in a directory named by a
+hash of the recipe (`pjray.models.cache`), so a changed recipe builds anew.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pjray.data.prompts import LETTERS, render_batch, render_score
+from pjray.data.scenes import COLORS, KINDS, SHAPES, SIZES, Scene, SceneQA, generate_scene, render, sample_qa
+from pjray.eval.bias import probe_prompt
+from pjray.ppjd.perturb import Change, Probe, final_answer, probe_for, ranked_item
+from pjray.types import JudgeItem, JudgePrompt
+
+__all__ = [
+    "BaseJudgeRecipe",
+    "ChatExample",
+    "judge_scenes",
+    "random_probe",
+    "sft_examples",
+    "ranking_target",
+    "score_target",
+    "probe_target",
+]
+
+SCORE_CONSISTENT, SCORE_MISMATCH, SCORE_INCONSISTENT = 8, 4, 2
+PROBE_ATTRIBUTES = ("color", "shape", "size", "location")
+
+
+@dataclass(frozen=True)
+class BaseJudgeRecipe:
+    """Everything that decides the base judge's weights (its hash names the cache directory)."""
+
+    seed: int = 0
+    image_size: int = 96  # 3 x 3 image tokens of 32 px: one per scene grid cell
+    min_objects: int = 2
+    max_objects: int = 4
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    vocab_size: int = 1024
+    # Perception front-end
+    vision_steps: int = 500
+    vision_batch: int = 32
+    vision_lr: float = 2e-3
+    # Supervised judging
+    sft_scenes: int = 6000
+    sft_steps: int = 700
+    sft_batch: int = 16
+    sft_lr: float = 2e-3
+    bias: float = 1.0  # fraction of judging targets that ignore the image (response-anchored)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ChatExample:
+    """One supervised example: a judge prompt and the response the judge should write."""
+
+    prompt: JudgePrompt
+    response: str  # the text after the prompt's "<think>\n"; ends at "</answer>"
+    task: str  # probe | batch | score
+
+
+# --------------------------------------------------------------------------- targets
+
+
+def _is_inconsistent(level: dict[str, Any]) -> bool:
+    return int(level.get("reasoning_errors", 0)) > 0
+
+
+def ranking_target(item: JudgeItem, shown: tuple[int, ...], aware: bool, rng: random.Random) -> str:
+    """The think text and verdict for a batch-ranking prompt that shows `item.candidates` in the
+    order `shown` (letter i = candidate shown[i]).
+
+    Response-anchored (`aware=False`): self-consistent candidates first in random order, then
+    the inconsistent ones in random order. Image-aware: consistent candidates whose final equals
+    the truth first, then other consistent ones, then inconsistent ones, each group by the
+    item's true order.
+    """
+    truth = str(item.meta["truth"])
+    level_of = {lv["candidate"]: lv for lv in item.meta["levels"]}
+    rank_of = {cand: r for r, cand in enumerate(item.order)}
+    parts = [f"Image: {truth}."]
+    for pos, cand in enumerate(shown):
+        said = final_answer(item.candidates[cand]) or "nothing"
+        flag = ", inconsistent" if _is_inconsistent(level_of[cand]) else ""
+        parts.append(f"{LETTERS[pos]}: {said}{flag}.")
+    positions = list(range(len(shown)))
+    if aware:
+        def key(pos: int) -> tuple[int, int]:
+            cand = shown[pos]
+            group = 2 if _is_inconsistent(level_of[cand]) else (0 if _final_is(item, cand, truth) else 1)
+            return group, rank_of[cand]
+        ordered = sorted(positions, key=key)
+    else:
+        consistent = [p for p in positions if not _is_inconsistent(level_of[shown[p]])]
+        inconsistent = [p for p in positions if _is_inconsistent(level_of[shown[p]])]
+        rng.shuffle(consistent)
+        rng.shuffle(inconsistent)
+        ordered = consistent + inconsistent
+    verdict = " > ".join(LETTERS[p] for p in ordered)
+    return " ".join(parts) + f"\n</think>\n<answer>{verdict}</answer>"
+
+
+def _final_is(item: JudgeItem, cand: int, truth: str) -> bool:
+    said = final_answer(item.candidates[cand])
+    return said is not None and said.strip().lower() == truth.strip().lower()
+
+
+def score_target(item: JudgeItem, cand: int, aware: bool) -> str:
+    """The think text and score for the score protocol on candidate `cand` of `item`."""
+    truth = str(item.meta["truth"])
+    level = next(lv for lv in item.meta["levels"] if lv["candidate"] == cand)
+    said = final_answer(item.candidates[cand]) or "nothing"
+    if _is_inconsistent(level):
+        score, flag = SCORE_INCONSISTENT, ", inconsistent"
+    else:
+        score, flag = SCORE_CONSISTENT, ""
+        if aware and not _final_is(item, cand, truth):
+            score = SCORE_MISMATCH
+    return f"Image: {truth}. Answer: {said}{flag}.\n</think>\n<answer>{score}</answer>"
+
+
+def probe_target(answer: str) -> str:
+    return f"Image: {answer}.\n</think>\n<answer>{answer}</answer>"
+
+
+# --------------------------------------------------------------------------- examples
+
+
+def judge_scenes(n: int, seed: int, recipe: BaseJudgeRecipe) -> list[tuple[SceneQA, JudgeItem]]:
+    """`n` scene questions with their ranked K=3 items, kinds cycling through KINDS."""
+    out = []
+    for i in range(n):
+        scene_seed = _scene_seed(seed, i)
+        qa = sample_qa(scene_seed, recipe.image_size, KINDS[i % len(KINDS)], recipe.min_objects, recipe.max_objects)
+        out.append((qa, ranked_item(qa, 3)))
+    return out
+
+
+def _scene_seed(seed: int, index: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"pjray.base_judge:{seed}:{index}".encode()).digest()[:4], "big") >> 1
+
+
+def random_probe(qa: SceneQA, rng: random.Random) -> Probe:
+    """A diagnosis-style probe about a random attribute of a random object of the scene."""
+    obj = rng.randrange(len(qa.scene.objects))
+    attribute = rng.choice(PROBE_ATTRIBUTES)
+    o = qa.scene.objects[obj]
+    value = o.location if attribute == "location" else getattr(o, attribute)
+    return probe_for(qa, Change(obj, attribute, value, value))
+
+
+def sft_examples(recipe: BaseJudgeRecipe, n_scenes: int, seed: int) -> list[ChatExample]:
+    """The supervised mixture over `n_scenes` scenes: per scene one probe, one batch-ranking
+    and one score example (see the module docstring); deterministic for (recipe, seed)."""
+    rng = random.Random(f"pjray.base_judge.sft:{seed}")
+    examples: list[ChatExample] = []
+    for qa, item in judge_scenes(n_scenes, seed, recipe):
+        probe = random_probe(qa, rng)
+        examples.append(ChatExample(probe_prompt(item.id, item.image, probe.question), probe_target(probe.answer), "probe"))
+        prompt = render_batch(item, rng)
+        aware = rng.random() >= recipe.bias
+        examples.append(ChatExample(prompt, ranking_target(item, prompt.shown, aware, rng), "batch"))
+        cand = rng.randrange(len(item.candidates))
+        score_prompt = render_score(item.question, item.image, item.candidates[cand], item_id=f"{item.id}:{cand}")
+        examples.append(ChatExample(score_prompt, score_target(item, cand, aware), "score"))
+    return examples
+
+
+# --------------------------------------------------------------------------- building
+
+
+def tokenizer_corpus(recipe: BaseJudgeRecipe) -> list[str]:
+    """The texts the base judge's tokenizer is trained on: its system prompts, and the prompts
+    and targets of a few hundred scenes (a seed no training or evaluation data uses)."""
+    from pjray.data.prompts import SYSTEM_BATCH_RANKING, SYSTEM_BATCH_SCORES, SYSTEM_PAIR_RANKING, SYSTEM_PAIR_SCORES, SYSTEM_SCORE
+    from pjray.eval.bias import PROBE_SYSTEM
+
+    systems = [SYSTEM_BATCH_RANKING, SYSTEM_BATCH_SCORES, SYSTEM_PAIR_RANKING, SYSTEM_PAIR_SCORES, SYSTEM_SCORE, PROBE_SYSTEM]
+    lines = systems * 20
+    for ex in sft_examples(recipe, 300, seed=-1):
+        lines += [ex.prompt.user, ex.response]
+    return lines
+
+
+def base_config(recipe: BaseJudgeRecipe, tok: Any) -> Any:
+    """The Qwen3-VL config of the recipe; special-token ids from `tok`."""
+    from transformers import AutoConfig
+
+    from pjray.models.tiny import QWEN_SPECIAL_TOKENS
+
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    head_dim = recipe.hidden // recipe.heads
+    # Interleaved M-RoPE sections (t, h, w) over head_dim / 2 frequencies.
+    half = head_dim // 2
+    sections = [half - 2 * (half // 3), half // 3, half // 3]
+    text = {
+        "vocab_size": len(tok),
+        "hidden_size": recipe.hidden,
+        "intermediate_size": 4 * recipe.hidden,
+        "num_hidden_layers": recipe.layers,
+        "num_attention_heads": recipe.heads,
+        "num_key_value_heads": recipe.heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": sections, "mrope_interleaved": True},
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "tie_word_embeddings": False,
+    }
+    grid = recipe.image_size // 16  # patches per side
+    vision = {
+        "depth": 2, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": recipe.hidden, "num_heads": 2,
+        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "num_position_embeddings": grid * grid, "deepstack_visual_indexes": [0],
+    }  # fmt: skip
+    return AutoConfig.for_model(
+        "qwen3_vl",
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+
+
+def build_untrained(out_dir: str, recipe: BaseJudgeRecipe) -> None:
+    """Write the recipe's randomly initialised judge (weights, tokenizer, processor) to `out_dir`."""
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    from pjray.models.loading import IMAGE_ONLY_PROCESSORS
+    from pjray.models.tiny import CHAT_TEMPLATE, build_tokenizer, image_processor
+
+    tok = build_tokenizer(recipe.vocab_size, tokenizer_corpus(recipe))
+    config = base_config(recipe, tok)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(recipe.seed)
+    try:
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(state)
+    text = config.text_config
+    model.generation_config = GenerationConfig(
+        bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id
+    )
+    model.save_pretrained(out_dir)
+    ip = image_processor(16, recipe.image_size)
+    processor = IMAGE_ONLY_PROCESSORS["qwen3_vl"](image_processor=ip, tokenizer=tok, chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(out_dir)
+    processor.image_processor.save_pretrained(out_dir)
+
+
+# Auxiliary per-token targets of the perception front-end: (name, classes); class 0 of the
+# object attributes is "empty cell".
+AUX_TARGETS: tuple[tuple[str, int], ...] = (
+    ("color", 1 + len(COLORS)),
+    ("shape", 1 + len(SHAPES)),
+    ("size", 1 + len(SIZES)),
+    ("row", 3),
+    ("col", 3),
+)
+
+
+def cell_targets(scene: Scene) -> torch.Tensor:
+    """[9, 5] long: per grid cell (row-major) colour, shape, size (0 = empty), row, col."""
+    t = torch.zeros(9, len(AUX_TARGETS), dtype=torch.long)
+    for cell in range(9):
+        t[cell, 3], t[cell, 4] = divmod(cell, 3)
+    for o in scene.objects:
+        cell = o.row * 3 + o.col
+        t[cell, 0] = 1 + COLORS.index(o.color)
+        t[cell, 1] = 1 + SHAPES.index(o.shape)
+        t[cell, 2] = 1 + SIZES.index(o.size)
+    return t
+
+
+def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: Any = None) -> dict[str, float]:
+    """Train the vision tower and merger on the per-token auxiliary targets (module docstring).
+
+    Returns held-out accuracies per target on occupied cells (row/col: on all cells)."""
+    from pjray.models.loading import decode_image
+
+    visual = model.model.visual
+    width = model.config.text_config.hidden_size
+    heads = torch.nn.ModuleList(torch.nn.Linear(width, n) for _, n in AUX_TARGETS)
+    params = [*visual.parameters(), *heads.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=recipe.vision_lr)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, recipe.vision_lr, total_steps=recipe.vision_steps, pct_start=0.1)
+
+    def batch(seeds: range) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scenes = [generate_scene(s, recipe.image_size, recipe.min_objects, recipe.max_objects) for s in seeds]
+        enc = processor.image_processor(images=[decode_image(render(s)) for s in scenes], return_tensors="pt")
+        return enc["pixel_values"], enc["image_grid_thw"], torch.stack([cell_targets(s) for s in scenes])
+
+    def logits(pixels: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
+        feats = visual(pixels, grid_thw=grid, return_dict=True).pooler_output.reshape(grid.shape[0], 9, width)
+        return [h(feats) for h in heads]
+
+    base = _scene_seed(recipe.seed, 10_000_000)  # vision scenes: their own seed range
+    visual.train()
+    for step in range(recipe.vision_steps):
+        start = base + step * recipe.vision_batch
+        pixels, grid, targets = batch(range(start, start + recipe.vision_batch))
+        out = logits(pixels, grid)
+        loss = sum(torch.nn.functional.cross_entropy(o.flatten(0, 1), targets[..., i].flatten()) for i, o in enumerate(out))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if log is not None and (step + 1) % 100 == 0:
+            log(f"perception front-end: step {step + 1}/{recipe.vision_steps}, loss {loss.item():.3f}")
+    visual.eval()
+    held_out = _scene_seed(recipe.seed + 1, 20_000_000)
+    with torch.no_grad():
+        pixels, grid, targets = batch(range(held_out, held_out + 256))
+        out = logits(pixels, grid)
+    occupied = targets[..., 0] > 0
+    acc = {}
+    for i, (name, _) in enumerate(AUX_TARGETS):
+        right = out[i].argmax(-1) == targets[..., i]
+        acc[name] = float(right[occupied].float().mean() if i < 3 else right.float().mean())
+    return acc
+
+
+# --------------------------------------------------------------------------- the cached build
+
+
+def recipe_hash(recipe: BaseJudgeRecipe) -> str:
+    """Names the cache directory: the recipe's fields and the version of this module's code."""
+    import inspect
+    import sys
+
+    code = inspect.getsource(sys.modules[__name__])
+    payload = json.dumps({"recipe": recipe.to_dict(), "code": hashlib.sha256(code.encode()).hexdigest()}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    """`$PJRAY_CACHE`, else `$XDG_CACHE_HOME/pjray`, else `~/.cache/pjray`."""
+    if os.environ.get("PJRAY_CACHE"):
+        return Path(os.environ["PJRAY_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pjray"
+
+
+def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, connect: Any, log: Any = print) -> Path:
+    """The base judge of `recipe`: from the cache, or built into it (perception front-end in this
+    process, then `pjray sft` on the learner), with `report.json` (probe accuracies) beside it.
+
+    `cfg` supplies the Ray, learner and tracking settings of the SFT stage; `connect(cfg)`
+    joins or starts the Ray cluster.
+    """
+    from pjray.config import SFTConfig
+    from pjray.models.loading import load_judge
+    from pjray.rl.sft import run_sft
+
+    target = cache_root() / "base_judge" / recipe_hash(recipe)
+    if (target / "hf_model" / "COMPLETE").exists():
+        return target / "hf_model"
+    started = time.perf_counter()
+    log(f"pjray: building the base judge once into {target} (a few minutes on 2 cores; cached)")
+    work = target.with_name(target.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "untrained").mkdir(parents=True)
+    build_untrained(str(work / "untrained"), recipe)
+    model, processor = load_judge(work / "untrained")
+    vision = pretrain_vision(model, processor, recipe, log=log)
+    model.save_pretrained(work / "untrained")
+    del model
+    log(f"pjray: perception front-end trained in {time.perf_counter() - started:.0f}s; held-out cell accuracy {vision}")
+
+    sft_cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, path=str(work / "untrained"), freeze_vision=True, dtype="float32"),
+        sft=SFTConfig(
+            source="base_judge", num_scenes=recipe.sft_scenes, steps=recipe.sft_steps,
+            batch_size=recipe.sft_batch, lr=recipe.sft_lr,
+        ),
+        learner=dataclasses.replace(cfg.learner, num_ranks=1, zero_stage=0, bf16=False, micro_batch_size=recipe.sft_batch),
+        trainer=dataclasses.replace(cfg.trainer, run_dir=str(work / "sft"), seed=recipe.seed),
+    )  # fmt: skip
+    export = run_sft(sft_cfg, str(work / "untrained"), connect)
+    report = {"recipe": recipe.to_dict(), "vision_cell_accuracy": vision, "build_seconds": time.perf_counter() - started}
+    (work / "report.json").write_text(json.dumps(report, indent=2))
+    shutil.move(str(export), str(work / "hf_model"))
+    (work / "hf_model" / "COMPLETE").touch()
+    shutil.rmtree(target, ignore_errors=True)
+    work.rename(target)
+    log(f"pjray: base judge built in {time.perf_counter() - started:.0f}s: {target / 'hf_model'}")
+    return target / "hf_model"

@@ -1,0 +1,188 @@
+"""`pjray sft`: supervised fine-tuning of a judge on chat examples, on the GRPO learner.
+
+The same `LearnerRank` DeepSpeed ranks, in the same kind of Ray placement group, train with
+`LearnerRank.sft_step` (token-mean NLL of the response tokens only; the prompt, image tokens
+and padding carry no loss). The driver reads top to bottom: examples -> experiences ->
+`sft.steps` optimizer steps over shuffled epochs -> checkpoints -> HF export.
+
+Examples come from a JSONL or parquet file of chat rows (`system`, `user`, `response`, and an
+optional `image`: encoded bytes, or in JSONL a path relative to the file), or from the base
+judge recipe's scene mixture (`pjray.models.base_judge`). A row without a response or with an
+image that does not decode is a data error naming the file and row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from pjray.config import AlgoConfig, Config, to_dict
+from pjray.models.loading import decode_image, load_processor, render_chat
+from pjray.rl.learner import LearnerRank
+from pjray.rl.placement import Placement, RoleResources
+from pjray.tracking import Tracker
+from pjray.types import Experience, JudgePrompt
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SFTDataError", "read_chat_examples", "run_sft", "to_experience"]
+
+
+class SFTDataError(ValueError):
+    """A chat-example row that cannot be trained on; the message names the file and row."""
+
+
+def read_chat_examples(path: str | Path, source: str) -> list[tuple[JudgePrompt, str]]:
+    """(prompt, response) pairs from a JSONL or parquet file of chat rows (module docstring)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SFTDataError(f"{path}: no such file")
+    rows: list[dict[str, Any]]
+    if source == "jsonl":
+        rows = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise SFTDataError(f"{path}: line {n}: not JSON ({err.msg})") from None
+    else:
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    out = []
+    for n, row in enumerate(rows, 1):
+        where = f"{path}: row {n}"
+        if not isinstance(row, dict) or not isinstance(row.get("user"), str) or not isinstance(row.get("response"), str):
+            raise SFTDataError(f"{where}: needs string fields 'user' and 'response'")
+        image = row.get("image")
+        if isinstance(image, str):  # a path, relative to the file
+            image_path = path.parent / image
+            if not image_path.is_file():
+                raise SFTDataError(f"{where}: image {image!r}: no such file")
+            image = image_path.read_bytes()
+        if image is not None:
+            try:
+                decode_image(image)
+            except ValueError as err:
+                raise SFTDataError(f"{where}: {err}") from None
+        prompt = JudgePrompt(
+            item_id=str(row.get("id", n)), system=str(row.get("system") or ""), user=row["user"], image=image,
+            protocol="chat", style="answer", num_candidates=0, shown=(), target="",
+        )  # fmt: skip
+        out.append((prompt, row["response"]))
+    if not out:
+        raise SFTDataError(f"{path}: no chat examples")
+    return out
+
+
+def to_experience(processor: Any, prompt: JudgePrompt, response: str, think_prefix: bool) -> Experience:
+    """The learner's input for one example: the rendered prompt and the response's token ids,
+    closed with the end-of-turn token (the judge learns to stop)."""
+    text = render_chat(processor, prompt, think_prefix=think_prefix)
+    tok = processor.tokenizer
+    ids = tok(response + tok.eos_token, add_special_tokens=False).input_ids
+    return Experience(prompt_text=text, image=prompt.image, response_ids=tuple(ids), advantage=0.0)
+
+
+def _examples(cfg: Config) -> list[tuple[JudgePrompt, str]]:
+    if cfg.sft.source == "base_judge":
+        from pjray.models.base_judge import BaseJudgeRecipe, sft_examples
+
+        recipe = BaseJudgeRecipe(seed=cfg.trainer.seed)
+        return [(e.prompt, e.response) for e in sft_examples(recipe, cfg.sft.num_scenes, recipe.seed)]
+    return read_chat_examples(cfg.sft.path, cfg.sft.source)
+
+
+def run_sft(cfg: Config, model_path: str, connect: Any) -> Path:
+    """Fine-tune the judge at `model_path` as `cfg.sft` says; returns the HF export's path.
+
+    `connect(cfg)` joins or starts the Ray cluster.
+    """
+    run_dir = Path(cfg.trainer.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    pairs = _examples(cfg)
+    processor = load_processor(model_path)
+    experiences = [to_experience(processor, p, r, cfg.model.think_prefix) for p, r in pairs]
+    log.info("sft: %d examples", len(experiences))
+    connect(cfg)
+
+    lc, s = cfg.learner, cfg.sft
+    learner_cfg = dataclasses.replace(lc, lr=s.lr, warmup_steps=s.warmup_steps, lr_schedule=s.lr_schedule)
+    placement = Placement(
+        {"learner": RoleResources(lc.num_ranks, lc.num_cpus_per_rank, lc.num_gpus_per_rank)},
+        strategy=cfg.ray.placement_strategy, timeout_s=cfg.ray.placement_timeout_s,
+    )  # fmt: skip
+    addr, port = placement.master_address("learner")
+    per_rank = s.batch_size // lc.num_ranks
+    ranks = [
+        placement.launch(
+            "learner", LearnerRank, r, cfg.model, learner_cfg, AlgoConfig(kl_coef=0.0), model_path,
+            rank=r, world_size=lc.num_ranks, master_addr=addr, master_port=lc.master_port or port,
+            total_steps=s.steps, grad_accum_steps=per_rank // lc.micro_batch_size,
+        )  # fmt: skip
+        for r in range(lc.num_ranks)
+    ]
+    ray.get([r.ready.remote() for r in ranks])
+    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    tracker = Tracker(cfg.tracking, run_dir, to_dict(cfg), resume=False)
+
+    order: list[int] = []
+    epoch = 0
+    try:
+        for step in range(1, s.steps + 1):
+            t0 = time.perf_counter()
+            while len(order) < s.batch_size:  # shuffled epochs, reproducible for the seed
+                fresh = list(range(len(experiences)))
+                random.Random(f"pjray.sft:{cfg.trainer.seed}:{epoch}").shuffle(fresh)
+                order += fresh
+                epoch += 1
+            batch = [experiences[i] for i in order[: s.batch_size]]
+            del order[: s.batch_size]
+            tokens = float(sum(len(e.response_ids) for e in batch))
+            shards = [batch[r * per_rank : (r + 1) * per_rank] for r in range(lc.num_ranks)]
+            metrics = ray.get([rank.sft_step.remote(shard, tokens) for rank, shard in zip(ranks, shards)])[0]
+            metrics["timing_s/step"] = time.perf_counter() - t0
+            metrics["sft/epoch"] = step * s.batch_size / len(experiences)
+            tracker.log(metrics, step)
+            if step == 1 or step % 25 == 0 or step == s.steps:
+                eta = (time.perf_counter() - started) / step * (s.steps - step)
+                log.info(
+                    "sft step %d/%d loss %.4f token_acc %.3f step %.2fs eta %.0fs", step, s.steps,
+                    metrics["sft/loss"], metrics["sft/token_acc"], metrics["timing_s/step"], eta,
+                )  # fmt: skip
+            if s.save_every and step % s.save_every == 0:
+                path = run_dir / "checkpoints" / f"global_step_{step}"
+                ray.get([r.save_checkpoint.remote(str(path / "learner"), {"step": step}) for r in ranks])
+                (path / "COMPLETE").touch()
+        export = run_dir / "hf_model"
+        partial = run_dir / "hf_model.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        ray.get([r.save_hf.remote(str(partial)) for r in ranks])
+        _copy_processor_files(Path(model_path), partial)
+        shutil.rmtree(export, ignore_errors=True)
+        partial.rename(export)
+    finally:
+        tracker.close()
+        for r in ranks:
+            ray.kill(r)
+        placement.shutdown()
+    log.info("sft: done in %.0fs; judge exported to %s", time.perf_counter() - started, export)
+    return export
+
+
+def _copy_processor_files(source: Path, target: Path) -> None:
+    """The base checkpoint's processor files the export lacks (e.g. preprocessor_config.json)."""
+    for name in ("preprocessor_config.json", "processor_config.json", "chat_template.jinja", "generation_config.json"):
+        if (source / name).is_file() and not (target / name).exists():
+            shutil.copy2(source / name, target / name)
