@@ -348,7 +348,7 @@ class LearnerRank:
         if model_cfg.gradient_checkpointing:
             # Non-reentrant: reentrant checkpointing silently drops the gradients of a segment
             # whose inputs do not require grad, which freezing parts of the model can cause.
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
 
         decay, no_decay = [], []
