@@ -44,7 +44,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pjray.config import Config, PPJDConfig, to_dict
+from pjray.cluster import connect
+from pjray.config import Config, PPJDConfig, RayConfig, to_dict
 from pjray.data.sources import items_to_table
 from pjray.ppjd import llm as llm_prompts
 from pjray.ppjd.sources import RawRow, read_source
@@ -596,9 +597,8 @@ def _frame(shard: int, rows: list[RawRow]) -> pd.DataFrame:
 
 
 def run_ppjd(cfg: Config | PPJDConfig, config_dict: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run (or finish) the job into `ppjd.output_dir` on the connected Ray cluster; returns the manifest."""
-    import ray
-
+    """Run (or finish) the job into `ppjd.output_dir` on the Ray cluster (`pjray.cluster.connect`,
+    with `cfg.ray` for a whole Config); returns the manifest."""
     p = cfg.ppjd if isinstance(cfg, Config) else cfg
     if config_dict is None:
         config_dict = to_dict(cfg)["ppjd"] if isinstance(cfg, Config) else asdict(p)
@@ -617,12 +617,7 @@ def run_ppjd(cfg: Config | PPJDConfig, config_dict: dict[str, Any] | None = None
              len(pending), len(shards) - len(pending))
     eval_index = load_eval_index(p.decontam_files) if p.decontam_files else EvalIndex((), frozenset())
     if pending:
-        if not ray.is_initialized():
-            # RAY_ADDRESS (as under `ray job submit`) wins when ray.address is empty.
-            ray_cfg = cfg.ray if isinstance(cfg, Config) else None
-            address = (ray_cfg.address if ray_cfg else "") or os.environ.get("RAY_ADDRESS") or None
-            num_cpus = (ray_cfg.num_cpus or None) if ray_cfg and not address else None
-            ray.init(address=address, num_cpus=num_cpus)
+        connect(cfg.ray if isinstance(cfg, Config) else RayConfig())
         ds = build_dataset([_frame(i, shards[i]) for i in pending], p, eval_index)
         for done, row in enumerate(ds.iter_rows(), start=1):
             stats = json.loads(row["stats"])

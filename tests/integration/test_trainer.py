@@ -11,7 +11,8 @@ import ray
 
 from pjray.cli import main
 from pjray.config import load
-from pjray.rl.trainer import Timer, Trainer, actor_env, latest_checkpoint
+from pjray.cluster import actor_env
+from pjray.rl.trainer import Timer, Trainer, latest_checkpoint
 from pjray.types import Timed
 
 TESTS_DIR = Path(__file__).resolve().parent

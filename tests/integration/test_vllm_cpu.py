@@ -43,7 +43,8 @@ from pjray.models.tiny import build_tiny_judge  # noqa: E402
 from pjray.ppjd import llm as ppjd_llm  # noqa: E402
 from pjray.ppjd.pipeline import LlmStage, _frame  # noqa: E402
 from pjray.ppjd.sources import RawRow  # noqa: E402
-from pjray.rl.trainer import Trainer, actor_env  # noqa: E402
+from pjray.cluster import actor_env  # noqa: E402
+from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.rl.vllm_engine import VllmEngine  # noqa: E402
 from pjray.rl.weights import pack, plan_buckets  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402

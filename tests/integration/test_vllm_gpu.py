@@ -24,7 +24,8 @@ import ray  # noqa: E402
 
 from pjray.config import load  # noqa: E402
 from pjray.models.loading import render_chat  # noqa: E402
-from pjray.rl.trainer import Trainer, actor_env  # noqa: E402
+from pjray.cluster import actor_env  # noqa: E402
+from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402
 
 COMMON = [
