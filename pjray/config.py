@@ -196,6 +196,9 @@ class PPJDConfig:
     decontam_files: list[str] = field(default_factory=list)  # evaluation JSON/JSONL files
     phash_max_distance: int = 4  # bits; both dHash and pHash must be this close to match
     max_chosen_chars: int = 1600  # the released filter on chosen answers
+    # The job fails when one stage rejects more than this fraction of the rows of a shard that
+    # reach it (at least 10): a broken stage must not pass for bad data. 1 disables the check.
+    max_reject_fraction: float = 0.9
     seed: int = 0
 
 
@@ -468,6 +471,8 @@ def _validate_ppjd(p: PPJDConfig) -> None:
         raise ConfigError("ppjd.vlm_model: required when ppjd.vqa_backend=vlm")
     if p.num_cpus_per_actor <= 0 and p.num_gpus_per_actor <= 0:
         raise ConfigError("ppjd.num_cpus_per_actor: an actor needs CPUs or GPUs (> 0)")
+    if not 0 < p.max_reject_fraction <= 1:
+        raise ConfigError(f"ppjd.max_reject_fraction={p.max_reject_fraction}: must be in (0, 1]")
 
 
 _EVAL_CHOICES: dict[str, tuple[str, ...]] = {
