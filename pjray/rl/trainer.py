@@ -8,6 +8,8 @@ The variant is verl's GRPO as used by the paper's training recipe:
   plus kl_coef * k3 ("low_var_kl") KL to a frozen reference model inside the loss, aggregated
   token-mean over the whole step's batch (independent of how it is split over ranks).
 - On-policy by default: one optimizer step per training step, old logprobs = current ones.
+  Every learner log-prob (current, old, reference) is of logits / rollout.temperature, the
+  distribution the responses were sampled from, as in verl.
 - Reward = format x ranking, ranking = 1 - Levenshtein/K (the paper) or Kendall (the release).
 
 Where it differs from the paper's written objective: the paper writes a per-sample mean
