@@ -24,7 +24,8 @@ import ray
 
 from pjray.config import load
 from pjray.models.tiny import build_base_judge
-from pjray.rl.trainer import COMPUTE_PHASES, Trainer, actor_env
+from pjray.cluster import actor_env
+from pjray.rl.trainer import COMPUTE_PHASES, Trainer
 
 PHASES = ("gen", "reward", "adv", "ref", "update", "sync")
 

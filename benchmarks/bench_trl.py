@@ -46,12 +46,13 @@ from pathlib import Path
 import ray
 from PIL import Image
 
+from pjray.cluster import actor_env
 from pjray.config import load
 from pjray.data.prompts import render_batch
 from pjray.models.loading import load_processor, render_chat
 from pjray.models.tiny import build_tiny_judge
 from pjray.reward import judge_reward
-from pjray.rl.trainer import Trainer, actor_env, load_items
+from pjray.rl.trainer import Trainer, load_items
 
 LR = 1e-4
 KL = 0.01

@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     if args.command == "train":
+        from pjray.eval.bias import training_eval
         from pjray.rl.trainer import train as run_training
 
-        run_dir = run_training(cfg)
+        run_dir = run_training(cfg, evaluate=training_eval)
         print(f"pjray: run finished: {run_dir}")
     elif args.command == "sft":
         from pjray.rl.trainer import connect_ray

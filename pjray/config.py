@@ -81,9 +81,13 @@ class RewardConfig:
     style: str = "ranking"  # ranking (letters best -> worst) | scores (one 1-10 score each)
     num_workers: int = 1
     num_cpus_per_worker: float = 0.25
-    # Subtracted per response token beyond `length_penalty_from`; 0 disables.
-    length_penalty: float = 0.0
-    length_penalty_from: int = 0
+    # false: a response cut by rollout.max_new_tokens gets no format credit (judge reward 0), so
+    # a verdict followed by filler up to the limit is never reinforced. true: read it as it is.
+    score_truncated: bool = False
+    # DAPO's soft overlong penalty, added to every reward: 0 up to rollout.max_new_tokens -
+    # overlong_buffer response tokens, then falling linearly to -overlong_penalty at the limit.
+    overlong_buffer: int = 0  # 0 disables
+    overlong_penalty: float = 1.0
 
 
 @dataclass
@@ -192,6 +196,9 @@ class PPJDConfig:
     decontam_files: list[str] = field(default_factory=list)  # evaluation JSON/JSONL files
     phash_max_distance: int = 4  # bits; both dHash and pHash must be this close to match
     max_chosen_chars: int = 1600  # the released filter on chosen answers
+    # The job fails when one stage rejects more than this fraction of the rows of a shard that
+    # reach it (at least 10): a broken stage must not pass for bad data. 1 disables the check.
+    max_reject_fraction: float = 0.9
     seed: int = 0
 
 
@@ -314,7 +321,7 @@ _POSITIVE: tuple[str, ...] = (
 
 _NON_NEGATIVE: tuple[str, ...] = (
     "rollout.num_cpus_per_worker", "rollout.num_gpus_per_worker", "rollout.top_k",
-    "reward.num_cpus_per_worker", "reward.length_penalty", "reward.length_penalty_from",
+    "reward.num_cpus_per_worker", "reward.overlong_buffer", "reward.overlong_penalty",
     "algo.clip_low", "algo.clip_high", "algo.dual_clip", "algo.kl_coef", "algo.adv_eps",
     "algo.max_refill_rounds", "learner.num_cpus_per_rank", "learner.num_gpus_per_rank",
     "learner.lr", "learner.weight_decay", "learner.warmup_steps", "learner.grad_clip",
@@ -390,8 +397,11 @@ def validate(cfg: Config) -> Config:
             f"{cfg.algo.ppo_mini_batches} x learner.num_ranks {cfg.learner.num_ranks} x "
             f"learner.micro_batch_size {cfg.learner.micro_batch_size}"
         )
-    if cfg.reward.length_penalty > 0 and cfg.reward.length_penalty_from >= cfg.rollout.max_new_tokens:
-        raise ConfigError("reward.length_penalty_from: must be below rollout.max_new_tokens")
+    if cfg.reward.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"reward.overlong_buffer={cfg.reward.overlong_buffer}: at most rollout.max_new_tokens "
+            f"({cfg.rollout.max_new_tokens}), the length the penalty reaches its full value at"
+        )
     _validate_ppjd(cfg.ppjd)
     _validate_eval(cfg)
     _validate_sft(cfg)
@@ -501,6 +511,8 @@ def _validate_ppjd(p: PPJDConfig) -> None:
         raise ConfigError("ppjd.vlm_model: required when ppjd.vqa_backend=vlm")
     if p.num_cpus_per_actor <= 0 and p.num_gpus_per_actor <= 0:
         raise ConfigError("ppjd.num_cpus_per_actor: an actor needs CPUs or GPUs (> 0)")
+    if not 0 < p.max_reject_fraction <= 1:
+        raise ConfigError(f"ppjd.max_reject_fraction={p.max_reject_fraction}: must be in (0, 1]")
 
 
 _EVAL_CHOICES: dict[str, tuple[str, ...]] = {

@@ -262,6 +262,7 @@ def record_trial(plan: SweepPlan, trial: Trial, wall_s: float, job_id: str = "")
 
 def run_in_process(plan: SweepPlan, trials: list[Trial]) -> dict[str, str]:
     """Train the trials one after another in this process; returns errors by trial name."""
+    from pjray.eval.bias import training_eval
     from pjray.rl.trainer import train
 
     errors: dict[str, str] = {}
@@ -269,7 +270,7 @@ def run_in_process(plan: SweepPlan, trials: list[Trial]) -> dict[str, str]:
         log.info("sweep %s: trial %s (%d of %d to run)", plan.name, trial.name, index, len(trials))
         start = time.perf_counter()
         try:
-            train(trial.config)
+            train(trial.config, evaluate=training_eval)
         except Exception as err:  # noqa: BLE001 - one failed trial must not stop the sweep
             errors[trial.name] = f"{type(err).__name__}: {err}"
             log.error("sweep %s: trial %s failed:\n%s", plan.name, trial.name, traceback.format_exc())

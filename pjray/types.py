@@ -59,7 +59,7 @@ class Completion:
     prompt_index: int  # index of the prompt in the list given to generate()
     sample_index: int  # 0 .. n-1 within the prompt's group
     token_ids: tuple[int, ...]  # response tokens only, [L]
-    logprobs: tuple[float, ...]  # the sampler's log-probability of each response token, [L]
+    logprobs: tuple[float, ...]  # log softmax(logits / temperature) at each response token, [L]
     text: str  # decoded response (special tokens skipped)
     finish_reason: str  # "stop" (EOS or a stop string) | "length" (hit max_new_tokens)
 
@@ -120,6 +120,9 @@ class Experience:
     advantage: float
     old_logprobs: tuple[float, ...] | None = None  # [L]; None: take the current policy's (on-policy)
     ref_logprobs: tuple[float, ...] | None = None  # [L]; None when the KL term is off
+    # [L]; the rollout engine's own log-probs (Completion.logprobs), to measure how far the
+    # learner's differ; None: not measured in this update.
+    rollout_logprobs: tuple[float, ...] | None = None
 
 
 @dataclass
@@ -139,3 +142,4 @@ class TrainBatch:
     pixel_values: list[torch.Tensor]  # per sequence, [P_b, D]
     image_grid_thw: list[torch.Tensor]  # per sequence, [n_images_b, 3] long
     ref_logprobs: torch.Tensor | None = None  # [B, T] float, filled by the learner when KL is on
+    rollout_logprobs: torch.Tensor | None = None  # [B, T] float, the rollout engine's (NaN where none)

@@ -32,6 +32,9 @@ from collections.abc import Sequence
 
 from pjray.types import JudgeItem, JudgePrompt
 
+# The chat format's end-of-turn token: rollout engines stop at it, and only whitespace and it may
+# follow a response's final answer block.
+EOS_TOKEN = "<|im_end|>"
 LETTERS = string.ascii_uppercase  # letter i names the i-th shown candidate
 MAX_CANDIDATES = len(LETTERS)
 SCORE_MIN, SCORE_MAX = 1, 10  # the judge's own score scale in the scores style and score protocol

@@ -122,16 +122,17 @@ def probe_correct(pred: str, truth: str) -> bool:
     return len(p) <= 6 and p[-len(t):] == t and not (_NEGATIONS & set(p))
 
 
-def read_judge_score(text: str, think_prefilled: bool) -> float | None:
-    """The score-protocol verdict 1-10, or None (badly formatted but readable counts)."""
-    j = parse_score(text, think_prefilled=think_prefilled)
+def read_judge_score(text: str) -> float | None:
+    """The score-protocol verdict 1-10, or None (badly formatted but readable counts, so the
+    think layout, and whether the prompt opened `<think>`, does not matter)."""
+    j = parse_score(text)
     return float(j.scores[0]) if j.scores and 1 <= j.scores[0] <= 10 else None
 
 
-def mode_record(d: DiagnosisItem, texts: Sequence[str], think_prefilled: bool) -> ModeRecord:
+def mode_record(d: DiagnosisItem, texts: Sequence[str]) -> ModeRecord:
     """The diagnosis record of one item from its responses, in `item_prompts` order."""
-    correct = read_judge_score(texts[0], think_prefilled)
-    wrong = read_judge_score(texts[1], think_prefilled)
+    correct = read_judge_score(texts[0])
+    wrong = read_judge_score(texts[1])
     answers = [read_probe_answer(t) for t in texts[2:]]
     if any(a is None for a in answers):
         probe_ok = None
@@ -140,7 +141,7 @@ def mode_record(d: DiagnosisItem, texts: Sequence[str], think_prefilled: bool) -
     return ModeRecord(correct, wrong, probe_ok)
 
 
-def diagnose(generate: Generate, items: Sequence[DiagnosisItem], seed: int, think_prefilled: bool) -> tuple[ModeRates, list[ModeRecord], list[str]]:
+def diagnose(generate: Generate, items: Sequence[DiagnosisItem], seed: int) -> tuple[ModeRates, list[ModeRecord], list[str]]:
     """Judge every item once under `seed`; returns (rates, records, all response texts)."""
     prompts: list[JudgePrompt] = []
     spans = []
@@ -149,7 +150,7 @@ def diagnose(generate: Generate, items: Sequence[DiagnosisItem], seed: int, thin
         spans.append((len(prompts), len(prompts) + len(p)))
         prompts.extend(p)
     texts = generate(prompts, seed)
-    records = [mode_record(d, texts[a:b], think_prefilled) for d, (a, b) in zip(items, spans)]
+    records = [mode_record(d, texts[a:b]) for d, (a, b) in zip(items, spans)]
     return mode_rates(records), records, texts
 
 
@@ -175,25 +176,21 @@ def rates_metrics(rates: ModeRates, prefix: str = "eval/") -> dict[str, float]:
     }
 
 
-def training_eval(rollout_pool: Any, cfg: Any, step: int = 0) -> dict[str, float]:
-    """Held-out Mode a/b rates for the trainer, logged as `eval/*` in that step's metrics.
+def training_eval(cfg: Any, generate: Generate, step: int) -> dict[str, float]:
+    """Held-out Mode a/b rates for the trainer, logged as `eval/*` in that step's metrics: the
+    trainer's evaluation hook (`pjray.rl.trainer.Trainer(cfg, evaluate=training_eval)`).
 
     Scene items are built with `cfg.eval.train_seed` (validated to differ from the training
-    data's seed), judged by the trainer's own rollout workers with the training sampling
-    settings (the engines' sampling is fixed when they are built), one sample per prompt.
+    data's seed) and judged by `generate`, the trainer's own rollout workers with the training
+    sampling settings (the engines' sampling is fixed when they are built), one sample per prompt.
     """
-    from pjray.eval.runner import generate_with_pool
     from pjray.ppjd.perturb import scene_items
 
     items = scene_items(
         cfg.eval.train_num_items, seed=cfg.eval.train_seed, num_candidates=3, image_size=cfg.data.image_size
     )
     diag = [diagnosis_item(it) for it in items]
-
-    def generate(prompts: list[JudgePrompt], seed: int) -> list[str]:
-        return [c.text for c in generate_with_pool(rollout_pool, prompts, seed)]
-
-    rates, _, _ = diagnose(generate, diag, seed=cfg.eval.train_seed * 1_000_003 + step, think_prefilled=cfg.model.think_prefix)
+    rates, _, _ = diagnose(generate, diag, seed=cfg.eval.train_seed * 1_000_003 + step)
     return rates_metrics(rates)
 
 
@@ -232,12 +229,12 @@ def evaluate_modes(cfg: Any, generate: Generate) -> Any:
     per_seed, kinds_per_seed = [], []
     unparsed, outputs, examples = 0, 0, []
     for seed in e.seeds:
-        rates, records, texts = diagnose(generate, items, seed, cfg.model.think_prefix)
+        rates, records, texts = diagnose(generate, items, seed)
         k = 0
         for d in items:
             span = texts[k : k + 2 + len(d.probes)]
             k += len(span)
-            bad = [t for t in span[:2] if read_judge_score(t, cfg.model.think_prefix) is None]
+            bad = [t for t in span[:2] if read_judge_score(t) is None]
             bad += [t for t in span[2:] if read_probe_answer(t) is None]
             unparsed += len(bad)
             outputs += len(span)

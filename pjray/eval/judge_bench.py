@@ -19,6 +19,9 @@ Two prompt formats (`eval.prompt_format`):
   Notice, the input blocks; verdicts `[[N]]`, `[[A]]`/`[[B]]`/`[[C]]`, `[[A]], [[B]], ...`).
   The section texts are written after `scripts/prompt.py`'s "No COT" setting but are not its
   verbatim strings; the verdict format and the block markers are.
+
+Verdicts are read from the answer blocks whatever the think layout (a judgment, not a reward),
+so whether the prompt opened `<think>` does not change any number here.
 """
 
 from __future__ import annotations
@@ -257,7 +260,7 @@ def _original_verdicts(text: str) -> list[str]:
     return _BRACKET_RE.findall(tail)
 
 
-def read_score(text: str, prompt_format: str, think_prefilled: bool, mapping: str) -> float | None:
+def read_score(text: str, prompt_format: str, mapping: str) -> float | None:
     """The judge's score on the benchmark's 1-5 scale, or None when unreadable.
 
     paper: the integer in the last <answer> block (1-10), mapped with `mapping`. A badly
@@ -272,24 +275,24 @@ def read_score(text: str, prompt_format: str, think_prefilled: bool, mapping: st
                 continue
             return v if 1 <= v <= 5 else None
         return None
-    judgment = parse_score(text, think_prefilled=think_prefilled)
+    judgment = parse_score(text)
     if not judgment.scores or not 1 <= judgment.scores[0] <= 10:
         return None
     return map_score(judgment.scores[0], mapping)
 
 
-def read_pair(text: str, prompt_format: str, think_prefilled: bool) -> str | None:
+def read_pair(text: str, prompt_format: str) -> str | None:
     """"A", "B", "C" (tie) or None. paper: two scores (equal = tie); original: the last [[X]]."""
     if prompt_format == "original":
         for token in reversed(_original_verdicts(text)):
             if token.upper() in ("A", "B", "C"):
                 return token.upper()
         return None
-    return parse_pair(text, think_prefilled=think_prefilled).ranking
+    return parse_pair(text).ranking
 
 
 def read_batch(
-    text: str, k: int, prompt_format: str, think_prefilled: bool, style: str = "scores", truncate: bool = False
+    text: str, k: int, prompt_format: str, style: str = "scores", truncate: bool = False
 ) -> str | None:
     """The predicted ranking string best -> worst, or None.
 
@@ -303,7 +306,7 @@ def read_batch(
         letters = [t.upper() for t in _original_verdicts(text) if t.upper() in LETTERS[:k]]
         seen = "".join(dict.fromkeys(letters))
         return seen or None
-    j = parse_judgment(text, k, style=style, think_prefilled=think_prefilled)
+    j = parse_judgment(text, k, style=style)
     if j.ranking is not None:
         return j.ranking
     if j.scores is not None and len(j.scores) == k:
@@ -314,15 +317,15 @@ def read_batch(
 
 
 def to_record(
-    row: BenchRow, text: str, prompt_format: str, think_prefilled: bool, score_mapping: str,
+    row: BenchRow, text: str, prompt_format: str, score_mapping: str,
     batch_style: str = "scores", batch_truncate: bool = False,
 ):  # fmt: skip
     """The metric record of one judged row (ScoreRecord / PairRecord / BatchRecord)."""
     if row.protocol == "score":
-        return ScoreRecord(row.dataset, read_score(text, prompt_format, think_prefilled, score_mapping), float(row.truth))
+        return ScoreRecord(row.dataset, read_score(text, prompt_format, score_mapping), float(row.truth))
     if row.protocol == "pair":
-        return PairRecord(row.dataset, read_pair(text, prompt_format, think_prefilled), row.truth)
-    ranking = read_batch(text, len(row.answers), prompt_format, think_prefilled, batch_style, batch_truncate)
+        return PairRecord(row.dataset, read_pair(text, prompt_format), row.truth)
+    ranking = read_batch(text, len(row.answers), prompt_format, batch_style, batch_truncate)
     return BatchRecord(row.dataset, ranking, row.truth)
 
 
@@ -374,7 +377,7 @@ def evaluate_bench(cfg, generate) -> "EvalReport":
     for seed in e.seeds:
         texts = generate(prompts, seed)
         records = [
-            to_record(r, t, e.prompt_format, cfg.model.think_prefix, mapping, e.batch_style, truncate)
+            to_record(r, t, e.prompt_format, mapping, e.batch_style, truncate)
             for r, t in zip(rows, texts)
         ]
         for rec, text in zip(records, texts):

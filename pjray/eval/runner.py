@@ -18,13 +18,12 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from pjray.config import Config, ConfigError, RolloutConfig
-from pjray.types import Completion, JudgePrompt
+from pjray.types import JudgePrompt
 
 log = logging.getLogger(__name__)
 
@@ -82,29 +81,7 @@ class OutputCache:
                 f.write("".join(json.dumps(e) + "\n" for e in entries))
 
 
-# --------------------------------------------------------------------------- generation
-
-
-def generate_with_pool(pool: Any, prompts: list[JudgePrompt], seed: int) -> list[Completion]:
-    """One completion per prompt from the pool's workers (contiguous chunks, one per worker),
-    in prompt order. Used by the eval runner and by the trainer's held-out eval."""
-    if not prompts:
-        return []
-    workers = len(pool)
-    size, extra = divmod(len(prompts), workers)
-    chunks, start = [], 0
-    for w in range(workers):
-        end = start + size + (w < extra)
-        if end > start:
-            chunks.append(list(range(start, end)))
-        start = end
-    results = pool.call("generate", [([prompts[i] for i in chunk], 1, seed * 1_000 + w) for w, chunk in enumerate(chunks)])
-    out: list[Completion | None] = [None] * len(prompts)
-    for chunk, completions in zip(chunks, results):
-        for c in completions:
-            out[chunk[c.prompt_index]] = dataclasses.replace(c, prompt_index=chunk[c.prompt_index])
-    assert all(c is not None for c in out)
-    return out  # type: ignore[return-value]
+# --------------------------------------------------------------------------- judging
 
 
 def eval_sampling(cfg: Config) -> RolloutConfig:
@@ -123,26 +100,11 @@ def eval_sampling(cfg: Config) -> RolloutConfig:
     )
 
 
-def connect_ray(cfg: Config) -> None:
-    """Join RAY_ADDRESS / ray.address, or start a local cluster (user env vars win in actors)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
-    kwargs = {} if address else {"num_cpus": cfg.ray.num_cpus or None}
-    from pjray.rl.trainer import job_env_vars
-
-    env = {"TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}
-    # Inside a Ray job, ray.init refuses to set a variable the job's runtime env already sets.
-    env = {key: value for key, value in env.items() if key not in job_env_vars()}
-    ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=True, **kwargs)
-
-
 class JudgeRunner:
     """A pool of judge actors plus the output cache. `generate(prompts, seed) -> texts`."""
 
     def __init__(self, cfg: Config, cache_path: Path | None):
+        from pjray.cluster import connect
         from pjray.rl.placement import Placement, RoleResources, WorkerPool
         from pjray.rl.rollout import RolloutWorker
 
@@ -161,7 +123,7 @@ class JudgeRunner:
         self.cache = OutputCache(cache_path)
         self.cache_hits = 0
         self.judged = 0
-        connect_ray(cfg)
+        connect(cfg.ray)
         self.placement = Placement(
             {"judge": RoleResources(e.workers, e.num_cpus_per_worker, e.num_gpus_per_worker)},
             strategy=cfg.ray.placement_strategy,
@@ -173,6 +135,8 @@ class JudgeRunner:
 
     def generate(self, prompts: list[JudgePrompt], seed: int) -> list[str]:
         """One response text per prompt, from the cache where present."""
+        from pjray.rl.rollout import generate_with_pool
+
         keys = [cache_key(p, self.fingerprint, seed, self.sampling) for p in prompts]
         todo = [i for i, k in enumerate(keys) if self.cache.get(k) is None]
         self.cache_hits += len(prompts) - len(todo)
@@ -180,7 +144,7 @@ class JudgeRunner:
         for start in range(0, len(todo), round_size):
             batch = todo[start : start + round_size]
             t0 = time.perf_counter()
-            completions = generate_with_pool(self.pool, [prompts[i] for i in batch], seed + start)
+            completions = generate_with_pool(self.pool, [prompts[i] for i in batch], 1, seed + start).value
             self.cache.put_many(
                 [
                     {"key": keys[i], "item_id": prompts[i].item_id, "seed": seed, "text": c.text, "finish_reason": c.finish_reason}

@@ -59,6 +59,7 @@ __all__ = [
     "load_judge",
     "load_processor",
     "mm_token_type_ids",
+    "opens_think",
     "processor_inputs",
     "render_chat",
 ]
@@ -296,9 +297,16 @@ def render_chat(processor: ProcessorMixin, prompt: JudgePrompt, think_prefix: bo
     )
     if not isinstance(text, str):
         raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
-    if think_prefix and not text.rstrip().endswith("<think>"):
+    if think_prefix and not opens_think(text):
         text += THINK_PREFIX
     return text
+
+
+def opens_think(prompt_text: str) -> bool:
+    """Whether a rendered prompt already opened the reasoning block (it ends in `<think>`, from
+    `think_prefix` or from a thinking checkpoint's own template): the response then must not
+    open it again."""
+    return prompt_text.rstrip().endswith("<think>")
 
 
 def decode_image(b: bytes) -> PIL.Image.Image:

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pjray.ppjd.perturb import final_answer, normalize_answer
+from pjray.ppjd.rejects import RowDataError
 
 CLASSES: tuple[str, ...] = ("colour", "count", "relation", "size", "shape", "text")
 
@@ -547,11 +548,11 @@ def _pick(options: list[Rewrite], rng: random.Random) -> Rewrite:
 def perceptual_perturb(src: Source, rng: random.Random) -> Rewrite:
     """The perception-only counterfactual: one decisive perception error, reasoning intact."""
     if not find_mentions(src.chosen):
-        raise ValueError("no perception attribute words (colour, count, relation, size, shape or quoted text) "
+        raise RowDataError("no perception attribute words (colour, count, relation, size, shape or quoted text) "
                          "in the answer")
     options = perception_options(src, Rewrite(src.chosen), rng)
     if not options:
-        raise ValueError(f"no decisive perception error: no attribute word the answer mentions changes its "
+        raise RowDataError(f"no decisive perception error: no attribute word the answer mentions changes its "
                          f"final answer {final_answer(src.chosen)!r}")
     return _pick(options, rng)
 
@@ -655,7 +656,7 @@ def reasoning_perturb(r: Rewrite, rng: random.Random) -> Rewrite:
     """`r` with one reasoning error added; its perception errors and its final answer stay."""
     found = reasoning_sites(r)
     if found is None:
-        raise ValueError("no reasoning error possible: no arithmetic step, comparative, 'is/are' conclusion "
+        raise RowDataError("no reasoning error possible: no arithmetic step, comparative, 'is/are' conclusion "
                          "or three steps to skip one of")
     kind, sites = found
     start, end, values = sites[rng.randrange(len(sites))]
@@ -674,7 +675,7 @@ def ranked_rewrites(question: str, chosen: str, num_candidates: int, rng: random
         raise ValueError(f"num_candidates must be >= 2, got {num_candidates}")
     truth = final_answer(chosen)
     if truth is None:
-        raise ValueError("the chosen answer has no final answer (\\boxed{} or 'Final Answer:')")
+        raise RowDataError("the chosen answer has no final answer (\\boxed{} or 'Final Answer:')")
     src = Source(question, chosen, truth)
     levels = [Rewrite(chosen), perceptual_perturb(src, rng)]
     while len(levels) < num_candidates:
@@ -685,7 +686,7 @@ def ranked_rewrites(question: str, chosen: str, num_candidates: int, rng: random
         elif reasoning_sites(last) is not None:
             levels.append(reasoning_perturb(last, rng))
         else:
-            raise ValueError(f"num_candidates={num_candidates}: this answer supports at most {len(levels)} "
+            raise RowDataError(f"num_candidates={num_candidates}: this answer supports at most {len(levels)} "
                              f"ranked levels (no perception or reasoning error left to add)")
     return levels
 

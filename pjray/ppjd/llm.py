@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
+from pjray.ppjd.rejects import RowDataError
+
 MIN_ATTRS, MAX_ATTRS = 3, 6
 MAX_ATTR_WORDS = 10
 
@@ -60,8 +62,9 @@ Keep the response's format, including its final answer line.
 Reply with JSON only, in this form: {{"rejected_perception_1": "...", "rejected_perception_2": "..."}}"""
 
 
-class LLMReplyError(ValueError):
-    """An LLM reply that is not the JSON the prompt asked for; the message says why."""
+class LLMReplyError(RowDataError):
+    """An LLM reply that is not the JSON the prompt asked for; the message says why (a reject
+    reason of its row in the PPJD job)."""
 
 
 # Each conversation ends with the opening of the expected JSON as the assistant's own words,

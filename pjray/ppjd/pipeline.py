@@ -5,7 +5,11 @@
 Every stage is a `map_batches` over pandas batches of work rows (`WORK_COLUMNS`). A row that
 fails a stage gets `reject_stage` / `reject_reason` and rides along untouched to the write stage,
 which splits it into the rejects file: nothing is filtered out of the stream, so nothing can be
-dropped silently, and a row that raises inside a stage becomes a reject instead of killing the job.
+dropped silently. Only data problems become rejects (a stage's returned reason, or a
+`RowDataError`: a corrupt image, a missing field, an unusable model reply); any other exception
+is a bug and fails the job, and so does a shard in which one stage rejected more than
+`ppjd.max_reject_fraction` of the (at least `MIN_ROWS_CHECKED`) rows that reached it. Such a
+shard's rejects and stats are written, for the diagnosis, but not its PPJD file.
 
 Model stages run on actor pools (`ActorPoolStrategy`) sized by `ppjd.llm_workers` /
 `ppjd.vlm_workers`, each actor holding `ppjd.num_gpus_per_actor` GPUs or
@@ -36,6 +40,7 @@ import logging
 import os
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -44,9 +49,11 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pjray.config import Config, PPJDConfig, to_dict
+from pjray.cluster import connect
+from pjray.config import Config, PPJDConfig, RayConfig, to_dict
 from pjray.data.sources import items_to_table
 from pjray.ppjd import llm as llm_prompts
+from pjray.ppjd.rejects import RejectRateError, RowDataError
 from pjray.ppjd.sources import RawRow, read_source
 from pjray.ppjd.verify import (
     EvalIndex,
@@ -78,6 +85,8 @@ REJECT_SCHEMA = pa.schema(
      ("reject_reason", pa.string()), ("question", pa.string())]
 )
 THINK_TAGS = ("<think>", "</think>")
+# A stage is judged by its reject fraction only when at least this many rows of a shard reach it.
+MIN_ROWS_CHECKED = 10
 
 
 # --------------------------------------------------------------------------- row plumbing
@@ -103,8 +112,8 @@ def _timed(stage: str, batch: pd.DataFrame, work: Callable[[list[dict[str, Any]]
 def each_live_row(stage: str, fn: Callable[[dict[str, Any]], str | None]) -> Callable[[list[dict[str, Any]]], None]:
     """Apply `fn(row) -> reject reason | None` to rows not yet rejected.
 
-    Any exception from one row becomes that row's reject reason: a data job must not die on one
-    bad row (a corrupt PNG, a field of the wrong type), and the reason keeps the error text.
+    A `RowDataError` from one row becomes its reject reason: a data job must not die on one bad
+    row. Any other exception is a bug in the stage and propagates (the job fails).
     """
 
     def work(rows: list[dict[str, Any]]) -> None:
@@ -113,8 +122,8 @@ def each_live_row(stage: str, fn: Callable[[dict[str, Any]], str | None]) -> Cal
                 continue
             try:
                 problem = fn(row)
-            except Exception as err:  # noqa: BLE001  (see docstring)
-                problem = f"{type(err).__name__}: {err}"
+            except RowDataError as err:
+                problem = str(err)
             if problem:
                 _reject(row, stage, problem)
 
@@ -152,7 +161,10 @@ def load_row(row: dict[str, Any]) -> str | None:
         path = Path(row["image_path"])
         if not path.is_file():
             return f"image file not found: {path}"
-        row["image"] = path.read_bytes()
+        try:
+            row["image"] = path.read_bytes()
+        except OSError as err:
+            return f"image file unreadable: {path}: {err}"
     if not row["image"]:
         missing.append("image")
     if missing:
@@ -394,8 +406,6 @@ class LlmStage:
                 problem = apply(row, reply)
             except llm_prompts.LLMReplyError as err:
                 problem = f"unusable LLM reply: {err}"
-            except Exception as err:  # noqa: BLE001  (one bad row must not end the job)
-                problem = f"{type(err).__name__}: {err}"
             if problem:
                 _reject(row, stage, problem)
 
@@ -447,11 +457,7 @@ class VlmStage:
             answers = iter(self.prober.answer(asks, self.seed))
             for row in live:
                 n = len(json.loads(row["probes"]))
-                row_answers = [next(answers) for _ in range(n)]
-                try:
-                    problem = settle_probes(row, row_answers)
-                except Exception as err:  # noqa: BLE001
-                    problem = f"{type(err).__name__}: {err}"
+                problem = settle_probes(row, [next(answers) for _ in range(n)])
                 if problem:
                     _reject(row, "vqa", problem)
 
@@ -476,8 +482,9 @@ def shard_name(shard: int) -> str:
 class ShardWriter:
     """The write stage: one whole shard per batch -> ppjd / rejects / stats files."""
 
-    def __init__(self, output_dir: str, num_candidates: int) -> None:
+    def __init__(self, output_dir: str, num_candidates: int, max_reject_fraction: float) -> None:
         self.out, self.num_candidates = Path(output_dir), num_candidates
+        self.max_reject_fraction = max_reject_fraction
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         summaries = []
@@ -493,13 +500,10 @@ class ShardWriter:
         start = time.perf_counter()
         kept, rejects = [], []
         for row in rows:
-            if not row["reject_stage"]:
-                try:
-                    kept.append(to_item(row, self.num_candidates))
-                    continue
-                except Exception as err:  # noqa: BLE001
-                    _reject(row, "write", f"{type(err).__name__}: {err}")
-            rejects.append({k: row[k] for k in REJECT_SCHEMA.names})
+            if row["reject_stage"]:
+                rejects.append({k: row[k] for k in REJECT_SCHEMA.names})
+            else:
+                kept.append(to_item(row, self.num_candidates))
         seconds: dict[str, float] = {}
         for row in rows:
             for stage, s in json.loads(row["stage_seconds"]).items():
@@ -515,8 +519,28 @@ class ShardWriter:
         _atomic_write(self.out / "rejects" / f"{name}.parquet",
                       lambda p: pq.write_table(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA), p))
         _atomic_write(self.out / "stats" / f"{name}.json", lambda p: p.write_text(json.dumps(stats)))
+        check_reject_rates(name, len(rows), rejects, self.max_reject_fraction)
         _atomic_write(self.out / "ppjd" / f"{name}.parquet", lambda p: pq.write_table(items_to_table(kept), p))
         return json.dumps(stats)
+
+
+def check_reject_rates(shard: str, num_rows: int, rejects: list[dict[str, Any]], max_fraction: float) -> None:
+    """Raise `RejectRateError` when a stage rejected more than `max_fraction` of the rows of the
+    shard that reached it (stages reached by fewer than MIN_ROWS_CHECKED rows are not judged),
+    naming the stage and its most frequent reasons."""
+    alive = num_rows
+    for stage in (*STAGES, "write"):
+        reasons = Counter(r["reject_reason"] for r in rejects if r["reject_stage"] == stage)
+        dropped = sum(reasons.values())
+        if alive >= MIN_ROWS_CHECKED and dropped > max_fraction * alive:
+            top = "; ".join(f"{n} x {reason[:160]!r}" for reason, n in reasons.most_common(3))
+            raise RejectRateError(
+                f"{shard}: stage {stage!r} rejected {dropped} of the {alive} rows that reached it "
+                f"(more than ppjd.max_reject_fraction={max_fraction:g}); top reasons: {top}. A stage "
+                "that rejects nearly everything is more likely broken or misconfigured than fed bad "
+                "data; the shard's rejects are in rejects/, and no PPJD file was written for it"
+            )
+        alive -= dropped
 
 
 # --------------------------------------------------------------------------- the job
@@ -525,8 +549,9 @@ class ShardWriter:
 def job_fingerprint(cfg: PPJDConfig) -> dict[str, Any]:
     """The settings that decide which rows land in which shard and what they hold."""
     d = asdict(cfg)
-    for key in ("llm_workers", "vlm_workers", "num_cpus_per_actor", "num_gpus_per_actor", "output_dir"):
-        d.pop(key)  # scaling knobs: changing them must not invalidate finished shards
+    for key in ("llm_workers", "vlm_workers", "num_cpus_per_actor", "num_gpus_per_actor", "output_dir",
+                "max_reject_fraction"):
+        d.pop(key)  # scaling knobs and the guard: changing them must not invalidate finished shards
     return d
 
 
@@ -574,7 +599,7 @@ def build_dataset(frames: list[pd.DataFrame], cfg: PPJDConfig, eval_index: EvalI
     else:
         ds = ds.map_batches(stages.vqa, **common)
     ds = ds.map_batches(stages.decontam, **common)
-    ds = ds.map_batches(ShardWriter(cfg.output_dir, cfg.num_candidates), **common)
+    ds = ds.map_batches(ShardWriter(cfg.output_dir, cfg.num_candidates, cfg.max_reject_fraction), **common)
     if cfg.perturb_backend != "llm" and cfg.vqa_backend != "vlm":
         # Model-free plans fuse into one task operator. Ray Data's per-operator reservation then
         # holds it to one task at a time until its first outputs come back (measured: 2048
@@ -596,9 +621,8 @@ def _frame(shard: int, rows: list[RawRow]) -> pd.DataFrame:
 
 
 def run_ppjd(cfg: Config | PPJDConfig, config_dict: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run (or finish) the job into `ppjd.output_dir` on the connected Ray cluster; returns the manifest."""
-    import ray
-
+    """Run (or finish) the job into `ppjd.output_dir` on the Ray cluster (`pjray.cluster.connect`,
+    with `cfg.ray` for a whole Config); returns the manifest."""
     p = cfg.ppjd if isinstance(cfg, Config) else cfg
     if config_dict is None:
         config_dict = to_dict(cfg)["ppjd"] if isinstance(cfg, Config) else asdict(p)
@@ -617,12 +641,7 @@ def run_ppjd(cfg: Config | PPJDConfig, config_dict: dict[str, Any] | None = None
              len(pending), len(shards) - len(pending))
     eval_index = load_eval_index(p.decontam_files) if p.decontam_files else EvalIndex((), frozenset())
     if pending:
-        if not ray.is_initialized():
-            # RAY_ADDRESS (as under `ray job submit`) wins when ray.address is empty.
-            ray_cfg = cfg.ray if isinstance(cfg, Config) else None
-            address = (ray_cfg.address if ray_cfg else "") or os.environ.get("RAY_ADDRESS") or None
-            num_cpus = (ray_cfg.num_cpus or None) if ray_cfg and not address else None
-            ray.init(address=address, num_cpus=num_cpus)
+        connect(cfg.ray if isinstance(cfg, Config) else RayConfig())
         ds = build_dataset([_frame(i, shards[i]) for i in pending], p, eval_index)
         for done, row in enumerate(ds.iter_rows(), start=1):
             stats = json.loads(row["stats"])

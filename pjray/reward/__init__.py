@@ -32,24 +32,29 @@ def judge_reward(
     metric: str = "levenshtein",
     style: str = "ranking",
     think_prefilled: bool = False,
+    truncated: bool = False,
 ) -> RewardResult:
     """Batch-ranking reward of one response against `target` (letters best -> worst, e.g. "BCA").
 
     metric: "levenshtein" or "kendall". The ranking part is computed whenever a ranking could be
     read, even from a badly formatted response (useful for logging); `total` is 0 then.
+    truncated: the response was cut by the token limit; it gets no format credit (total 0).
     """
     score_fn = RANKING_METRICS.get(metric)
     if score_fn is None:
         raise ValueError(f"unknown ranking metric {metric!r}; expected one of {sorted(RANKING_METRICS)}")
     judgment = parse_judgment(text, len(target), style=style, think_prefilled=think_prefilled)
-    fmt = 1.0 if judgment.format_ok else 0.0
+    problems = ["cut at the token limit"] if truncated else []
+    if judgment.reason:
+        problems.append(judgment.reason)
+    fmt = 1.0 if judgment.format_ok and not truncated else 0.0
     ranking = score_fn(judgment.ranking, target) if judgment.ranking is not None else 0.0
     return RewardResult(
         total=fmt * ranking,
         format=fmt,
         ranking=ranking,
         pred=judgment.ranking,
-        reason=judgment.reason,
+        reason="; ".join(problems),
     )
 
 

@@ -3,7 +3,9 @@
 Format (all protocols): exactly one `<think> ... </think>` block, and the answer block(s) after
 its `</think>`. With `think_prefilled=True` the prompt already ended in "<think>\\n", so the text
 must have no `<think>` of its own and exactly one `</think>`. Tags are matched exactly (lower
-case, no spaces inside the brackets). Text around the blocks is not policed. An `<answer>` tag
+case, no spaces inside the brackets). Text before the blocks is not policed, but only whitespace
+(and the end-of-turn token) may follow the final `</answer>`: a response that runs on after its
+verdict is not well formed, so its filler is never rewarded. An `<answer>` tag
 inside the reasoning counts as an answer block (as in the released reward, which reads every
 `<answer>` in the response).
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+from pjray.data.prompts import EOS_TOKEN
 from pjray.types import Judgment
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -85,6 +88,10 @@ def _layout(text: str, think_prefilled: bool) -> tuple[str | None, list[str], li
     first_answer = text.find("<answer>")
     if close >= 0 and 0 <= first_answer < close:
         problems.append("<answer> before </think>")
+    if answers:
+        tail = text[text.rfind("</answer>") + len("</answer>") :].replace(EOS_TOKEN, "").strip()
+        if tail:
+            problems.append(f"text after the final </answer>: {_short(tail)}")
     return think, answers, problems
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Callable
 
@@ -22,27 +23,52 @@ def load_function(spec: str) -> Callable[[str, str], float]:
     return fn
 
 
-def length_penalty(num_tokens: int, cfg: RewardConfig) -> float:
-    """Linear penalty per token beyond `length_penalty_from` (0 when disabled)."""
-    return cfg.length_penalty * max(0, num_tokens - cfg.length_penalty_from)
+def overlong_penalty(num_tokens: int, max_tokens: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong punishment, scaled by `factor` (<= 0; 0 when `buffer` is 0).
+
+    0 up to `max_tokens - buffer` tokens, then falling linearly to -factor at `max_tokens`
+    (and -factor beyond), so responses that run into the limit lose reward gradually.
+    """
+    if buffer <= 0:
+        return 0.0
+    expected = max_tokens - buffer
+    if num_tokens <= expected:
+        return 0.0
+    return -factor * min(1.0, (num_tokens - expected) / buffer)
 
 
 class RewardWorker:
     """Scores completions against their prompt's target. Plain class: `ray.remote` is applied
-    where the pool is launched, so tests can build it directly."""
+    where the pool is launched, so tests can build it directly.
 
-    def __init__(self, cfg: RewardConfig, think_prefilled: bool):
+    Args:
+        cfg: the reward section.
+        max_new_tokens: the rollout's response limit (the overlong penalty's L_max).
+    """
+
+    def __init__(self, cfg: RewardConfig, max_new_tokens: int):
         self.cfg = cfg
-        # The rollout prompt may end in "<think>\n", so responses lack the opening tag.
-        self.think_prefilled = think_prefilled
+        self.max_new_tokens = max_new_tokens
         self.custom = load_function(cfg.function) if cfg.function else None
 
-    def score(self, completions: list[Completion], targets: list[str]) -> list[RewardResult]:
-        """`targets[i]` is the verdict `completions[i]` should give (its prompt's target)."""
-        if len(completions) != len(targets):
-            raise ValueError(f"{len(completions)} completions but {len(targets)} targets")
+    def score(
+        self, completions: list[Completion], targets: list[str], think_prefilled: list[bool]
+    ) -> list[RewardResult]:
+        """`targets[i]` is the verdict `completions[i]` should give (its prompt's target);
+        `think_prefilled[i]` says whether its prompt already opened `<think>` (`opens_think`).
+
+        A response cut by the token limit (finish reason "length") gets no format credit unless
+        reward.score_truncated: its verdict may be followed by text it never finished. A custom
+        reward function gets the text as it is. The overlong penalty applies to both.
+        """
+        if not len(completions) == len(targets) == len(think_prefilled):
+            raise ValueError(
+                f"{len(completions)} completions, {len(targets)} targets, {len(think_prefilled)} think_prefilled"
+            )
         results = []
-        for completion, target in zip(completions, targets):
+        for completion, target, prefilled in zip(completions, targets, think_prefilled):
+            if completion.finish_reason not in ("stop", "length"):
+                raise ValueError(f"finish_reason {completion.finish_reason!r}: expected stop or length")
             if self.custom is not None:
                 value = float(self.custom(completion.text, target))
                 result = RewardResult(total=value, format=1.0, ranking=value, pred=None, reason="")
@@ -52,23 +78,22 @@ class RewardWorker:
                     target,
                     metric=self.cfg.metric,
                     style=self.cfg.style,
-                    think_prefilled=self.think_prefilled,
+                    think_prefilled=prefilled,
+                    truncated=completion.finish_reason == "length" and not self.cfg.score_truncated,
                 )
-            penalty = length_penalty(len(completion.token_ids), self.cfg)
+            penalty = overlong_penalty(
+                len(completion.token_ids), self.max_new_tokens, self.cfg.overlong_buffer, self.cfg.overlong_penalty
+            )
             if penalty:
-                result = RewardResult(
-                    total=result.total - penalty,
-                    format=result.format,
-                    ranking=result.ranking,
-                    pred=result.pred,
-                    reason=result.reason,
-                )
+                result = dataclasses.replace(result, total=result.total + penalty)
             results.append(result)
         return results
 
-    def score_timed(self, completions: list[Completion], targets: list[str]) -> Timed[list[RewardResult]]:
+    def score_timed(
+        self, completions: list[Completion], targets: list[str], think_prefilled: list[bool]
+    ) -> Timed[list[RewardResult]]:
         """`score`, with the seconds it took in this worker."""
-        return Timed.measure(self.score, completions, targets)
+        return Timed.measure(self.score, completions, targets, think_prefilled)
 
     def ready(self) -> bool:
         return True

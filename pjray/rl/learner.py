@@ -18,16 +18,17 @@ Conventions shared with the driver:
   (the driver fills them with `compute_logprobs(..., "ref")`).
 * A padding ("dummy") experience has an empty `response_ids`: it is still forwarded (so ZeRO-3
   ranks stay in step) but has no response tokens, hence no loss, no gradient and no count.
-* Exported weights carry the names of a freshly loaded HF model's `named_parameters()`
-  (`model.visual...`, `lm_head.weight`): no DeepSpeed `module.` prefix.
+* Every log-prob (current, old, reference) and the entropy are of the logits divided by the
+  rollout's sampling temperature: the distribution the responses were sampled from.
+* Weight sync to the rollout engines and checksums are `pjray.rl.sync.WeightSender`'s methods,
+  mixed into the rank; exported weights carry the HF model's own parameter names.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,11 +37,12 @@ from torch import Tensor
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
 from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, sft_loss, token_logprobs
-from pjray.rl.weights import Bucket, pack, plan_buckets, state_checksums
+from pjray.rl.placement import split_evenly
+from pjray.rl.sync import WeightSender
+>>>>>>> issue-11
 from pjray.types import Experience, Timed, TrainBatch
 
 if TYPE_CHECKING:
-    import ray
     from transformers import PreTrainedModel
     from transformers.processing_utils import ProcessorMixin
 
@@ -77,14 +79,14 @@ def collate(
         (response_mask is 1 on every response token; old_logprobs holds the given values on
         response positions, NaN where an experience has none, meaning "use the current
         policy"), advantages [B], per-row pixel_values [P_b, D] and image_grid_thw [n_b, 3]
-        (empty for rows without an image), and ref_logprobs [B, T] when any experience has
-        them (NaN on the response positions of those that do not).
+        (empty for rows without an image), and ref_logprobs / rollout_logprobs [B, T] when any
+        experience has them (NaN on the response positions of those that do not).
     """
     if not experiences:
         raise ValueError("collate: no experiences")
     for i, e in enumerate(experiences):
         n = len(e.response_ids)
-        for field_name in ("old_logprobs", "ref_logprobs"):
+        for field_name in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
             values = getattr(e, field_name)
             if values is not None and len(values) != n:
                 raise ValueError(
@@ -141,22 +143,19 @@ def collate(
     attention_mask = torch.zeros(batch_size, length, dtype=torch.long)
     response_mask = torch.zeros(batch_size, length, dtype=torch.float32)
     old_logprobs = torch.zeros(batch_size, length, dtype=torch.float32)
-    has_ref = any(e.ref_logprobs is not None for e in experiences)
-    ref_logprobs = torch.zeros(batch_size, length, dtype=torch.float32) if has_ref else None
+    optional = {
+        name: torch.zeros(batch_size, length, dtype=torch.float32)
+        for name in ("ref_logprobs", "rollout_logprobs")
+        if any(getattr(e, name) is not None for e in experiences)
+    }
     for i, (e, row, start) in enumerate(zip(experiences, rows, prompt_lens)):
         input_ids[i, : row.numel()] = row
         attention_mask[i, : row.numel()] = 1
         end = start + len(e.response_ids)
         response_mask[i, start:end] = 1.0
-        if e.old_logprobs is not None:
-            old_logprobs[i, start:end] = torch.tensor(e.old_logprobs, dtype=torch.float32)
-        else:
-            old_logprobs[i, start:end] = math.nan
-        if ref_logprobs is not None:
-            if e.ref_logprobs is not None:
-                ref_logprobs[i, start:end] = torch.tensor(e.ref_logprobs, dtype=torch.float32)
-            else:
-                ref_logprobs[i, start:end] = math.nan
+        for name, values in [("old_logprobs", old_logprobs), *optional.items()]:
+            given = getattr(e, name)
+            values[i, start:end] = torch.tensor(given, dtype=torch.float32) if given is not None else math.nan
 
     return TrainBatch(
         input_ids=input_ids,
@@ -166,7 +165,8 @@ def collate(
         advantages=torch.tensor([float(e.advantage) for e in experiences], dtype=torch.float32),
         pixel_values=row_pixels,
         image_grid_thw=row_grids,
-        ref_logprobs=ref_logprobs,
+        ref_logprobs=optional.get("ref_logprobs"),
+        rollout_logprobs=optional.get("rollout_logprobs"),
     )
 
 
@@ -203,21 +203,31 @@ def _model_inputs(
 
 
 def forward_logprobs(
-    model: torch.nn.Module, processor: ProcessorMixin, batch: TrainBatch, device: torch.device | str = "cpu"
+    model: torch.nn.Module,
+    processor: ProcessorMixin,
+    batch: TrainBatch,
+    device: torch.device | str = "cpu",
+    temperature: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """Log-prob of each next token and the logits that produced it.
+    """Log-prob of each next token under logits / temperature, and those scaled logits.
 
     Args:
         model: a Qwen-VL judge (or a DeepSpeed engine wrapping one).
         batch: from `collate`, B rows of padded length T.
+        temperature: the rollout's sampling temperature, so that the log-probs (and an entropy
+            of the returned logits) are of the distribution the responses were sampled from.
 
     Returns:
-        (logp [B, T-1] float32, logits [B, T-1, V]): logp[:, t] = log pi(input_ids[:, t+1] | ...),
+        (logp [B, T-1] float32, logits [B, T-1, V]): logp[:, t] = log pi_T(input_ids[:, t+1] | ...),
         so response_mask[:, 1:] selects the response tokens. Padded positions hold garbage.
     """
     device = torch.device(device)
     out = model(**_model_inputs(processor, batch, device), use_cache=False)
     logits = out.logits[:, :-1]
+    if temperature != 1.0:
+        # In place: a second [B, T, V] tensor would double the largest activation. The lm_head's
+        # backward does not read its output, so autograd allows it.
+        logits.div_(temperature)
     return token_logprobs(logits, batch.input_ids[:, 1:].to(device)), logits
 
 
@@ -250,12 +260,6 @@ def _vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
-def _split(items: Sequence[Experience], count: int) -> list[Sequence[Experience]]:
-    """`count` contiguous chunks whose sizes differ by at most one (empty only if len < count)."""
-    bounds = [len(items) * i // count for i in range(count + 1)]
-    return [items[bounds[i] : bounds[i + 1]] for i in range(count)]
-
-
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """Recursive dict merge; `extra` wins."""
     out = dict(base)
@@ -272,7 +276,7 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
-class LearnerRank:
+class LearnerRank(WeightSender):
     """One DeepSpeed rank of the policy (and, when the KL term is on, of the reference model).
 
     Args:
@@ -285,6 +289,8 @@ class LearnerRank:
             prompts_per_step * group_size / (ppo_mini_batches * num_ranks * micro_batch_size).
         norm_len: the constant length of the "seq-mean-token-sum-norm" aggregation (the
             configured max response length); None uses the padded micro-batch length.
+        temperature: the rollout's sampling temperature (rollout.temperature); every log-prob
+            and the entropy are of logits / temperature.
         ds_config_overrides: merged last into the DeepSpeed config (e.g. ZeRO-3 bucket sizes).
     """
 
@@ -302,9 +308,13 @@ class LearnerRank:
         grad_accum_steps: int,
         norm_len: int | None = None,
         ds_config_overrides: dict[str, Any] | None = None,
+        temperature: float = 1.0,
     ) -> None:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.temperature = temperature
         self.model_cfg, self.learner_cfg, self.algo_cfg = model_cfg, learner_cfg, algo_cfg
         self.rank, self.world_size = rank, world_size
         self.grad_accum_steps = grad_accum_steps
@@ -348,7 +358,7 @@ class LearnerRank:
         if model_cfg.gradient_checkpointing:
             # Non-reentrant: reentrant checkpointing silently drops the gradients of a segment
             # whose inputs do not require grad, which freezing parts of the model can cause.
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
 
         decay, no_decay = [], []
@@ -447,7 +457,7 @@ class LearnerRank:
             for start in range(0, len(experiences), mbs):
                 chunk = experiences[start : start + mbs]
                 batch = collate(self.processor, chunk)
-                logp, _ = forward_logprobs(model, self.processor, batch, self.device)
+                logp, _ = forward_logprobs(model, self.processor, batch, self.device, self.temperature)
                 logp = logp.float().cpu()
                 mask = batch.response_mask[:, 1:].bool()
                 results.extend(tuple(logp[i][mask[i]].tolist()) for i in range(len(chunk)))
@@ -481,7 +491,9 @@ class LearnerRank:
             actor/kl_loss (the full mini-batch values), token means over the mini-batch of
             actor/entropy, actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl; actor/grad_norm
             (before clipping), actor/lr (the rate this step used), actor/num_tokens and
-            actor/num_seqs (mini-batch totals).
+            actor/num_seqs (mini-batch totals). When experiences carry `rollout_logprobs`, also
+            rollout/logprob_diff_mean and rollout/logprob_diff_max: |learner - rollout engine|
+            per response token (before this step's update), over the tokens that have one.
         """
         if len(experiences) < self.grad_accum_steps:
             raise ValueError(
@@ -499,14 +511,16 @@ class LearnerRank:
         lr = float(self.engine.get_lr()[0])
 
         # Sums over this rank's micro-batches: [pg_loss, kl_loss, tokens, seqs,
-        # entropy*tokens, clipfrac*tokens, clipfrac_lower*tokens, ppo_kl*tokens].
-        sums = torch.zeros(8, dtype=torch.float64)
+        # entropy*tokens, clipfrac*tokens, clipfrac_lower*tokens, ppo_kl*tokens,
+        # |logp - rollout logp| summed, tokens with a rollout logp]; and that difference's max.
+        sums = torch.zeros(10, dtype=torch.float64)
+        diff_max = torch.zeros(1, dtype=torch.float64)
         self.engine.train()
         manual_grad_norm: float | None = None
-        chunks = _split(experiences, self.grad_accum_steps)
+        chunks = split_evenly(experiences, self.grad_accum_steps)
         for index, chunk in enumerate(chunks):
             batch = collate(self.processor, chunk)
-            logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device)
+            logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device, self.temperature)
             mask = batch.response_mask[:, 1:].to(self.device)
             old = batch.old_logprobs[:, 1:].to(self.device)
             # NaN marks "no rollout log-prob": on-policy, so the ratio is exactly 1.
@@ -531,6 +545,13 @@ class LearnerRank:
                 # Entropy of the response positions only: [n_tokens, V], not [B, T, V].
                 entropy_sum = float(entropy_from_logits(logits.detach()[on_mask]).sum())
                 seqs = float(on_mask.any(-1).sum())
+                diff_sum, diff_count = 0.0, 0.0
+                if batch.rollout_logprobs is not None:
+                    rollout = batch.rollout_logprobs[:, 1:].to(self.device)
+                    diffs = (logp.detach().double() - rollout)[on_mask & ~torch.isnan(rollout)].abs()
+                    diff_sum, diff_count = float(diffs.sum()), float(diffs.numel())
+                    if diffs.numel():
+                        diff_max = torch.maximum(diff_max, diffs.max().cpu().reshape(1))
             del logits
 
             # The aggregation already normalises by the global counts; DeepSpeed must not
@@ -545,7 +566,7 @@ class LearnerRank:
             sums += torch.tensor([
                 metrics["pg_loss"], metrics["kl_loss"], tokens, seqs, entropy_sum,
                 metrics["pg_clipfrac"] * tokens, metrics["pg_clipfrac_lower"] * tokens,
-                metrics["ppo_kl"] * tokens,
+                metrics["ppo_kl"] * tokens, diff_sum, diff_count,
             ], dtype=torch.float64)  # fmt: skip
             del logp, loss
 
@@ -555,10 +576,15 @@ class LearnerRank:
         grad_norm = float(grad_norm)
 
         totals = sums.to(self.device)
+        diff_max = diff_max.to(self.device)
         if self.world_size > 1:
             self._ds.comm.all_reduce(totals)
+            self._ds.comm.all_reduce(diff_max, op=torch.distributed.ReduceOp.MAX)
         totals = totals.cpu().tolist()
         tokens = max(totals[2], 1.0)
+        rollout = {}
+        if totals[9] > 0:
+            rollout = {"rollout/logprob_diff_mean": totals[8] / totals[9], "rollout/logprob_diff_max": float(diff_max)}
         return {
             # Each rank's sum is its share times dp_size (see grpo.aggregate): average ranks.
             "actor/pg_loss": totals[0] / self.world_size,
@@ -571,6 +597,7 @@ class LearnerRank:
             "actor/lr": lr,
             "actor/num_tokens": totals[2],
             "actor/num_seqs": totals[3],
+            **rollout,
         }
 
     def train_step_timed(
@@ -594,7 +621,7 @@ class LearnerRank:
         sums = torch.zeros(3, dtype=torch.float64)  # [loss, tokens, right]
         self.engine.train()
         manual_grad_norm: float | None = None
-        chunks = _split(experiences, self.grad_accum_steps)
+        chunks = split_evenly(experiences, self.grad_accum_steps)
         for index, chunk in enumerate(chunks):
             batch = collate(self.processor, chunk)
             logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device)
@@ -625,122 +652,20 @@ class LearnerRank:
             "actor/lr": lr,
         }
 
+    def release_memory(self) -> None:
+        """Return the CUDA caching allocator's free blocks (activations of the update) to the
+        GPU, for a colocated engine that wakes into it next; a no-op on CPU."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
     def _grad_norm(self) -> float | None:
         """L2 norm of the trainable parameters' .grad (None when no gradient is held there)."""
         grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
         return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else None
 
     # -----------------------------------------------------------------------------------------
-    # Weights out: sync, checksums, HF export
+    # Weights out: HF export (weight sync and checksums come from WeightSender, pjray.rl.sync)
     # -----------------------------------------------------------------------------------------
-
-    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        # The engine's inner module is the HF model, so these are its own parameter names.
-        return list(self.engine.module.named_parameters())
-
-    def _full_buckets(self, bucket_bytes: int) -> Iterator[tuple[Bucket, dict[str, Tensor]]]:
-        """(bucket, name -> full tensor) for every bucket; ALL ranks must iterate to the end.
-
-        Under ZeRO-3 each bucket's parameters are all-gathered (a collective) for the duration
-        of one iteration, so at most one bucket is materialised at a time; the tensors must be
-        used or copied before advancing.
-        """
-        named = self._named_parameters()
-        shapes = [(n, getattr(p, "ds_shape", p.shape) if self.zero3 else p.shape, p.dtype) for n, p in named]
-        by_name = dict(named)
-        for bucket in plan_buckets(shapes, bucket_bytes):
-            params = [by_name[e.name] for e in bucket.entries]
-            gathered = (
-                self._ds.zero.GatheredParameters(params, modifier_rank=None)
-                if self.zero3
-                else contextlib.nullcontext()
-            )
-            with gathered:
-                yield bucket, {e.name: by_name[e.name].data for e in bucket.entries}
-
-    def export_weights(self, bucket_bytes: int) -> tuple[list[Bucket], list[ray.ObjectRef]] | None:
-        """Full weights packed into flat buckets in the Ray object store (for rollout sync).
-
-        Called on all ranks (ZeRO-3 gathers are collective). Rank 0 returns (plan, refs) with
-        refs[i] holding `pack(plan[i], ...)` as a CPU tensor; unpack with
-        `pjray.rl.weights.unpack`. Every parameter is exported, trainable or not, so a rollout
-        engine that loads them is exactly the learner's policy. Other ranks return None.
-        """
-        import ray
-
-        plan: list[Bucket] = []
-        refs: list[ray.ObjectRef] = []
-        for bucket, tensors in self._full_buckets(bucket_bytes):
-            if self.rank == 0:
-                plan.append(bucket)
-                refs.append(ray.put(pack(bucket, tensors).cpu()))
-        return (plan, refs) if self.rank == 0 else None
-
-    # Broadcast and CUDA-IPC weight sync to vLLM engines (pjray.rl.sync). Like export_weights,
-    # each is called on ALL ranks, because ZeRO-3 gathers every bucket collectively.
-
-    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
-        """Rank 0 joins (and hosts) the broadcast group with the engines; other ranks do nothing.
-        The engines join concurrently (`RolloutWorker.init_weight_sync`)."""
-        from pjray.rl.sync import WeightSyncGroup
-
-        old = getattr(self, "_sync_group", None)
-        if old is not None:
-            old.close()
-        self._sync_group = WeightSyncGroup(host, port, 0, world_size, backend) if self.rank == 0 else None
-
-    def sync_address(self) -> tuple[str, int]:
-        """This rank's node IP and a free port there, for the broadcast group's store. Asked of
-        the rank itself: its bundle has no CPU left for a probe task once it runs."""
-        import socket
-
-        import ray
-
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
-
-    def weight_plan(self, bucket_bytes: int) -> list[Bucket]:
-        """The bucket plan broadcast_weights sends (from parameter shapes; no gather)."""
-        named = self._named_parameters()
-        return plan_buckets(
-            [(n, getattr(p, "ds_shape", p.shape) if self.zero3 else p.shape, p.dtype) for n, p in named], bucket_bytes
-        )
-
-    def broadcast_weights(self, bucket_bytes: int) -> list[Bucket]:
-        """Send every bucket from rank 0 over the broadcast group; returns the plan sent."""
-        from pjray.rl.sync import broadcast_buckets
-
-        return broadcast_buckets(getattr(self, "_sync_group", None), self._full_buckets(bucket_bytes))
-
-    def export_ipc(self, bucket_bytes: int) -> tuple[list[Bucket], list[Any]]:
-        """(plan, CUDA IPC handles) of this rank's full weights for its colocated engine.
-
-        The packed buffers stay alive until `release_ipc`, after the engine has loaded them.
-        """
-        from pjray.rl.sync import ipc_handles
-
-        self._ipc_buffers: list[Tensor] = []
-        return ipc_handles(self._full_buckets(bucket_bytes), self._ipc_buffers)
-
-    def release_ipc(self) -> None:
-        self._ipc_buffers = []
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-
-    def checksums(self, on_all_ranks: bool = False) -> dict[str, str]:
-        """name -> sha256 of each full (gathered) parameter; call on all ranks.
-
-        Rank 0 returns them, other ranks {} unless `on_all_ranks`: then every rank hashes the
-        full weights as it sees them (under ZeRO-0/1/2 its own replica), so replicas that drifted
-        apart show up as different dicts.
-        """
-        result: dict[str, str] = {}
-        for _, tensors in self._full_buckets(64 << 20):
-            if self.rank == 0 or on_all_ranks:
-                result.update(state_checksums(tensors))
-        return result
 
     def save_hf(self, path: str) -> None:
         """Write an HF model directory (weights, config, processor) at `path` from rank 0.

@@ -1,4 +1,5 @@
-"""Ray placement of the training roles, and pools of workers that survive worker deaths.
+"""Ray placement of the training roles, pools of workers that survive worker deaths, and how a
+list of work is cut over workers (`split_evenly`).
 
 One placement group holds a bundle per learner rank, rollout worker and reward worker, so a
 job either gets all of its resources or waits for them (no half-started job holding GPUs).
@@ -10,7 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, TypeVar
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -20,6 +21,25 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 log = logging.getLogger(__name__)
 
 WORKER_FAILURES = (RayActorError, ActorDiedError, ActorUnavailableError)
+
+T = TypeVar("T")
+
+
+def split_evenly(values: Sequence[T], parts: int) -> list[list[T]]:
+    """`parts` contiguous chunks whose sizes differ by at most one, the longer ones first.
+
+    With fewer values than parts there is one chunk per value (no empty chunks), so callers
+    that need exactly `parts` chunks (ranks in a collective) must pass at least that many.
+    """
+    if parts < 1:
+        raise ValueError(f"split_evenly: parts must be >= 1, got {parts}")
+    size, extra = divmod(len(values), parts)
+    out, start = [], 0
+    for p in range(min(parts, len(values))):
+        end = start + size + (p < extra)
+        out.append(list(values[start:end]))
+        start = end
+    return out
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,11 @@ Semantics every engine keeps, so the driver and the reward never need to know th
   in a response they would make the learner's forward pass look for image features that do
   not exist ("image features and image tokens do not match"). Random tiny judges sample them
   often; real checkpoints almost never do.
-* `logprobs[t]` is log softmax of the model's raw logits (before temperature / top-k / top-p
-  and before the placeholder ban) at the sampled token: the quantity the learner recomputes as
-  the old policy. With temperature 1 and top_p 1 it equals the sampler's own logprob up to the
-  banned placeholders' probability mass (zero for trained models).
+* `logprobs[t]` is log softmax(logits / temperature) at the sampled token (before top-k /
+  top-p and the placeholder ban): exactly what the learner computes for the same weights, so
+  the driver can measure how far the two differ (`rollout/logprob_diff_*`). With top-k and
+  top-p off it is the sampler's own logprob, up to the banned placeholders' probability mass
+  (zero for trained models).
 * Completions come back ordered by (prompt_index, sample_index).
 * Same prompts, n and seed -> same completions (on the same hardware and chunking).
 * Weight sync (`load_weights`) takes the learner's bucket plan plus one Ray ObjectRef per
@@ -34,8 +35,9 @@ Semantics every engine keeps, so the driver and the reward never need to know th
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import ray
@@ -43,13 +45,16 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from pjray.config import ConfigError, ModelConfig, RolloutConfig
+from pjray.data.prompts import EOS_TOKEN
 from pjray.models.loading import load_judge, processor_inputs, render_chat
+from pjray.rl.placement import split_evenly
 from pjray.rl.weights import Bucket, state_checksums, unpack
 from pjray.types import Completion, JudgePrompt, Timed
 
-__all__ = ["HFEngine", "RolloutEngine", "RolloutWorker", "build_engine"]
+if TYPE_CHECKING:
+    from pjray.rl.placement import WorkerPool
 
-EOS_TOKEN = "<|im_end|>"
+__all__ = ["HFEngine", "RolloutEngine", "RolloutWorker", "build_engine", "generate_with_pool"]
 
 
 @runtime_checkable
@@ -78,7 +83,7 @@ class RolloutEngine(Protocol):
 
 
 class _SampledTokenLogprobs(LogitsProcessor):
-    """Records log softmax(raw logits) at each sampled token, one step of logits at a time.
+    """Records log softmax(logits / temperature) at each sampled token, one step at a time.
 
     `output_logits=True` would keep every step's [B, V] logits until generate returns
     (steps x B x V floats: gigabytes for a 150k vocab and long responses). Instead this
@@ -87,16 +92,18 @@ class _SampledTokenLogprobs(LogitsProcessor):
 
     It must see the raw logits, so it has to run first: the engine turns off every
     config-driven processor that HF would place before it (penalties, bad words, min length).
+    HF's own temperature, top-k and top-p warpers run after it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
         self._steps: list[torch.Tensor] = []  # [B] per finished step
         self._last: torch.Tensor | None = None  # [B, V] log-probs of the latest step
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         if self._last is not None:
             self._steps.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        self._last = torch.log_softmax(scores.float(), dim=-1)
+        self._last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
         return scores
 
     def result(self, generated: torch.Tensor) -> torch.Tensor:
@@ -206,7 +213,7 @@ class HFEngine:
         model_inputs = {k: v.to(self.device) for k, v in inputs.items() if v is not None}
         prompt_len = model_inputs["input_ids"].shape[1]
         cfg = self.rollout_cfg
-        recorder = _SampledTokenLogprobs()
+        recorder = _SampledTokenLogprobs(cfg.temperature)
         # Order matters: custom processors run in list order, before temperature/top-k/top-p.
         processors = LogitsProcessorList([recorder])
         if self.banned_ids:
@@ -314,6 +321,28 @@ def build_engine(
             ) from err
         return VllmEngine(model_path, model_cfg, rollout_cfg)
     raise ConfigError(f"rollout.backend={rollout_cfg.backend!r}: expected hf or vllm")
+
+
+def generate_with_pool(pool: WorkerPool, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
+    """n completions per prompt from a pool of `RolloutWorker`s, one contiguous chunk of prompts
+    per worker (worker w samples with seed `seed * 1000 + w`).
+
+    Returns the completions ordered by (prompt_index, sample_index), prompt_index counting in
+    `prompts`, with the slowest worker's generate seconds (the one the caller waits for).
+    """
+    if not prompts:
+        return Timed([], 0.0)
+    chunks = split_evenly(range(len(prompts)), len(pool))
+    answers: list[Timed[list[Completion]]] = pool.call(
+        "generate_timed", [([prompts[i] for i in chunk], n, seed * 1_000 + w) for w, chunk in enumerate(chunks)]
+    )
+    completions = [
+        dataclasses.replace(c, prompt_index=chunk[c.prompt_index])
+        for chunk, answer in zip(chunks, answers)
+        for c in answer.value
+    ]
+    completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
+    return Timed(completions, max(a.compute_s for a in answers))
 
 
 class RolloutWorker:

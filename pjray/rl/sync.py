@@ -1,39 +1,49 @@
-"""Learner -> vLLM weight transports: a broadcast group (gloo / NCCL) and CUDA IPC handles.
+"""Learner -> rollout weight transports: the learner's side of all of them (`WeightSender`), a
+broadcast group (gloo / NCCL) and CUDA IPC handles.
 
-The object-store transport (`LearnerRank.export_weights` + `RolloutEngine.load_weights`) works
-for every layout and is the CPU path. The two here are for vLLM engines, one implementation
-each, shared by the sending learner and the receiving vLLM worker extension
-(`pjray.rl.vllm_engine.WeightSyncExtension`):
+`WeightSender` is mixed into `pjray.rl.learner.LearnerRank`, so every transport is a method of
+the learner actor the driver calls, while the learner file stays about learning. Under ZeRO-3
+the learner gathers parameters bucket by bucket (`WeightSender._full_buckets`), so every learner
+rank must take part in a sync, even though only rank 0 (or, for IPC, each rank for its own
+engine) sends. Transports (`trainer.sync_backend`):
 
-* Broadcast (`trainer.sync_backend=nccl`, or `gloo`): a process group of learner rank 0 plus
-  every vLLM rank (world = 1 + engines x tensor_parallel_size), built on its own TCP store so it
-  never touches DeepSpeed's default group. Rank 0 packs each bucket (`weights.pack`) and
-  broadcasts the flat buffer; each vLLM rank receives it into an empty buffer and loads it. One
-  collective per bucket, one RPC per engine per sync. NCCL for engines on their own GPUs (NCCL
-  refuses two ranks of one communicator on the same GPU); gloo is the same code on CPU tensors.
-* IPC (`trainer.sync_backend=ipc`, colocated): learner rank i packs every bucket on its GPU
-  and hands CUDA IPC handles to engine i on the same GPU, which maps them without a copy over
-  the wire and loads them. Costs one extra copy of the weights in GPU memory until the engine
-  has loaded them (`release` frees it); one RPC per engine per sync.
+* Object store (`export_weights` + `RolloutEngine.load_weights`): works for every layout and is
+  the CPU path. Rank 0 puts each packed bucket in the Ray object store once.
+* Broadcast (`nccl`, or `gloo`): a process group of learner rank 0 plus every vLLM rank (world =
+  1 + engines x tensor_parallel_size), built on its own TCP store so it never touches
+  DeepSpeed's default group. Rank 0 packs each bucket (`weights.pack`) and broadcasts the flat
+  buffer; each vLLM rank receives it into an empty buffer and loads it. One collective per
+  bucket, one RPC per engine per sync. NCCL for engines on their own GPUs (NCCL refuses two
+  ranks of one communicator on the same GPU); gloo is the same code on CPU tensors.
+* IPC (`ipc`, colocated): learner rank i packs every bucket on its GPU and hands CUDA IPC
+  handles to engine i on the same GPU, which maps them without a copy over the wire and loads
+  them. Costs one extra copy of the weights in GPU memory until the engine has loaded them;
+  `release_ipc` frees it (and returns the allocator's cached blocks) before the engine wakes its
+  KV cache.
 
-Under ZeRO-3 the learner gathers parameters bucket by bucket (`LearnerRank._full_buckets`),
-so every learner rank must take part in a sync, even though only rank 0 (broadcast) sends.
+The receiving side of the broadcast and IPC paths is `pjray.rl.vllm_engine.WeightSyncExtension`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
-from collections.abc import Callable, Iterable
+import socket
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pjray.rl.weights import Bucket, pack
+from pjray.rl.weights import Bucket, pack, plan_buckets, state_checksums
+
+if TYPE_CHECKING:
+    import ray
 
 __all__ = [
+    "WeightSender",
     "WeightSyncGroup",
     "broadcast_buckets",
     "dumps",
@@ -161,3 +171,121 @@ def open_ipc_handle(handle: Any, device_index: int) -> Tensor:
     args = list(args)
     args[6] = device_index  # rebuild_cuda_tensor(..., storage_device, ...)
     return rebuild(*args)
+
+
+class WeightSender:
+    """The learner's side of weight sync, checksums included; mixed into `LearnerRank`.
+
+    The host class provides `engine` (the DeepSpeed engine, whose `module` is the HF model),
+    `rank`, `zero3` and `_ds` (the deepspeed module). Like the learner's other methods, each
+    one here is called on ALL learner ranks: ZeRO-3 gathers every bucket collectively.
+    Exported weights carry the names of a freshly loaded HF model's `named_parameters()`
+    (`model.visual...`, `lm_head.weight`): no DeepSpeed `module.` prefix.
+    """
+
+    engine: Any
+    rank: int
+    zero3: bool
+    _ds: Any
+
+    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        # The engine's inner module is the HF model, so these are its own parameter names.
+        return list(self.engine.module.named_parameters())
+
+    def weight_plan(self, bucket_bytes: int) -> list[Bucket]:
+        """The bucket plan of the full weights (from parameter shapes; no gather)."""
+        return plan_buckets(
+            [(n, getattr(p, "ds_shape", p.shape) if self.zero3 else p.shape, p.dtype) for n, p in self._named_parameters()],
+            bucket_bytes,
+        )
+
+    def _full_buckets(self, bucket_bytes: int) -> Iterator[tuple[Bucket, dict[str, Tensor]]]:
+        """(bucket, name -> full tensor) for every bucket; ALL ranks must iterate to the end.
+
+        Under ZeRO-3 each bucket's parameters are all-gathered (a collective) for the duration
+        of one iteration, so at most one bucket is materialised at a time; the tensors must be
+        used or copied before advancing.
+        """
+        by_name = dict(self._named_parameters())
+        for bucket in self.weight_plan(bucket_bytes):
+            params = [by_name[e.name] for e in bucket.entries]
+            gathered = (
+                self._ds.zero.GatheredParameters(params, modifier_rank=None) if self.zero3 else contextlib.nullcontext()
+            )
+            with gathered:
+                yield bucket, {e.name: by_name[e.name].data for e in bucket.entries}
+
+    # -- object store -------------------------------------------------------------------------
+
+    def export_weights(self, bucket_bytes: int) -> tuple[list[Bucket], list[ray.ObjectRef]] | None:
+        """Full weights packed into flat buckets in the Ray object store.
+
+        Rank 0 returns (plan, refs) with refs[i] holding `pack(plan[i], ...)` as a CPU tensor;
+        unpack with `pjray.rl.weights.unpack`. Every parameter is exported, trainable or not, so
+        a rollout engine that loads them is exactly the learner's policy. Other ranks return None.
+        """
+        import ray
+
+        plan: list[Bucket] = []
+        refs: list[ray.ObjectRef] = []
+        for bucket, tensors in self._full_buckets(bucket_bytes):
+            if self.rank == 0:
+                plan.append(bucket)
+                refs.append(ray.put(pack(bucket, tensors).cpu()))
+        return (plan, refs) if self.rank == 0 else None
+
+    # -- broadcast ----------------------------------------------------------------------------
+
+    def sync_address(self) -> tuple[str, int]:
+        """This rank's node IP and a free port there, for the broadcast group's store. Asked of
+        the rank itself: its bundle has no CPU left for a probe task once it runs."""
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
+        """Rank 0 joins (and hosts) the broadcast group with the engines; other ranks do nothing.
+        The engines join concurrently (`RolloutWorker.init_weight_sync`)."""
+        old = getattr(self, "_sync_group", None)
+        if old is not None:
+            old.close()
+        self._sync_group = WeightSyncGroup(host, port, 0, world_size, backend) if self.rank == 0 else None
+
+    def broadcast_weights(self, bucket_bytes: int) -> list[Bucket]:
+        """Send every bucket from rank 0 over the broadcast group; returns the plan sent."""
+        return broadcast_buckets(getattr(self, "_sync_group", None), self._full_buckets(bucket_bytes))
+
+    # -- CUDA IPC -----------------------------------------------------------------------------
+
+    def export_ipc(self, bucket_bytes: int) -> tuple[list[Bucket], list[Any]]:
+        """(plan, CUDA IPC handles) of this rank's full weights for its colocated engine.
+
+        The packed buffers stay alive until `release_ipc`, after the engine has loaded them.
+        """
+        self._ipc_buffers: list[Tensor] = []
+        return ipc_handles(self._full_buckets(bucket_bytes), self._ipc_buffers)
+
+    def release_ipc(self) -> None:
+        """Free the packed copy and return the allocator's cached blocks to the GPU, which the
+        colocated engine's KV cache takes next."""
+        self._ipc_buffers = []
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # -- verification -------------------------------------------------------------------------
+
+    def checksums(self, on_all_ranks: bool = False) -> dict[str, str]:
+        """name -> sha256 of each full (gathered) parameter.
+
+        Rank 0 returns them, other ranks {} unless `on_all_ranks`: then every rank hashes the
+        full weights as it sees them (under ZeRO-0/1/2 its own replica), so replicas that drifted
+        apart show up as different dicts.
+        """
+        result: dict[str, str] = {}
+        for _, tensors in self._full_buckets(64 << 20):
+            if self.rank == 0 or on_all_ranks:
+                result.update(state_checksums(tensors))
+        return result

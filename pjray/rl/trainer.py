@@ -8,6 +8,8 @@ The variant is verl's GRPO as used by the paper's training recipe:
   plus kl_coef * k3 ("low_var_kl") KL to a frozen reference model inside the loss, aggregated
   token-mean over the whole step's batch (independent of how it is split over ranks).
 - On-policy by default: one optimizer step per training step, old logprobs = current ones.
+  Every learner log-prob (current, old, reference) is of logits / rollout.temperature, the
+  distribution the responses were sampled from, as in verl.
 - Reward = format x ranking, ranking = 1 - Levenshtein/K (the paper) or Kendall (the release).
 
 Where it differs from the paper's written objective: the paper writes a per-sample mean
@@ -21,28 +23,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import random
 import shutil
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, TypeVar
+from typing import Callable, Iterator, TypeVar
 
 import ray
 import torch
 
-from pjray.config import Config, to_dict
+from pjray.cluster import connect
+from pjray.config import Config, ConfigError, to_dict
 from pjray.data.prompts import render_batch
 from pjray.data.sampler import ItemSampler, SamplerState
 from pjray.data.sources import read_items
-from pjray.models.loading import load_processor, render_chat
+from pjray.models.loading import load_processor, opens_think, render_chat
 from pjray.reward.workers import RewardWorker
 from pjray.rl.grpo import group_advantages, zero_std_groups
 from pjray.rl.learner import LearnerRank
-from pjray.rl.placement import Placement, RoleResources, WorkerPool
-from pjray.rl.rollout import RolloutWorker
+from pjray.rl.placement import Placement, RoleResources, WorkerPool, split_evenly
+from pjray.rl.rollout import RolloutWorker, generate_with_pool
 from pjray.tracking import Tracker
 from pjray.types import Completion, Experience, JudgeItem, JudgePrompt, RewardResult, Timed
 
@@ -56,6 +58,12 @@ FILLER = Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.
 COMPUTE_PHASES = ("gen", "reward", "ref", "old_log_prob", "update")
 
 T = TypeVar("T")
+
+# generate(prompts, seed) -> one response text per prompt, from the rollout workers.
+Generate = Callable[[list[JudgePrompt], int], list[str]]
+# The held-out evaluation run every eval.every_steps steps (pjray.eval.bias.training_eval):
+# (config, generate, step) -> metrics. Handed in, so the driver never imports the evaluation.
+EvalHook = Callable[[Config, Generate, int], dict[str, float]]
 
 
 class Timer:
@@ -107,39 +115,6 @@ class Rollouts:
     groups_seen: int
 
 
-def connect_ray(cfg: Config) -> None:
-    """Join the cluster we run in (RAY_ADDRESS / `ray job submit`) or start a local one."""
-    if ray.is_initialized():
-        return
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
-    kwargs = {} if address else {"num_cpus": cfg.ray.num_cpus or None}
-    ray.init(address=address, runtime_env={"env_vars": actor_env()}, log_to_driver=True, **kwargs)
-
-
-def actor_env() -> dict[str, str]:
-    """Defaults for every actor's environment; a variable the user set (also through a job's
-    runtime env) wins."""
-    defaults = {
-        "TOKENIZERS_PARALLELISM": "false",
-        # Weight buckets travel as out-of-band buffers, mapped read-only on get: 3.5x faster
-        # sync of a 114M model than pickling (benchmarks/bench_sync.py). Receivers only copy.
-        "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
-    }
-    # Under `ray job submit` the job's runtime env already reaches every actor, and ray.init
-    # refuses a driver env that names one of its variables again: leave those to the job.
-    job_vars = job_env_vars()
-    return {key: os.environ.get(key, value) for key, value in defaults.items() if key not in job_vars}
-
-
-def job_env_vars() -> dict[str, str]:
-    """The env_vars of the runtime env `ray job submit` gave this driver; empty outside a job."""
-    raw = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # set by Ray's job manager
-    if not raw:
-        return {}
-    runtime_env = json.loads(raw).get("runtime_env") or {}
-    return dict(runtime_env.get("env_vars") or {})
-
-
 def load_items(cfg: Config) -> list[JudgeItem]:
     """The training items: a PPJD parquet, or scenes built by the PPJD job (rules + oracle).
 
@@ -172,8 +147,11 @@ def mean(values: list[float]) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, evaluate: EvalHook | None = None):
+        if cfg.eval.every_steps and evaluate is None:
+            raise ConfigError("eval.every_steps: this trainer was given no evaluation hook (evaluate=)")
         self.cfg = cfg
+        self.evaluate = evaluate
         self.run_dir = Path(cfg.trainer.run_dir).resolve()
         self.step = 0
 
@@ -181,7 +159,7 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        connect_ray(cfg)
+        connect(cfg.ray)
         self.items = load_items(cfg)
         self.model_path = self.resolve_model()
         self.processor = load_processor(self.model_path)
@@ -206,7 +184,7 @@ class Trainer:
             max_retries=cfg.trainer.max_step_retries, on_restart=self.sync_worker,
         )
         self.reward = WorkerPool(
-            self.placement, "reward", RewardWorker, lambda i: (cfg.reward, cfg.model.think_prefix),
+            self.placement, "reward", RewardWorker, lambda i: (cfg.reward, cfg.rollout.max_new_tokens),
             max_retries=cfg.trainer.max_step_retries,
         )
         self.init_weight_sync()
@@ -252,7 +230,7 @@ class Trainer:
                 "learner", LearnerRank, r, cfg.model, cfg.learner, cfg.algo, self.model_path,
                 rank=r, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,
                 total_steps=total_updates, grad_accum_steps=per_rank // cfg.learner.micro_batch_size,
-                norm_len=cfg.rollout.max_new_tokens,
+                norm_len=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
             )
             for r in range(cfg.learner.num_ranks)
         ]
@@ -277,10 +255,8 @@ class Trainer:
             self.step += 1
             metrics = self.train_step()
             if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
-                # Held-out Mode a/b rates on scenes of eval.train_seed, judged by the rollout pool.
-                from pjray.eval.bias import training_eval
-
-                metrics.update(training_eval(self.rollout, self.cfg, self.step))
+                # Held-out metrics (eval/*), judged by the rollout pool (the hook is checked in __init__).
+                metrics.update(self.evaluate(self.cfg, self.judge_texts, self.step))
             self.tracker.log(metrics, self.step)
             log.info(
                 "step %d/%d reward %.3f frac_zero_std %.2f step %.1fs", self.step, cfg.steps,
@@ -342,9 +318,9 @@ class Trainer:
         for round_index in range(rounds):
             need = want - len(kept.prompts)
             with timer("gen"):
-                prompts, completions = self.generate(need, seed=self.step * 1_000 + round_index, timer=timer)
+                prompts, texts, completions = self.generate(need, seed=self.step * 1_000 + round_index, timer=timer)
             with timer("reward"):
-                results = self.score(prompts, completions, timer)
+                results = self.score(prompts, texts, completions, timer)
             with timer("adv"):
                 zero = zero_std_groups(torch.tensor([r.total for r in results]), n).tolist()
             zero_groups += sum(zero)
@@ -353,45 +329,49 @@ class Trainer:
                 if cfg.algo.filter_zero_std and zero[g]:
                     continue
                 kept.prompts.append(prompt)
+                kept.texts.append(texts[g])
                 kept.completions.extend(completions[g * n : (g + 1) * n])
                 kept.rewards.extend(results[g * n : (g + 1) * n])
             if len(kept.prompts) >= want:
                 break
         # A refill round may overshoot; keep exactly the configured number of groups.
-        del kept.prompts[want:], kept.completions[want * n :], kept.rewards[want * n :]
+        del kept.prompts[want:], kept.texts[want:], kept.completions[want * n :], kept.rewards[want * n :]
         kept.frac_zero_std = zero_groups / kept.groups_seen
-        kept.texts = [render_chat(self.processor, p, think_prefix=cfg.model.think_prefix) for p in kept.prompts]
         if not kept.prompts:
             # Every group was degenerate: train on nothing this step but keep the run alive.
             log.warning("step %d: every group had zero reward variance", self.step)
         return kept
 
-    def generate(self, num_prompts: int, seed: int, timer: Timer) -> tuple[list[JudgePrompt], list[Completion]]:
-        """Sample items, render prompts (candidates shuffled per prompt) and generate n each."""
+    def generate(
+        self, num_prompts: int, seed: int, timer: Timer
+    ) -> tuple[list[JudgePrompt], list[str], list[Completion]]:
+        """Sample items, render prompts (candidates shuffled per prompt) and generate n each.
+        Also returns each prompt's chat text, as the engines and the learner render it."""
         prompts = []
         for index, item in self.sampler.take(num_prompts):
             rng = random.Random(f"{self.cfg.trainer.seed}/{index}")
             prompt = render_batch(item, rng, style=self.cfg.reward.style)
             # data.images=false: a text-only judge (validated against the model in config).
             prompts.append(prompt if self.cfg.data.images else dataclasses.replace(prompt, image=None))
-        chunks = split_evenly(list(range(len(prompts))), len(self.rollout))
-        answers = self.rollout.call(
-            "generate_timed",
-            [([prompts[i] for i in chunk], self.cfg.algo.group_size, seed * 100 + w) for w, chunk in enumerate(chunks)],
-        )
-        results = timer.unwrap("gen", answers)
-        completions = []
-        for chunk, chunk_completions in zip(chunks, results):
-            for c in chunk_completions:
-                completions.append(dataclasses.replace(c, prompt_index=chunk[c.prompt_index]))
-        completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
-        return prompts, completions
+        texts = [render_chat(self.processor, p, think_prefix=self.cfg.model.think_prefix) for p in prompts]
+        answer = generate_with_pool(self.rollout, prompts, self.cfg.algo.group_size, seed)
+        return prompts, texts, timer.unwrap("gen", [answer])[0]
 
-    def score(self, prompts: list[JudgePrompt], completions: list[Completion], timer: Timer) -> list[RewardResult]:
+    def judge_texts(self, prompts: list[JudgePrompt], seed: int) -> list[str]:
+        """One response text per prompt from the rollout workers: the evaluation hook's generate."""
+        return [c.text for c in generate_with_pool(self.rollout, prompts, 1, seed).value]
+
+    def score(
+        self, prompts: list[JudgePrompt], texts: list[str], completions: list[Completion], timer: Timer
+    ) -> list[RewardResult]:
         targets = [prompts[c.prompt_index].target for c in completions]
-        chunks = split_evenly(list(range(len(completions))), len(self.reward))
+        # Whether a response must open <think> itself is read from its prompt's text: a chat
+        # template may open the block whatever model.think_prefix says.
+        prefilled = [opens_think(texts[c.prompt_index]) for c in completions]
+        chunks = split_evenly(range(len(completions)), len(self.reward))
         answers = self.reward.call(
-            "score_timed", [([completions[i] for i in chunk], [targets[i] for i in chunk]) for chunk in chunks]
+            "score_timed",
+            [([completions[i] for i in chunk], [targets[i] for i in chunk], [prefilled[i] for i in chunk]) for chunk in chunks],
         )
         results = timer.unwrap("reward", answers)
         return [r for chunk_results in results for r in chunk_results]
@@ -404,6 +384,7 @@ class Trainer:
                 image=rollouts.prompts[i // n].image,
                 response_ids=c.token_ids,
                 advantage=advantages[i],
+                rollout_logprobs=c.logprobs,
             )
             for i, c in enumerate(rollouts.completions)
         ]
@@ -430,8 +411,12 @@ class Trainer:
 
     def update(self, experiences: list[Experience], timer: Timer) -> dict[str, float]:
         collected: dict[str, list[float]] = defaultdict(list)
-        for _ in range(self.cfg.algo.ppo_epochs):
-            for mini in self.padded_shards(experiences):
+        for epoch in range(self.cfg.algo.ppo_epochs):
+            for index, mini in enumerate(self.padded_shards(experiences)):
+                if epoch or index:
+                    # The rollout engine's log-probs are compared only in the first update,
+                    # whose forward runs the weights the engine sampled with.
+                    mini = [[dataclasses.replace(e, rollout_logprobs=None) for e in shard] for shard in mini]
                 real = [e for shard in mini for e in shard if e.response_ids]
                 tokens = float(sum(len(e.response_ids) for e in real))
                 if not real:
@@ -464,9 +449,16 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Bucketed learner -> rollout weight transfer: one call per rollout worker per sync,
-        over trainer.sync_backend (pjray.rl.sync). Every learner rank takes part (ZeRO-3)."""
+        over trainer.sync_backend (pjray.rl.sync). Every learner rank takes part (ZeRO-3).
+
+        Colocated, GPU memory changes hands in this order: the learners return their allocator's
+        cached blocks, the sleeping engines wake their weights and load, the learners free their
+        packed copy, and only then do the engines wake their KV caches."""
         bucket_bytes = self.cfg.trainer.sync_bucket_mb << 20
         backend = self.cfg.trainer.sync_backend
+        colocated = self.cfg.rollout.colocate
+        if colocated:
+            ray.get([r.release_memory.remote() for r in self.learners])
         if backend in ("gloo", "nccl"):
             # Direct calls, not the restartable pool: a retry could not rejoin a collective
             # that the learner is still blocked in.
@@ -482,6 +474,8 @@ class Trainer:
             exported = ray.get([r.export_weights.remote(bucket_bytes) for r in self.learners])
             plan, refs = exported[0]
             self.rollout.broadcast("load_weights", plan, refs)
+        if colocated:
+            self.rollout.broadcast("wake_up")
 
     def sync_worker(self, worker) -> None:
         """Bring one rebuilt rollout worker to the learner's current weights."""
@@ -555,20 +549,9 @@ class Trainer:
             self.placement.shutdown()
 
 
-def split_evenly(values: list, parts: int) -> list[list]:
-    """Contiguous chunks whose sizes differ by at most one (empty chunks dropped)."""
-    size, extra = divmod(len(values), parts)
-    out, start = [], 0
-    for p in range(parts):
-        end = start + size + (p < extra)
-        out.append(values[start:end])
-        start = end
-    return [chunk for chunk in out if chunk] if len(values) < parts else out
-
-
-def train(cfg: Config) -> Path:
-    """Run a whole training job; returns the run directory."""
-    trainer = Trainer(cfg)
+def train(cfg: Config, evaluate: EvalHook | None = None) -> Path:
+    """Run a whole training job (with `evaluate` every eval.every_steps); returns the run directory."""
+    trainer = Trainer(cfg, evaluate)
     try:
         trainer.setup()
         trainer.run()

@@ -2,8 +2,11 @@
 
 `VllmEngine(model_path, model_cfg, rollout_cfg)` keeps every semantic `pjray.rl.rollout`
 documents for engines (sampling exactly from RolloutConfig, stop only at EOS, placeholder
-tokens never sampled, logprobs of the raw logits, completions ordered by prompt and sample,
-deterministic in the seed), so the driver and the reward never see which backend ran.
+tokens never sampled, completions ordered by prompt and sample, deterministic in the seed), so
+the driver and the reward never see which backend ran. Log-probs are vLLM's "processed" ones:
+of logits / temperature, as the learner computes them; with top-k or top-p on they are of the
+truncated distribution (and the ban of placeholder tokens renormalises them), a difference the
+driver's `rollout/logprob_diff_*` then shows.
 
 Images: vLLM gets the raw `render_chat` text (ONE un-expanded placeholder) plus the decoded
 image as `multi_modal_data` (`vllm_request`), and expands the placeholder itself. It never
@@ -27,7 +30,9 @@ layout out) inside vLLM's layerwise in-place reload (`pjray_begin_update` /
 `pjray_finish_update`), which re-runs the post-load processing of every layer (e.g. repacked CPU
 linear weights), and the engine resets the prefix cache after every sync: cached KV blocks were
 computed by the old weights. Colocated engines run with sleep mode: `sleep()` frees weights and
-KV cache while the learner trains; a sync wakes the weights first, loads, then the KV cache.
+KV cache while the learner trains; a sync wakes the weights alone and loads them, and the KV
+cache wakes only when the driver calls `wake_up()`, after the learner has released its packed
+copy of the weights and its allocator's cached blocks (`pjray.rl.sync.WeightSender`).
 
 vLLM's model names differ from the learner's (fused qkv / gate_up projections), so
 `checksums()` hashes vLLM's own parameters: compare two engines with it, and an engine with the
@@ -44,6 +49,7 @@ import ray
 import torch
 
 from pjray.config import ModelConfig, RolloutConfig
+from pjray.data.prompts import EOS_TOKEN
 from pjray.models.loading import decode_image, is_text_only, load_processor, render_chat
 from pjray.rl.sync import WeightSyncGroup, dumps, loads, open_ipc_handle, receive_buckets
 from pjray.rl.weights import Bucket, state_checksums, unpack
@@ -51,7 +57,6 @@ from pjray.types import Completion, JudgePrompt
 
 __all__ = ["VllmEngine", "WeightSyncExtension", "vllm_request"]
 
-EOS_TOKEN = "<|im_end|>"
 # vLLM caps a logit bias at +-100: exp(-100) is 0 in every float format, an exact ban.
 _BAN_BIAS = -100.0
 
@@ -179,7 +184,7 @@ class VllmEngine:
         placeholders = (self.processor.image_token_id, self.processor.video_token_id)
         self.banned_ids: tuple[int, ...] = tuple(sorted(i for i in placeholders if i is not None))
         self.sleep_enabled = rollout_cfg.colocate
-        self.asleep = False
+        self.sleeping: set[str] = set()  # what sleep() released and no wake-up brought back yet
 
         kwargs: dict[str, Any] = {
             "model": model_path,
@@ -192,6 +197,8 @@ class VllmEngine:
             # Sampling comes from RolloutConfig only, never from the checkpoint's defaults.
             "generation_config": "vllm",
             "worker_extension_cls": f"{__name__}.WeightSyncExtension",
+            # Sampled tokens' logprobs after temperature (the learner's quantity), not the raw ones.
+            "logprobs_mode": "processed_logprobs",
             "seed": 0,
         }
         if on_cpu:
@@ -217,7 +224,7 @@ class VllmEngine:
             top_k=cfg.top_k,  # 0 = off, as in RolloutConfig
             max_tokens=cfg.max_new_tokens,
             stop_token_ids=list(self.eos_ids),
-            logprobs=0,  # the sampled token's logprob; vLLM's default mode reads raw logits
+            logprobs=0,  # the sampled token's logprob (processed: after temperature)
             logit_bias={i: _BAN_BIAS for i in self.banned_ids} or None,
             seed=seed,
             skip_special_tokens=True,
@@ -227,7 +234,7 @@ class VllmEngine:
         """n samples per prompt, ordered by (prompt_index, sample_index)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
-        if self.asleep:
+        if self.sleeping:
             self.wake_up()
         requests = [vllm_request(self.processor, p, self.model_cfg.think_prefix) for p in prompts]
         params = [self.sampling_params(n, _prompt_seed(seed, i)) for i in range(len(prompts))]
@@ -302,17 +309,17 @@ class VllmEngine:
         self._after_load()
 
     def _before_load(self) -> None:
-        if self.asleep:
-            # Weights only: the KV cache stays released until the load is done, so the learner's
-            # buffers and the engine's weights are what share the GPU during the sync.
+        if "weights" in self.sleeping:
+            # Weights only: the KV cache stays released until `wake_up`, so the learner's
+            # buffers and the engine's weights are all that share the GPU during the sync.
             self.llm.wake_up(tags=["weights"])
+            self.sleeping.discard("weights")
 
     def _after_load(self) -> None:
-        if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
-        # Cached KV blocks were computed with the old weights.
-        self.llm.reset_prefix_cache()
+        if "kv_cache" not in self.sleeping:
+            # Cached KV blocks were computed with the old weights (a sleeping cache is reset
+            # when it wakes).
+            self.llm.reset_prefix_cache()
 
     def checksums(self) -> dict[str, str]:
         """`state_checksums` of vLLM's own parameters on its rank 0 (vLLM's names)."""
@@ -320,11 +327,14 @@ class VllmEngine:
 
     def sleep(self) -> None:
         """Release weights and KV cache (colocated engines); a no-op without sleep mode."""
-        if self.sleep_enabled and not self.asleep:
+        if self.sleep_enabled and not self.sleeping:
             self.llm.sleep(level=1)
-            self.asleep = True
+            self.sleeping = {"weights", "kv_cache"}
 
     def wake_up(self) -> None:
-        if self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+        """Take back what `sleep` released and a sync has not (after a sync: the KV cache)."""
+        if self.sleeping:
+            self.llm.wake_up(tags=sorted(self.sleeping))
+            if "kv_cache" in self.sleeping:
+                self.llm.reset_prefix_cache()  # its blocks hold nothing valid after sleep
+            self.sleeping = set()

@@ -78,19 +78,20 @@ def test_missing_judge_is_a_config_error(tmp_path, capsys):
 
 def test_training_eval_through_a_rollout_pool(judge):
     """The trainer's held-out eval: the rollout pool judges held-out scenes, eval/* metrics out."""
+    from pjray.cluster import connect
     from pjray.config import load
     from pjray.eval.bias import training_eval
-    from pjray.eval.runner import connect_ray
     from pjray.rl.placement import Placement, RoleResources, WorkerPool
-    from pjray.rl.rollout import RolloutWorker
+    from pjray.rl.rollout import RolloutWorker, generate_with_pool
 
     cfg = load(overrides=["eval.every_steps=1", "eval.train_num_items=2", "data.image_size=64",
                           "rollout.max_new_tokens=8", "ray.num_cpus=2"])  # fmt: skip
-    connect_ray(cfg)
+    connect(cfg.ray)
     placement = Placement({"rollout": RoleResources(1, 0.5, 0.0)}, strategy="PACK")
     pool = WorkerPool(placement, "rollout", RolloutWorker, lambda i: (judge, cfg.model, cfg.rollout, i), max_retries=1)
     try:
-        metrics = training_eval(pool, cfg, step=3)
+        # What the trainer hands its evaluation hook: the rollout pool as a generate function.
+        metrics = training_eval(cfg, lambda prompts, seed: [c.text for c in generate_with_pool(pool, prompts, 1, seed).value], 3)
     finally:
         pool.shutdown()
         placement.shutdown()

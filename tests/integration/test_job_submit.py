@@ -40,7 +40,7 @@ PPJD = ["ppjd.num_items=8", "ppjd.shard_size=4", "ppjd.image_size=64"]
 
 def test_actor_defaults_yield_to_the_job_runtime_env(monkeypatch):
     """ray.init inside a job refuses a driver env naming a variable the job's env sets."""
-    from pjray.rl.trainer import actor_env
+    from pjray.cluster import actor_env
 
     monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)

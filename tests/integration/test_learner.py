@@ -21,14 +21,16 @@ from pathlib import Path
 import PIL.Image
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
-from pjray.models.loading import load_judge
+from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
+from pjray.models.loading import load_judge, render_chat
 from pjray.models.tiny import build_tiny_judge
-from pjray.rl.grpo import grpo_loss
+from pjray.rl.grpo import entropy_from_logits, grpo_loss
 from pjray.rl.learner import LearnerRank, collate, forward_logprobs, lr_multiplier
+from pjray.rl.rollout import HFEngine
 from pjray.rl.weights import state_checksums, unpack
-from pjray.types import Experience
+from pjray.types import Experience, JudgePrompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -399,6 +401,59 @@ def test_bad_calls_fail_loudly(judge_dir: str, rank_env: None) -> None:
             rank.compute_logprobs(exps, "old")
     finally:
         rank.shutdown()
+
+
+def _sharpen(path: Path) -> None:
+    """Scale every matrix of a saved tiny judge by 10: its logits then spread over several nats,
+    so scoring them at the wrong temperature is far off (a random judge is nearly uniform)."""
+    weights = load_file(path / "model.safetensors")
+    save_file({k: v * 10 if v.dim() >= 2 else v for k, v in weights.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})  # fmt: skip
+
+
+def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, rank_env: None) -> None:
+    """Responses sampled by the HF engine at T=0.7: the learner's current and reference
+    log-probs of them equal the engine's, and so does the forward of train_step (its
+    rollout/logprob_diff_max ~ 0, its entropy that of logits / T); raw logits are far off."""
+    judge = build_tiny_judge(tmp_path / "judge", seed=0)
+    _sharpen(judge)
+    engine = HFEngine(str(judge), ModelConfig(), RolloutConfig(max_new_tokens=8, temperature=0.7))
+    prompts = [
+        JudgePrompt(item_id=str(i), system="Judge.", user=user, image=image, protocol="batch", style="ranking",
+                    num_candidates=3, shown=(0, 1, 2), target="ABC")  # fmt: skip
+        for i, (user, image) in enumerate([("Rank the answers A, B and C.", _png(84, 56, 3)), ("No image here.", None)])
+    ]
+    completions = engine.generate(prompts, n=3, seed=0)
+    exps = [
+        Experience(prompt_text=render_chat(engine.processor, prompts[c.prompt_index]), image=prompts[c.prompt_index].image,
+                   response_ids=c.token_ids, advantage=(-1.0) ** c.sample_index, rollout_logprobs=c.logprobs)  # fmt: skip
+        for c in completions
+    ]
+    model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=3, kl_coef=0.01)
+    rank = LearnerRank(
+        model_cfg, learner_cfg, algo_cfg, str(judge), rank=0, world_size=1, master_addr="127.0.0.1",
+        master_port=_free_port(), total_steps=10, grad_accum_steps=2, temperature=0.7,
+    )  # fmt: skip
+    try:
+        policy = rank.compute_logprobs(exps)
+        ref = rank.compute_logprobs(exps, "ref")
+        batch = collate(rank.processor, exps)
+        mask = batch.response_mask[:, 1:].bool()
+        with torch.no_grad():
+            raw, _ = forward_logprobs(rank.engine, rank.processor, batch, temperature=1.0)
+            _, scaled = forward_logprobs(rank.engine, rank.processor, batch, temperature=0.7)
+            entropy = float(entropy_from_logits(scaled[mask]).mean())
+        exps = [dataclasses.replace(e, ref_logprobs=r) for e, r in zip(exps, ref)]
+        metrics = rank.train_step(exps, *_counts(exps))
+    finally:
+        rank.shutdown()
+    for c, lp, rp in zip(completions, policy, ref):
+        torch.testing.assert_close(torch.tensor(lp), torch.tensor(c.logprobs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(rp), torch.tensor(c.logprobs), atol=1e-4, rtol=0)
+    raw_diff = max(float((raw[i][mask[i]] - torch.tensor(c.logprobs)).abs().max()) for i, c in enumerate(completions))
+    assert raw_diff > 0.1, raw_diff
+    assert metrics["rollout/logprob_diff_max"] < 1e-4 and metrics["rollout/logprob_diff_mean"] <= metrics["rollout/logprob_diff_max"]
+    assert metrics["actor/entropy"] == pytest.approx(entropy, rel=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 import json
@@ -116,6 +117,26 @@ def test_bad_rows_land_in_rejects_with_reasons(local_ray, tmp_path):
     assert got["5"][0] == "verify" and "think tags" in got["5"][1]
     assert got["6"][0] == "verify" and "not the ground truth" in got["6"][1]
     assert got["7"][0] == "vqa" and "oracle answers from scene facts" in got["7"][1]
+
+
+def test_a_stage_that_rejects_nearly_every_row_fails_the_job(local_ray, tmp_path):
+    """12 rows with no question: the load stage rejects them all, which says the job is broken or
+    misconfigured, not that the data is bad, so the job fails naming the stage and the reason;
+    with the guard off (a config knob that leaves finished shards valid) it completes."""
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (200, 0, 0)).save(buf, format="PNG")
+    (tmp_path / "ok.png").write_bytes(buf.getvalue())
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"image": "ok.png", "chosen": "It is red.\nFinal Answer: red", "answer": "red"})
+                            + "\n" for _ in range(12)))
+    cfg = PPJDConfig(source="jsonl", paths=[str(data)], output_dir=str(tmp_path / "out"), shard_size=12)
+    with pytest.raises(Exception, match=r"stage 'load' rejected 12 of the 12 rows") as err:
+        run_ppjd(cfg)
+    assert "12 x 'missing field(s): question'" in str(err.value)
+    assert not (tmp_path / "out" / "ppjd" / "shard-00000.parquet").exists()
+    assert len(rejects(tmp_path / "out")) == 12  # written for the diagnosis
+    manifest = run_ppjd(dataclasses.replace(cfg, max_reject_fraction=1.0))
+    assert manifest["counts"]["rejected_by_stage"] == {"load": 12}
 
 
 def test_rerun_after_a_crash_writes_no_duplicates(local_ray, tmp_path):

@@ -141,8 +141,10 @@ def test_generate_shapes_order_and_finish(stopping_engine: HFEngine):
     assert {c.finish_reason for c in completions} == {"stop", "length"}
 
 
-def _assert_teacher_forced(engine: HFEngine, completions: list[Completion]) -> None:
-    """Each completion's logprobs equal one unpadded full forward pass over prompt + response."""
+def _assert_teacher_forced(engine: HFEngine, completions: list[Completion], temperature: float | None = None) -> None:
+    """Each completion's logprobs equal one unpadded full forward pass over prompt + response,
+    at the engine's sampling temperature (log softmax of logits / T) unless another is given."""
+    temperature = engine.rollout_cfg.temperature if temperature is None else temperature
     model, processor = engine.model, engine.processor
     for c in completions:
         prompt = PROMPTS[c.prompt_index]
@@ -158,7 +160,7 @@ def _assert_teacher_forced(engine: HFEngine, completions: list[Completion]) -> N
             kwargs["pixel_values"] = inputs["pixel_values"]
             kwargs["image_grid_thw"] = inputs["image_grid_thw"]
         with torch.no_grad():
-            logits = model(**kwargs).logits[0, prompt_len - 1 : -1].float()
+            logits = model(**kwargs).logits[0, prompt_len - 1 : -1].float() / temperature
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
 
@@ -169,6 +171,16 @@ def test_logprobs_match_teacher_forced_forward(variant: str, request):
     unpadded full forward per sequence; the stopping variant checks the trim at EOS."""
     engine: HFEngine = request.getfixturevalue("engine" if variant == "sharp" else "stopping_engine")
     _assert_teacher_forced(engine, engine.generate(PROMPTS, n=N, seed=1))
+
+
+def test_logprobs_are_of_the_sampling_temperature(judge_dir):
+    """At T=0.7 the recorded logprobs are of logits / T, the distribution sampled from (what the
+    learner computes), not of the raw logits."""
+    engine = HFEngine(judge_dir, ModelConfig(), RolloutConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=0.7))
+    completions = engine.generate(PROMPTS, n=2, seed=1)
+    _assert_teacher_forced(engine, completions)
+    with pytest.raises(AssertionError):
+        _assert_teacher_forced(engine, completions, temperature=1.0)
 
 
 @pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -11,8 +12,9 @@ import ray
 
 from pjray.cli import main
 from pjray.config import load
-from pjray.rl.trainer import Timer, Trainer, actor_env, latest_checkpoint
-from pjray.types import Timed
+from pjray.cluster import actor_env
+from pjray.rl.trainer import Timer, Trainer, latest_checkpoint
+from pjray.types import Completion, Timed
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -128,10 +130,16 @@ def test_train_checkpoint_export_and_resume(local_ray, tmp_path):
     assert {"eval/error_rate", "eval/mode_a_rate", "eval/mode_b_rate"} <= set(first[2])
     for key in ("reward/mean", "reward/std", "rollout/frac_zero_std", "actor/pg_loss", "actor/kl_loss",
                 "actor/grad_norm", "timing_s/gen", "timing_s/reward", "timing_s/ref", "timing_s/update",
-                "timing_s/sync", "perf/throughput", "response_length/mean"):
+                "timing_s/sync", "perf/throughput", "response_length/mean", "response_length/clip_ratio",
+                "rollout/logprob_diff_mean", "rollout/logprob_diff_max"):
         assert key in first[-1], key
     for metrics in first:  # two learner ranks: compute is the slower rank's
         check_ray_overhead(metrics, ("gen", "reward", "ref", "update"))
+        # The HF engine and the DeepSpeed learner agree on every sampled token (fp32, same weights
+        # after each sync); a different processor or dtype between them would show here.
+        assert 0 <= metrics["rollout/logprob_diff_mean"] <= metrics["rollout/logprob_diff_max"] < 1e-3
+        # The random judge rarely writes EOS within 12 tokens: most responses are cut.
+        assert 0.5 < metrics["response_length/clip_ratio"] <= 1.0
     assert latest_checkpoint(run_dir).name == "global_step_3"
     hf = run_dir / "hf_model"
     assert (hf / "config.json").exists()
@@ -154,10 +162,28 @@ def test_missing_data_path_is_a_clear_error(tmp_path):
         Trainer(cfg).setup()
 
 
+def thinking_judge(path: Path) -> Path:
+    """A tiny judge whose chat template opens <think> in the generation prompt itself, as
+    thinking checkpoints do."""
+    from pjray.models.loading import load_processor
+    from pjray.models.tiny import build_tiny_judge
+
+    build_tiny_judge(path, seed=0)
+    processor = load_processor(path)
+    template = processor.chat_template.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
+    assert template != processor.chat_template
+    processor.chat_template = processor.tokenizer.chat_template = template
+    processor.save_pretrained(path)
+    return path
+
+
 def test_sync_is_exact_and_dead_workers_are_replaced(local_ray, tmp_path):
+    # A thinking template with model.think_prefix=false: the prompts still open <think>.
     cfg = load(
         overrides=TINY
         + [
+            f"model.path={thinking_judge(tmp_path / 'judge')}",
+            "model.think_prefix=false",
             f"trainer.run_dir={tmp_path / 'ft'}",
             "rollout.num_workers=2",
             "reward.num_workers=1",
@@ -190,5 +216,50 @@ def test_sync_is_exact_and_dead_workers_are_replaced(local_ray, tmp_path):
         learner_sums = ray.get(trainer.learners[0].checksums.remote())
         for worker in trainer.rollout.actors:
             assert ray.get(worker.checksums.remote()) == learner_sums
+
+        # The reward reads the think prefill from each prompt's text, not model.think_prefix:
+        # the template opened <think>, so a response must close it without opening it again.
+        prompts, texts, _ = trainer.generate(1, seed=99, timer=Timer())
+        assert texts[0].endswith("<think>\n")
+        good = "the cars are red\n</think>\n<answer>" + prompts[0].target + "</answer>"
+        completions = [
+            Completion(0, i, (1, 2, 3), (-1.0, -1.0, -1.0), text, "stop")
+            for i, text in enumerate([good, "<think>" + good, good + " and more", good])
+        ]
+        completions[3] = dataclasses.replace(completions[3], finish_reason="length")
+        results = trainer.score(prompts, texts, completions, Timer())
+        assert [r.total for r in results] == [1.0, 0.0, 0.0, 0.0], [r.reason for r in results]
     finally:
         trainer.shutdown()
+
+
+def test_colocated_sync_hands_gpu_memory_over_in_order(local_ray, tmp_path):
+    """The driver's side of the colocated IPC sync, with recording fakes of the learner ranks and
+    the sleeping vLLM workers (no GPU here; the engine's side is tests/unit/test_colocated_sync.py):
+    the learners return their cached blocks, export, the engines load their weights, the
+    learners free the packed copy, and only then do the engines wake their KV caches."""
+    from recording_actors import CallLog, RecordingLearnerRank, RecordingRolloutWorker
+
+    from pjray.rl.placement import Placement, RoleResources, WorkerPool
+
+    cfg = load(overrides=TINY + [
+        f"trainer.run_dir={tmp_path}", "rollout.backend=vllm", "rollout.colocate=true", "trainer.sync_backend=ipc",
+        "learner.num_ranks=2", "rollout.num_workers=2", "learner.micro_batch_size=2",
+        "learner.num_gpus_per_rank=0.5", "rollout.num_gpus_per_worker=0.4",
+    ])  # fmt: skip
+    log = ray.remote(num_cpus=0)(CallLog).remote()
+    trainer = Trainer(cfg)
+    trainer.learners = [ray.remote(num_cpus=0)(RecordingLearnerRank).remote(log, r) for r in range(2)]
+    placement = Placement({"rollout": RoleResources(2, 0.1, 0.0)}, strategy="PACK")
+    trainer.rollout = WorkerPool(placement, "rollout", RecordingRolloutWorker, lambda i: (log, i), max_retries=0)
+    try:
+        trainer.sync_weights()
+        calls = ray.get(log.calls.remote())
+    finally:
+        trainer.rollout.shutdown()
+        placement.shutdown()
+        for actor in trainer.learners:
+            ray.kill(actor)
+    order = ["release_memory", "export_ipc", "load_ipc", "release_ipc", "wake_up"]
+    assert [method for method, _ in calls] == [m for m in order for _ in range(2)], calls
+    assert all(sorted(i for m, i in calls if m == method) == [0, 1] for method in order)

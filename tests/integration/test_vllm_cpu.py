@@ -19,6 +19,7 @@ an environment of its own. Everything is real: vLLM's engine and sampler, Ray, D
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -37,13 +38,15 @@ vllm = pytest.importorskip(
 import ray  # noqa: E402
 import torch  # noqa: E402
 
+from pjray.cluster import actor_env  # noqa: E402
 from pjray.config import PPJDConfig, load  # noqa: E402
 from pjray.models.loading import load_judge, processor_inputs, render_chat  # noqa: E402
 from pjray.models.tiny import build_tiny_judge  # noqa: E402
 from pjray.ppjd import llm as ppjd_llm  # noqa: E402
 from pjray.ppjd.pipeline import LlmStage, _frame  # noqa: E402
 from pjray.ppjd.sources import RawRow  # noqa: E402
-from pjray.rl.trainer import Trainer, actor_env  # noqa: E402
+from pjray.rl.learner import collate, forward_logprobs  # noqa: E402
+from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.rl.vllm_engine import VllmEngine  # noqa: E402
 from pjray.rl.weights import pack, plan_buckets  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402
@@ -107,7 +110,7 @@ def test_generate_n_samples_with_logprobs(judge_dir: str, engine: VllmEngine) ->
     assert engine.generate(PROMPTS, n=n, seed=7) == out
     assert engine.generate(PROMPTS, n=n, seed=8) != out
 
-    # The logprobs are the model's own (raw logits, temperature 1): recompute them with HF.
+    # The logprobs are the model's own (temperature 1, no top-k/top-p): recompute them with HF.
     model, processor = load_judge(judge_dir, trainable=False)
     for c in out[:: n]:
         hf = _hf_logprobs(model, processor, PROMPTS[c.prompt_index], c.token_ids)
@@ -115,6 +118,30 @@ def test_generate_n_samples_with_logprobs(judge_dir: str, engine: VllmEngine) ->
         assert engine.continuation_logprobs(PROMPTS[c.prompt_index], c.token_ids) == pytest.approx(
             c.logprobs, abs=2e-3
         )
+
+
+def test_logprobs_are_of_the_sampling_temperature(judge_dir: str, engine: VllmEngine) -> None:
+    """Sampled at T=0.7, vLLM's logprobs (its processed mode) equal the learner's log-probs of the
+    same tokens (`forward_logprobs` at T=0.7 on the HF model), not the raw logits' ones."""
+    saved = engine.rollout_cfg
+    engine.rollout_cfg = dataclasses.replace(saved, temperature=0.7)  # read per request
+    try:
+        out = engine.generate(PROMPTS, n=2, seed=5)
+    finally:
+        engine.rollout_cfg = saved
+    model, processor = load_judge(judge_dir, trainable=False)
+    experiences = [Experience(prompt_text=render_chat(processor, PROMPTS[c.prompt_index]), image=None,
+                              response_ids=c.token_ids, advantage=0.0) for c in out]  # fmt: skip
+    batch = collate(processor, experiences)
+    mask = batch.response_mask[:, 1:].bool()
+    with torch.no_grad():
+        tempered, _ = forward_logprobs(model, processor, batch, temperature=0.7)
+        raw, _ = forward_logprobs(model, processor, batch, temperature=1.0)
+    raw_diff = 0.0
+    for i, c in enumerate(out):
+        torch.testing.assert_close(torch.tensor(c.logprobs), tempered[i][mask[i]], atol=2e-3, rtol=0)
+        raw_diff = max(raw_diff, float((torch.tensor(c.logprobs) - raw[i][mask[i]]).abs().max()))
+    assert raw_diff > 1e-2, raw_diff
 
 
 def test_load_weights_in_buckets(engine: VllmEngine, tmp_path: Path) -> None:
@@ -188,6 +215,8 @@ def test_grpo_steps_and_weight_sync_with_vllm(local_ray, tmp_path: Path) -> None
         metrics = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [m["training/global_step"] for m in metrics] == [1, 2]
         assert all(m["timing_s/sync"] > 0 for m in metrics)
+        # vLLM's per-token logprobs agree with the DeepSpeed learner's on the first update.
+        assert all(0 <= m["rollout/logprob_diff_mean"] <= m["rollout/logprob_diff_max"] < 5e-3 for m in metrics)
         after_gloo = _served_matches_learner(trainer, prompt, continuation)
         assert max(abs(a - b) for a, b in zip(after_gloo, initial)) > 1e-3  # new weights served
 

@@ -7,6 +7,7 @@ continuation equal the learner's. `benchmarks/gpu_smoke.sh` runs the same layout
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -22,9 +23,10 @@ vllm = pytest.importorskip("vllm", reason="vllm is not importable here (install 
 
 import ray  # noqa: E402
 
+from pjray.cluster import actor_env  # noqa: E402
 from pjray.config import load  # noqa: E402
 from pjray.models.loading import render_chat  # noqa: E402
-from pjray.rl.trainer import Trainer, actor_env  # noqa: E402
+from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402
 
 COMMON = [
@@ -71,5 +73,8 @@ def test_grpo_steps_and_sync_on_gpu(local_ray, tmp_path: Path, layout: str) -> N
         learner = ray.get(trainer.learners[0].compute_logprobs.remote([experience], "policy"))[0]
         served = ray.get(worker.continuation_logprobs.remote(prompt, continuation))
         assert served == pytest.approx(list(learner), abs=5e-3)
+        # The rollout engine and the learner agree per sampled token on each step's first update.
+        metrics = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert all(m["rollout/logprob_diff_max"] < 5e-3 for m in metrics), metrics
     finally:
         trainer.shutdown()

@@ -63,6 +63,8 @@ def test_round_trip_through_yaml(tmp_path):
         ("algo.dual_clip=0.5", "algo.dual_clip"),
         ("learner.lr=-1", "learner.lr"),
         ("reward.function=no_colon", "reward.function"),
+        ("reward.overlong_buffer=49", "reward.overlong_buffer"),  # above rollout.max_new_tokens (48)
+        ("reward.overlong_penalty=-1", "reward.overlong_penalty"),
     ],
 )
 def test_bad_configs_name_the_key(override, key):

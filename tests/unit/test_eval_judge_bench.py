@@ -78,22 +78,22 @@ def test_original_prompt_layout():
 
 
 def test_reading_verdicts():
-    assert read_score("<think>x</think><answer>7</answer>", "paper", False, "ceil_half") == 4
-    assert read_score("<think>x</think><answer>10</answer>", "paper", False, "none") == 10
-    assert read_score("<think>x</think><answer>11</answer>", "paper", False, "none") is None
-    assert read_score("no tags at all", "paper", False, "ceil_half") is None
-    assert read_score('{"Analysis": "ok", "Judgement": "[[4]]"}', "original", False, "none") == 4
-    assert read_score("[[9]]", "original", False, "none") is None  # outside 1-5
-    assert read_pair("<think>x</think><answer>3</answer><answer>5</answer>", "paper", False) == "B"
-    assert read_pair("<think>x</think><answer>5</answer><answer>5</answer>", "paper", False) == "C"
-    assert read_pair("The Judgement is [[A]]", "original", False) == "A"
-    assert read_pair("garbage", "original", False) is None
+    assert read_score("<think>x</think><answer>7</answer>", "paper", "ceil_half") == 4
+    assert read_score("<think>x</think><answer>10</answer>", "paper", "none") == 10
+    assert read_score("<think>x</think><answer>11</answer>", "paper", "none") is None
+    assert read_score("no tags at all", "paper", "ceil_half") is None
+    assert read_score('{"Analysis": "ok", "Judgement": "[[4]]"}', "original", "none") == 4
+    assert read_score("[[9]]", "original", "none") is None  # outside 1-5
+    assert read_pair("<think>x</think><answer>3</answer><answer>5</answer>", "paper") == "B"
+    assert read_pair("<think>x</think><answer>5</answer><answer>5</answer>", "paper") == "C"
+    assert read_pair("The Judgement is [[A]]", "original") == "A"
+    assert read_pair("garbage", "original") is None
     text = "<think>x</think><answer>2</answer><answer>9</answer><answer>4</answer><answer>7</answer>"
-    assert read_batch(text, 4, "paper", False) == "BDCA"
+    assert read_batch(text, 4, "paper") == "BDCA"
     tied = "<think>x</think><answer>5</answer><answer>5</answer><answer>1</answer>"
-    assert read_batch(tied, 3, "paper", False) == "BAC"  # ties ranked as the downstream code does
-    assert read_batch("[[B]], [[A]], [[D]], [[C]]", 4, "original", False) == "BADC"
-    assert read_batch("nothing", 4, "paper", False) is None
+    assert read_batch(tied, 3, "paper") == "BAC"  # ties ranked as the downstream code does
+    assert read_batch("[[B]], [[A]], [[D]], [[C]]", 4, "original") == "BADC"
+    assert read_batch("nothing", 4, "paper") is None
 
 
 def test_score_mapping_auto():
@@ -215,5 +215,5 @@ def test_evaluate_batch_perception_judge(tmp_path):
 
 def test_read_batch_truncate():
     text = "<think>x</think>" + "".join(f"<answer>{s}</answer>" for s in (1, 3, 2, 4, 9))
-    assert read_batch(text, 4, "paper", False) is None
-    assert read_batch(text, 4, "paper", False, truncate=True) == "DBCA"
+    assert read_batch(text, 4, "paper") is None
+    assert read_batch(text, 4, "paper", truncate=True) == "DBCA"

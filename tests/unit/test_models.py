@@ -23,6 +23,7 @@ from pjray.models.loading import (
     load_judge,
     load_processor,
     mm_token_type_ids,
+    opens_think,
     processor_inputs,
     render_chat,
 )
@@ -208,6 +209,19 @@ def test_render_chat_does_not_double_think_of_thinking_templates(tiny_dirs: dict
     )
     text = render_chat(processor, _prompt(None))
     assert text.endswith("assistant\n<think>\n") and text.count("<think>") == 1
+
+
+def test_think_prefill_is_read_from_the_rendered_prompt(tiny_dirs: dict[str, Path]) -> None:
+    """model.think_prefix=false does not mean the response opens <think>: a thinking template
+    opens it in the prompt, and the reward must not then demand it in the response."""
+    processor = load_processor(tiny_dirs["qwen2_vl"])
+    assert opens_think(render_chat(processor, _prompt(None), think_prefix=True))
+    assert not opens_think(render_chat(processor, _prompt(None), think_prefix=False))
+    processor.chat_template = processor.chat_template.replace(
+        "'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'"
+    )
+    assert opens_think(render_chat(processor, _prompt(None), think_prefix=False))
+    assert not opens_think("<|im_start|>assistant\n<think>\nI see</think>\n")
 
 
 @pytest.mark.parametrize("size", [(64, 64), (100, 80), (128, 128), (300, 40)])

@@ -35,6 +35,8 @@ def test_shipped_ppjd_configs():
         (["ppjd.num_cpus_per_actor=-1"], "ppjd.num_cpus_per_actor"),
         (["ppjd.paths=[x]"], "ppjd.paths"),
         (["ppjd.colour=red"], "colour"),
+        (["ppjd.max_reject_fraction=0"], "ppjd.max_reject_fraction"),
+        (["ppjd.max_reject_fraction=1.5"], "ppjd.max_reject_fraction"),
     ],
 )
 def test_bad_ppjd_settings_name_the_key(overrides, key):

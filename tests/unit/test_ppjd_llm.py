@@ -122,3 +122,15 @@ def test_llm_stage_turns_bad_replies_into_rejects_with_reasons():
         assert {(p["original"], p["perturbed"]) for p in probes if p["level"] == 1} >= {("red", "blue")}
     # Rejected rows are not sent to later roles.
     assert engine.calls.count("verify") == 2 and engine.calls.count("extract") == 4 and engine.calls.count("rewrite") == 3
+
+
+def test_llm_stage_lets_bugs_fail_the_job():
+    """Only an unusable reply is a row's reject; a reply that is not even a string is a broken
+    engine (pjray's bug or the backend's), which must fail the job instead of passing for data."""
+    cfg = PPJDConfig(source="jsonl", paths=["x.jsonl"], perturb_backend="llm", vqa_backend="vlm",
+                     llm_model="m", vlm_model="v")
+    rows = [RawRow("r0", "jsonl", question="How many cats?", chosen=CHOSEN, answer="", where="x.jsonl line 0")]
+    with pytest.raises(AttributeError):
+        LlmStage(cfg, engine=CannedTextEngine({"verify": [None]}))(_batch(rows))
+    out = LlmStage(cfg, engine=CannedTextEngine({"verify": ["[1, 2]"]}))(_batch(rows)).to_dict("records")
+    assert out[0]["reject_stage"] == "verify" and "expected a JSON object" in out[0]["reject_reason"]

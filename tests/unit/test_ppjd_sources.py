@@ -10,6 +10,8 @@ import pytest
 
 from pjray.ppjd.perturb import perception_problems, reasoning_problems, scene_items
 from pjray.ppjd.pipeline import (
+    MIN_ROWS_CHECKED,
+    ShardWriter,
     _frame,
     check_finals,
     each_live_row,
@@ -18,6 +20,7 @@ from pjray.ppjd.pipeline import (
     to_item,
     vqa_oracle,
 )
+from pjray.ppjd.rejects import RejectRateError, RowDataError
 from pjray.ppjd.sources import ANSWER_KEYS, file_rows, mmpr_rows, read_source, scene_rows
 from support.ppjd import only_attribute_words_differ
 
@@ -72,12 +75,53 @@ def test_load_stage_rejects_missing_and_corrupt(tmp_path):
     assert load_row(dict(raw[0])) == "missing field(s): question, image"
 
 
-def test_each_live_row_turns_exceptions_into_rejects():
-    rows = [{"reject_stage": "", "reject_reason": "", "x": x} for x in (1, 0, 2)]
-    rows.append({"reject_stage": "load", "reject_reason": "earlier", "x": 0})
-    each_live_row("perturb", lambda r: None if 1 / r["x"] else "never")(rows)
-    assert [r["reject_stage"] for r in rows] == ["", "perturb", "", "load"]
-    assert "ZeroDivisionError" in rows[1]["reject_reason"] and rows[3]["reject_reason"] == "earlier"
+def test_each_live_row_rejects_data_errors_and_lets_bugs_fail():
+    def fn(row):
+        if row["x"] < 0:
+            raise RowDataError(f"negative x {row['x']}")
+        return "zero" if row["x"] == 0 else None
+
+    rows = [{"reject_stage": "", "reject_reason": "", "x": x} for x in (1, -1, 0)]
+    rows.append({"reject_stage": "load", "reject_reason": "earlier", "x": -5})
+    each_live_row("perturb", fn)(rows)
+    assert [(r["reject_stage"], r["reject_reason"]) for r in rows] == [
+        ("", ""), ("perturb", "negative x -1"), ("perturb", "zero"), ("load", "earlier")]
+    # A bug in a stage (here a KeyError) is no reject reason: it fails the job.
+    with pytest.raises(KeyError):
+        each_live_row("perturb", lambda r: r["no such field"])([{"reject_stage": "", "reject_reason": ""}])
+
+
+def _work_rows(n: int, rejected: dict[str, int]) -> list[dict]:
+    """n scene work rows at the write stage: the first ones rejected at the given stages, the
+    rest through the rules stages."""
+    rows = _frame(0, scene_rows(n, seed=0, image_size=96)).to_dict("records")
+    stages = [stage for stage, count in rejected.items() for _ in range(count)]
+    for row, stage in zip(rows, stages):
+        row["reject_stage"], row["reject_reason"] = stage, f"bad {stage}"
+    for row in rows[len(stages) :]:
+        assert load_row(row) is None and perturb_rules(row, 3) is None and vqa_oracle(row) is None
+    return rows
+
+
+def test_shard_writer_fails_when_a_stage_rejects_nearly_everything(tmp_path):
+    writer = ShardWriter(str(tmp_path), 3, max_reject_fraction=0.9)
+    rows = _work_rows(12, {"load": 11})
+    with pytest.raises(RejectRateError, match=r"shard-00007: stage 'load' rejected 11 of the 12 rows") as err:
+        writer.write_shard(7, rows)
+    assert "11 x 'bad load'" in str(err.value)
+    # The shard's rejects are written for the diagnosis, its PPJD file is not (a rerun redoes it).
+    assert (tmp_path / "rejects" / "shard-00007.parquet").exists()
+    assert not (tmp_path / "ppjd" / "shard-00007.parquet").exists()
+
+    # The fraction is of the rows that reached the stage: 1 row rejected at load, then 10 of the
+    # 11 left at vqa (0.91 > 0.9) fails, while 9 of 11 (0.82) passes.
+    with pytest.raises(RejectRateError, match=r"stage 'vqa' rejected 10 of the 11"):
+        writer.write_shard(1, _work_rows(12, {"load": 1, "vqa": 10}))
+    stats = json.loads(writer.write_shard(2, _work_rows(12, {"load": 1, "vqa": 9})))
+    assert stats["kept"] == 2 and stats["rejected_by_stage"] == {"load": 1, "vqa": 9}
+    # A stage that fewer than MIN_ROWS_CHECKED rows reach is not judged; 1.0 disables the check.
+    assert json.loads(writer.write_shard(3, _work_rows(MIN_ROWS_CHECKED - 1, {"load": MIN_ROWS_CHECKED - 1})))["kept"] == 0
+    assert json.loads(ShardWriter(str(tmp_path), 3, 1.0).write_shard(4, _work_rows(12, {"load": 12})))["kept"] == 0
 
 
 @pytest.mark.parametrize("k", [3, 5])

@@ -21,6 +21,9 @@ from pjray.reward import (
     ranking_from_scores,
     score_reward,
 )
+from pjray.config import RewardConfig
+from pjray.reward.workers import RewardWorker, overlong_penalty
+from pjray.types import Completion
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -354,3 +357,67 @@ def test_rewards_in_unit_interval_for_any_pred(pred, k):
     for fn in (levenshtein_reward, kendall_reward):
         assert 0.0 <= fn(pred, target) <= 1.0
     assert 0.0 <= normalized_levenshtein(pred, target) <= 1.0
+
+
+# --------------------------------------------------------------------------- runaway and truncated responses
+
+
+def test_only_whitespace_and_end_of_turn_may_follow_the_final_answer():
+    assert judge_reward(wrap("BAC"), "BAC").total == 1.0
+    assert judge_reward(wrap("BAC") + " \n\t<|im_end|>\n", "BAC").total == 1.0
+    rambling = judge_reward(wrap("BAC") + " and so on, the cars are red, red, red", "BAC")
+    assert rambling.format == 0.0 and rambling.total == 0.0 and rambling.ranking == 1.0
+    assert "text after the final </answer>" in rambling.reason
+    # In the scores style the final block is the K-th one; text between blocks is not policed.
+    scores = "<think>x</think><answer>3</answer> so <answer>9</answer>\n<answer>5</answer>"
+    assert judge_reward(scores, "BCA", style="scores").total == 1.0
+    assert judge_reward(scores + "!", "BCA", style="scores").format == 0.0
+    assert not parse_score("<think>x</think><answer>7</answer> I think").format_ok
+    assert not parse_pair("<think>x</think><answer>3</answer><answer>5</answer>...", style="scores").format_ok
+
+
+def test_truncated_response_gets_no_format_credit():
+    r = judge_reward(wrap("BAC"), "BAC", truncated=True)
+    assert (r.total, r.format, r.ranking, r.pred) == (0.0, 0.0, 1.0, "BAC")
+    assert r.reason == "cut at the token limit"
+
+
+def _completion(text: str, finish_reason: str = "stop", length: int = 10) -> Completion:
+    return Completion(prompt_index=0, sample_index=0, token_ids=tuple(range(length)), logprobs=(-1.0,) * length,
+                      text=text, finish_reason=finish_reason)  # fmt: skip
+
+
+def test_reward_worker_reads_the_finish_reason():
+    worker = RewardWorker(RewardConfig(), max_new_tokens=10)
+    done, cut = _completion(wrap("BAC"), "stop"), _completion(wrap("BAC"), "length")
+    assert [r.total for r in worker.score([done, cut], ["BAC", "BAC"], [False, False])] == [1.0, 0.0]
+    lenient = RewardWorker(RewardConfig(score_truncated=True), max_new_tokens=10)
+    assert [r.total for r in lenient.score([done, cut], ["BAC", "BAC"], [False, False])] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="finish_reason 'abort'"):
+        worker.score([_completion(wrap("BAC"), "abort")], ["BAC"], [False])
+
+
+def test_reward_worker_takes_the_think_prefill_per_response():
+    worker = RewardWorker(RewardConfig(), max_new_tokens=10)
+    prefilled = _completion("the cars are red</think>\n<answer>BAC</answer>")
+    opened = _completion(wrap("BAC"))
+    got = worker.score([prefilled, opened, prefilled, opened], ["BAC"] * 4, [True, True, False, False])
+    assert [r.total for r in got] == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_overlong_penalty_is_dapo_soft_punishment():
+    # L_max 20, buffer 8: free up to 12 tokens, then linear to -factor at 20.
+    assert [overlong_penalty(n, 20, 8, 1.0) for n in (1, 12, 13, 16, 20)] == [0.0, 0.0, -0.125, -0.5, -1.0]
+    assert overlong_penalty(16, 20, 8, 0.5) == -0.25
+    assert overlong_penalty(20, 20, 0, 1.0) == 0.0  # buffer 0: off
+    worker = RewardWorker(RewardConfig(overlong_buffer=8, overlong_penalty=0.5), max_new_tokens=20)
+    results = worker.score([_completion(wrap("BAC"), length=16), _completion(wrap("BAC"), "length", 20)],
+                           ["BAC", "BAC"], [False, False])  # fmt: skip
+    assert [r.total for r in results] == [1.0 - 0.25, 0.0 - 0.5]
+
+
+def test_custom_reward_function_sees_truncated_text_but_pays_the_overlong_penalty():
+    cfg = RewardConfig(function="pjray.reward:levenshtein_reward", overlong_buffer=4)
+    worker = RewardWorker(cfg, max_new_tokens=10)
+    results = worker.score([_completion("BAC", "length", 10), _completion("BAC", "stop", 6)], ["BAC", "BAC"], [False, False])
+    assert [r.total for r in results] == [0.0, 1.0]  # 1.0 - 1.0 (at the limit) and 1.0 - 0

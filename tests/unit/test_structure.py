@@ -1,0 +1,73 @@
+"""Where responsibilities live: one module connects to Ray, the driver does not import the
+evaluation, the learner file holds no weight transport, one chunking helper, one EOS constant."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pjray.rl.placement import split_evenly
+
+PACKAGE = Path(__file__).parents[2] / "pjray"
+
+
+def _sources() -> dict[str, str]:
+    return {str(p.relative_to(PACKAGE.parent)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_only_the_cluster_module_connects_to_ray():
+    callers = [name for name, text in _sources().items() if re.search(r"\bray\.init\(", text)]
+    assert callers == ["pjray/cluster.py"]
+
+
+def test_the_driver_does_not_import_the_evaluation():
+    """The trainer receives its evaluation hook (pjray.eval.bias.training_eval from the CLI):
+    importing the driver loads no pjray.eval module, so no cycle trainer -> eval -> trainer."""
+    code = "import sys, pjray.rl.trainer; print(sorted(m for m in sys.modules if m.startswith('pjray.eval')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    assert not re.search(r"^\s*(from|import) pjray\.eval", (PACKAGE / "rl" / "trainer.py").read_text(), re.M)
+
+
+def test_weight_transports_live_beside_sync():
+    from pjray.rl.learner import LearnerRank
+    from pjray.rl.sync import WeightSender
+
+    transports = ("export_weights", "sync_address", "init_weight_sync", "weight_plan", "broadcast_weights",
+                  "export_ipc", "release_ipc", "checksums", "_full_buckets")  # fmt: skip
+    for name in transports:
+        assert getattr(LearnerRank, name) is getattr(WeightSender, name), name
+    learner_source = inspect.getsource(sys.modules["pjray.rl.learner"])
+    assert not [name for name in transports if f"def {name}(" in learner_source]
+
+
+def test_one_eos_constant():
+    literal = '"<|im_end|>"'
+    holders = [name for name, text in _sources().items() if literal in text]
+    # prompts.py defines EOS_TOKEN; tiny.py builds the test tokenizer that has the token.
+    assert holders == ["pjray/data/prompts.py", "pjray/models/tiny.py"]
+
+
+def test_one_chunking_helper():
+    assert [name for name, text in _sources().items() if "divmod(len(" in text] == ["pjray/rl/placement.py"]
+
+
+@pytest.mark.parametrize(
+    "n, parts, sizes",
+    [(10, 3, [4, 3, 3]), (9, 3, [3, 3, 3]), (2, 4, [1, 1]), (0, 2, []), (5, 1, [5])],
+)
+def test_split_evenly(n, parts, sizes):
+    chunks = split_evenly(list(range(n)), parts)
+    assert [len(c) for c in chunks] == sizes
+    assert [x for c in chunks for x in c] == list(range(n))  # contiguous, in order
+    assert split_evenly(range(n), parts) == chunks  # any sequence
+
+
+def test_split_evenly_rejects_zero_parts():
+    with pytest.raises(ValueError, match="parts"):
+        split_evenly([1], 0)
