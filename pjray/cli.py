@@ -73,16 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = run_training(cfg, evaluate=training_eval)
         print(f"pjray: run finished: {run_dir}")
     elif args.command == "sft":
-        from pjray.rl.trainer import connect_ray
-
         if cfg.model.path:
             from pjray.rl.sft import run_sft
 
-            export = run_sft(cfg, cfg.model.path, connect_ray)
+            export = run_sft(cfg, cfg.model.path)
         else:
             from pjray.models.base_judge import BaseJudgeRecipe, build_base_judge
 
-            export = build_base_judge(cfg, BaseJudgeRecipe(seed=cfg.trainer.seed), connect_ray)
+            export = build_base_judge(cfg, BaseJudgeRecipe(seed=cfg.trainer.seed))
         print(f"pjray: sft finished: {export}")
     elif args.command == "ppjd":
         from pjray.ppjd.pipeline import run_ppjd, summary

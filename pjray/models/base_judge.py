@@ -395,12 +395,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pjray"
 
 
-def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, connect: Any, log: Any = print) -> Path:
+def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, log: Any = print) -> Path:
     """The base judge of `recipe`: from the cache, or built into it (perception front-end in this
     process, then `pjray sft` on the learner), with `report.json` (probe accuracies) beside it.
 
-    `cfg` supplies the Ray, learner and tracking settings of the SFT stage; `connect(cfg)`
-    joins or starts the Ray cluster.
+    `cfg` supplies the Ray and tracking settings of the SFT stage.
     """
     from pjray.config import SFTConfig
     from pjray.models.loading import load_judge
@@ -431,7 +430,7 @@ def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, connect: Any, log: Any =
         learner=dataclasses.replace(cfg.learner, num_ranks=1, zero_stage=0, bf16=False, micro_batch_size=recipe.sft_batch),
         trainer=dataclasses.replace(cfg.trainer, run_dir=str(work / "sft"), seed=recipe.seed),
     )  # fmt: skip
-    export = run_sft(sft_cfg, str(work / "untrained"), connect)
+    export = run_sft(sft_cfg, str(work / "untrained"))
     report = {"recipe": recipe.to_dict(), "vision_cell_accuracy": vision, "build_seconds": time.perf_counter() - started}
     (work / "report.json").write_text(json.dumps(report, indent=2))
     shutil.move(str(export), str(work / "hf_model"))

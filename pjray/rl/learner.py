@@ -39,7 +39,6 @@ from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, sft_loss, token_logprobs
 from pjray.rl.placement import split_evenly
 from pjray.rl.sync import WeightSender
->>>>>>> issue-11
 from pjray.types import Experience, Timed, TrainBatch
 
 if TYPE_CHECKING:

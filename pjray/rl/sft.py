@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from pjray.cluster import connect
 from pjray.config import AlgoConfig, Config, to_dict
 from pjray.models.loading import decode_image, load_processor, render_chat
 from pjray.rl.learner import LearnerRank
@@ -103,11 +104,8 @@ def _examples(cfg: Config) -> list[tuple[JudgePrompt, str]]:
     return read_chat_examples(cfg.sft.path, cfg.sft.source)
 
 
-def run_sft(cfg: Config, model_path: str, connect: Any) -> Path:
-    """Fine-tune the judge at `model_path` as `cfg.sft` says; returns the HF export's path.
-
-    `connect(cfg)` joins or starts the Ray cluster.
-    """
+def run_sft(cfg: Config, model_path: str) -> Path:
+    """Fine-tune the judge at `model_path` as `cfg.sft` says; returns the HF export's path."""
     run_dir = Path(cfg.trainer.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -115,7 +113,7 @@ def run_sft(cfg: Config, model_path: str, connect: Any) -> Path:
     processor = load_processor(model_path)
     experiences = [to_experience(processor, p, r, cfg.model.think_prefix) for p, r in pairs]
     log.info("sft: %d examples", len(experiences))
-    connect(cfg)
+    connect(cfg.ray)
 
     lc, s = cfg.learner, cfg.sft
     learner_cfg = dataclasses.replace(lc, lr=s.lr, warmup_steps=s.warmup_steps, lr_schedule=s.lr_schedule)

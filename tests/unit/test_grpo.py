@@ -442,3 +442,17 @@ def test_entropy_hand_values_and_stability():
     spiky = torch.tensor([[[1e4, 0.0, -1e4]]])
     out = entropy_from_logits(spiky)
     assert torch.isfinite(out).all() and out.item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_sft_loss_is_the_full_batch_token_mean_however_split():
+    from pjray.rl.grpo import sft_loss
+
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, 0.0]])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    # Hand computed: (2 + 3 + 0.5) / 3 target tokens.
+    assert sft_loss(logp, mask, global_tokens=3.0).item() == pytest.approx(5.5 / 3)
+    # Two ranks, one row each: the average of the per-rank losses equals the full-batch mean.
+    ranks = [sft_loss(logp[i : i + 1], mask[i : i + 1], global_tokens=3.0, dp_size=2) for i in range(2)]
+    assert (sum(ranks) / 2).item() == pytest.approx(5.5 / 3)
+    with pytest.raises(ValueError, match="global_tokens"):
+        sft_loss(logp, mask, global_tokens=0.0)
