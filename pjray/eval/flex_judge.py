@@ -25,6 +25,9 @@ Across seeds (the script reads the files of seeds 0, 1, 2 in that order):
   dataset's value is the MAXIMUM of those means (the script's `np.max`); "Ave" is their mean.
   Distances are Levenshtein / max(len(pred), len(truth)), nothing skipped.
 The script prints per-dataset values and "Ave" (here `dataset_mean`); it has no pooled row.
+Its score and batch "Ave" add the datasets up in the order of a Python set of their names, which
+changes with string hashing; here they are added in name order (as its pair "Ave" does), so
+those two can differ from a given run of the script in the last bit.
 
 Where the script stops with an error (fewer than 2 items in a dataset for pearsonr, a dataset
 with only true ties in the no-tie accuracy, a digit run beyond Python's int() limit) there is no

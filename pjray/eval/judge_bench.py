@@ -322,29 +322,30 @@ def to_record(
 ):  # fmt: skip
     """The metric record of one judged row (ScoreRecord / PairRecord / BatchRecord) as read by
     `convention` (`eval.convention`); pred None: unreadable by that reading."""
-    if convention == "perception_judge":
-        from pjray.eval import perception_judge as release
+    if convention == "strict":
+        if row.protocol == "score":
+            pred = read_score(text, prompt_format, think_prefilled, score_mapping)
+        elif row.protocol == "pair":
+            pred = read_pair(text, prompt_format, think_prefilled)
+        else:
+            pred = read_batch(text, len(row.answers), prompt_format, think_prefilled, batch_style)
+    elif convention in ("perception_judge", "flex_judge"):
+        from pjray.eval import flex_judge, perception_judge
 
-        readers = {"score": release.read_score, "pair": release.read_pair}
-        batch = lambda: release.read_batch(text, len(row.truth))  # noqa: E731
-    elif convention == "flex_judge":
-        from pjray.eval import flex_judge as release
-
-        readers = {"score": release.read_score, "pair": release.read_pair}
-        batch = lambda: release.read_batch(text)  # noqa: E731
-    elif convention == "strict":
-        readers = {
-            "score": lambda t: read_score(t, prompt_format, think_prefilled, score_mapping),
-            "pair": lambda t: read_pair(t, prompt_format, think_prefilled),
-        }
-        batch = lambda: read_batch(text, len(row.answers), prompt_format, think_prefilled, batch_style)  # noqa: E731
+        release = perception_judge if convention == "perception_judge" else flex_judge
+        if row.protocol == "score":
+            pred = release.read_score(text)
+        elif row.protocol == "pair":
+            pred = release.read_pair(text)
+        else:  # Perception-Judge cuts what it reads to the truth's length, Flex-Judge does not
+            pred = perception_judge.read_batch(text, len(row.truth)) if release is perception_judge else flex_judge.read_batch(text)
     else:
         raise ValueError(f"unknown convention {convention!r}; expected one of {CONVENTIONS}")
     if row.protocol == "score":
-        return ScoreRecord(row.dataset, readers["score"](text), float(row.truth))
+        return ScoreRecord(row.dataset, pred, float(row.truth))
     if row.protocol == "pair":
-        return PairRecord(row.dataset, readers["pair"](text), row.truth)
-    return BatchRecord(row.dataset, batch(), row.truth)
+        return PairRecord(row.dataset, pred, row.truth)
+    return BatchRecord(row.dataset, pred, row.truth)
 
 
 # --------------------------------------------------------------------------- evaluation
