@@ -216,16 +216,21 @@ class EvalConfig:
     image_dir: str = ""  # images named by the data file; empty: the data file's folder
     limit: int = 0  # judge at most this many rows / items; 0: all
     seeds: list[int] = field(default_factory=lambda: [0])
-    seed_agg: str = "mean"  # mean | median (Flex-Judge takes the median of the score r)
+    # score/pair/batch: whose evaluation turns the judge's texts into the numbers. strict (pjray's
+    # reading, the official notebook's metrics, the options below) | perception_judge (the
+    # Perception-Judge release's eval/evaluate_metric.ipynb) | flex_judge (Flex-Judge's
+    # test/evaluate.py). The two releases fix their own rules: the options below stay at their defaults.
+    convention: str = "strict"
+    seed_agg: str = "mean"  # mean | median over the seeds where the metric is defined (pjray's rules)
     tie_rule: str = "official"  # pair w.o. tie: official (skip true or predicted C) | downstream (skip true C)
-    # pair: none (accuracy per seed, aggregated by seed_agg) | majority (Flex-Judge: each item's
-    # verdict is the majority over the seeds, ties -> the first seed's; accuracy computed once)
+    # pair: none (accuracy per seed, aggregated by seed_agg) | majority (pjray: each item's verdict
+    # is the plurality over the seeds, ties -> the earliest seed's; accuracy computed once)
     pair_vote: str = "none"
-    # score: drop (unreadable scores left out of r, counted) | minus_one (Flex-Judge: kept as -1)
+    # score: drop (unreadable scores left out of r, counted) | minus_one (kept as -1, as both releases do)
     unparsed_score: str = "drop"
-    # batch: official (every item, prediction as read) | perception_judge (prediction cut to
-    # len(truth); items whose truth has <= 2 letters skipped and counted)
-    batch_convention: str = "official"
+    # mm_judgebias: official (the benchmark's score reading and report) | strict (pjray's reading;
+    # BD, category and overall values only where every part is defined)
+    bias_convention: str = "official"
     prompt_format: str = "paper"  # paper (think/answer, 1-10) | original (the benchmark's prompt)
     batch_style: str = "scores"  # paper batch prompt: scores (one per answer) | ranking (letters)
     # Judge score -> the benchmark's 1-5: auto (ceil_half for paper, none for original) | ceil_half | none
@@ -521,11 +526,19 @@ _EVAL_CHOICES: dict[str, tuple[str, ...]] = {
     "tie_rule": ("official", "downstream"),
     "pair_vote": ("none", "majority"),
     "unparsed_score": ("drop", "minus_one"),
-    "batch_convention": ("official", "perception_judge"),
+    "convention": ("strict", "perception_judge", "flex_judge"),
+    "bias_convention": ("official", "strict"),
     "prompt_format": ("paper", "original"),
     "batch_style": ("scores", "ranking"),
     "score_mapping": ("auto", "ceil_half", "none"),
     "train_bench": ("perceptual_bias",),
+}
+
+
+# eval.* options of the strict convention, with their defaults.
+_STRICT_ONLY: dict[str, str] = {
+    "seed_agg": "mean", "tie_rule": "official", "pair_vote": "none", "unparsed_score": "drop",
+    "prompt_format": "paper", "batch_style": "scores", "score_mapping": "auto",
 }
 
 
@@ -548,6 +561,18 @@ def _validate_eval(cfg: Config) -> None:
         raise ConfigError(f"eval.data: required for eval.bench={e.bench} (the published {e.bench} JSONL)")
     if e.prompt_format == "original" and e.score_mapping == "ceil_half":
         raise ConfigError("eval.score_mapping=ceil_half: the original prompt already scores 1-5; use auto or none")
+    if e.convention != "strict":
+        if e.bench not in ("score", "pair", "batch"):
+            raise ConfigError(f"eval.convention={e.convention}: only for eval.bench=score, pair or batch")
+        # The release scripts read the paper prompt's answers and fix their own rules.
+        for key, default in _STRICT_ONLY.items():
+            if getattr(e, key) != default:
+                raise ConfigError(
+                    f"eval.{key}={getattr(e, key)!r}: only read with eval.convention=strict; "
+                    f"eval.convention={e.convention} follows its script's own rule (leave it at {default!r})"
+                )
+    if e.bias_convention != "official" and e.bench != "mm_judgebias":
+        raise ConfigError(f"eval.bias_convention={e.bias_convention}: only for eval.bench=mm_judgebias")
     if e.num_cpus_per_worker <= 0 and e.num_gpus_per_worker <= 0:
         raise ConfigError("eval.num_cpus_per_worker: a judge worker needs CPUs or GPUs (> 0)")
     if e.every_steps and cfg.data.source == "scenes" and e.train_seed == cfg.data.seed:

@@ -265,6 +265,7 @@ def evaluate_modes(cfg: Any, generate: Generate) -> Any:
         bench="perceptual_bias", judge=e.judge, data=e.data, seeds=list(e.seeds),
         tables={"perceptual_bias": seed_cells(per_seed, e.seed_agg), "error_rate_by_kind": seed_cells(kinds_per_seed, e.seed_agg)},
         outputs=outputs, unparsed=unparsed, unparsed_examples=examples, notes=notes,
+        convention="pjray: the paper's Mode (a) / Mode (b) diagnosis (pjray.eval.metrics.mode_rates)",
     )  # fmt: skip
 
 

@@ -22,6 +22,14 @@ Two prompt formats (`eval.prompt_format`):
 
 Verdicts are read from the answer blocks whatever the think layout (a judgment, not a reward),
 so whether the prompt opened `<think>` does not change any number here.
+
+Whose evaluation turns the judge's texts into the numbers (`eval.convention`):
+- `strict` (default): pjray's reading (`read_score` / `read_pair` / `read_batch`) and the
+  official notebook's metrics (`pjray.eval.metrics`), with the eval.* options on top.
+- `perception_judge`: the Perception-Judge release's notebook end to end, its reading, metrics
+  and seed averaging (`pjray.eval.perception_judge`). Paper prompt only.
+- `flex_judge`: Flex-Judge's `test/evaluate.py` end to end (`pjray.eval.flex_judge`).
+  Paper prompt only.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ if TYPE_CHECKING:
 
 PROTOCOLS = ("score", "pair", "batch")
 PROMPT_FORMATS = ("paper", "original")
+CONVENTIONS = ("strict", "perception_judge", "flex_judge")  # eval.convention
 
 
 class BenchDataError(ValueError):
@@ -291,16 +300,12 @@ def read_pair(text: str, prompt_format: str) -> str | None:
     return parse_pair(text).ranking
 
 
-def read_batch(
-    text: str, k: int, prompt_format: str, style: str = "scores", truncate: bool = False
-) -> str | None:
+def read_batch(text: str, k: int, prompt_format: str, style: str = "scores") -> str | None:
     """The predicted ranking string best -> worst, or None.
 
     paper/scores: K integer answer blocks ranked by score; tied scores are still ranked (the
     later letter first on ties, as the downstream evaluations do). paper/ranking: the letters.
     original: the `[[X]]` letters in order (partial rankings are kept: the distance counts them).
-    `truncate` (eval.batch_convention=perception_judge): paper/scores with more than K answer
-    blocks ranks the first K, as Perception-Judge cuts the digits it reads to len(truth).
     """
     if prompt_format == "original":
         letters = [t.upper() for t in _original_verdicts(text) if t.upper() in LETTERS[:k]]
@@ -311,22 +316,39 @@ def read_batch(
         return j.ranking
     if j.scores is not None and len(j.scores) == k:
         return ranking_from_scores(j.scores)
-    if truncate and j.scores is not None and len(j.scores) > k:
-        return ranking_from_scores(j.scores[:k])
     return None
 
 
 def to_record(
-    row: BenchRow, text: str, prompt_format: str, score_mapping: str,
-    batch_style: str = "scores", batch_truncate: bool = False,
+    row: BenchRow, text: str, convention: str, prompt_format: str, score_mapping: str,
+    batch_style: str = "scores",
 ):  # fmt: skip
-    """The metric record of one judged row (ScoreRecord / PairRecord / BatchRecord)."""
+    """The metric record of one judged row (ScoreRecord / PairRecord / BatchRecord) as read by
+    `convention` (`eval.convention`); pred None: unreadable by that reading."""
+    if convention == "strict":
+        if row.protocol == "score":
+            pred = read_score(text, prompt_format, score_mapping)
+        elif row.protocol == "pair":
+            pred = read_pair(text, prompt_format)
+        else:
+            pred = read_batch(text, len(row.answers), prompt_format, batch_style)
+    elif convention in ("perception_judge", "flex_judge"):
+        from pjray.eval import flex_judge, perception_judge
+
+        release = perception_judge if convention == "perception_judge" else flex_judge
+        if row.protocol == "score":
+            pred = release.read_score(text)
+        elif row.protocol == "pair":
+            pred = release.read_pair(text)
+        else:  # Perception-Judge cuts what it reads to the truth's length, Flex-Judge does not
+            pred = perception_judge.read_batch(text, len(row.truth)) if release is perception_judge else flex_judge.read_batch(text)
+    else:
+        raise ValueError(f"unknown convention {convention!r}; expected one of {CONVENTIONS}")
     if row.protocol == "score":
-        return ScoreRecord(row.dataset, read_score(text, prompt_format, score_mapping), float(row.truth))
+        return ScoreRecord(row.dataset, pred, float(row.truth))
     if row.protocol == "pair":
-        return PairRecord(row.dataset, read_pair(text, prompt_format), row.truth)
-    ranking = read_batch(text, len(row.answers), prompt_format, batch_style, batch_truncate)
-    return BatchRecord(row.dataset, ranking, row.truth)
+        return PairRecord(row.dataset, pred, row.truth)
+    return BatchRecord(row.dataset, pred, row.truth)
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -339,45 +361,83 @@ def resolve_score_mapping(prompt_format: str, score_mapping: str) -> str:
     return "ceil_half" if prompt_format == "paper" else "none"
 
 
-def _tables(bench: str, records: list, e) -> dict:
-    """The metric tables of one set of records under the configured conventions."""
-    from pjray.eval.metrics import batch_table, pair_table, score_table
+_NOTEBOOK = "MLLM-as-a-Judge (Dongping-Chen/MLLM-Judge scripts/calculate_metrics.ipynb)"
+_ANALYSIS = "MLLM-as-a-Judge paper (scripts/Score_analysis.ipynb, scripts/pair_analysis.ipynb)"
 
-    if bench == "score":
-        return {"pearson": score_table(records, unparsed=e.unparsed_score)}
-    if bench == "pair":
-        return {
-            "acc_with_tie": pair_table(records, with_ties=True, tie_rule=e.tie_rule),
-            "acc_without_tie": pair_table(records, with_ties=False, tie_rule=e.tie_rule),
-        }
-    return {
-        "levenshtein_raw": batch_table(records, normalized=False, convention=e.batch_convention),
-        "levenshtein_norm": batch_table(records, normalized=True, convention=e.batch_convention),
+
+def _strict_tables(bench: str, per_seed: list[list], e) -> tuple[dict, dict[str, str]]:
+    """eval.convention=strict: the official notebook's metrics on pjray's reading, with the
+    eval.* options. Returns (metric -> row -> Cell, where each table and summary row comes from)."""
+    from pjray.eval.metrics import (
+        DATASET_MEAN, OVERALL, PAPER_MEAN, batch_table, pair_table, score_table, vote_pairs, with_dataset_mean,
+        with_paper_mean,
+    )  # fmt: skip
+    from pjray.eval.report import seed_cells
+
+    vote = bench == "pair" and e.pair_vote == "majority"
+    seeds = f"seeds aggregated by {e.seed_agg}"
+
+    def tables(records: list) -> dict:
+        if bench == "score":
+            out = {"pearson": score_table(records, unparsed=e.unparsed_score)}
+        elif bench == "pair":
+            out = {
+                "acc_with_tie": pair_table(records, with_ties=True, tie_rule=e.tie_rule),
+                "acc_without_tie": pair_table(records, with_ties=False, tie_rule=e.tie_rule),
+            }
+        else:
+            out = {
+                "levenshtein_raw": batch_table(records, normalized=False),
+                "levenshtein_norm": batch_table(records, normalized=True),
+            }
+        summary = (lambda t: with_paper_mean(with_dataset_mean(t))) if bench != "batch" else with_dataset_mean
+        return {name: summary(table) for name, table in out.items()}
+
+    by_name: dict[str, list] = {}
+    for records in [vote_pairs(per_seed)] if vote else per_seed:  # voted: one table, computed once
+        for name, table in tables(records).items():
+            by_name.setdefault(name, []).append(table)
+    if vote:
+        seeds = f"verdicts voted by plurality over the {len(e.seeds)} seeds (pjray's rule; ties: the earliest seed's), accuracy computed once"
+    reading = "pjray's strict reading (pjray.reward.parse)" if e.prompt_format == "paper" else "the last [[X]] verdicts"
+    ties = (
+        "items with a true or predicted tie skipped" if e.tie_rule == "official"
+        else "only true ties skipped (downstream), a predicted tie is wrong"
+    )  # fmt: skip
+    unparsed = "left out of r" if e.unparsed_score == "drop" else "kept as -1 in r"
+    sources = {
+        "pearson": f"{_NOTEBOOK} pearsonr, on {reading} (scores mapped to 1-5 with "
+        f"{resolve_score_mapping(e.prompt_format, e.score_mapping)}); unreadable scores {unparsed}; {seeds}",
+        "acc_with_tie": f"{_NOTEBOOK} accuracy with ties, on {reading}; an unreadable verdict is wrong; {seeds}",
+        "acc_without_tie": f"{_NOTEBOOK} accuracy without ties ({e.tie_rule}: {ties}), on {reading}; {seeds}",
+        "levenshtein_raw": f"{_NOTEBOOK} raw Levenshtein distance, on {reading}; unreadable = empty ranking; {seeds}",
+        "levenshtein_norm": f"pjray: Levenshtein / max(len) (the papers' tables), on {reading}; {seeds}",
+        OVERALL: f"{_NOTEBOOK}: pooled over the items of all datasets",
+        DATASET_MEAN: "pjray: mean of the defined per-dataset values",
+        PAPER_MEAN: f"{_ANALYSIS}: sum of the per-dataset values / number of datasets (a dataset without items adds 0, "
+        "an undefined one leaves it undefined)",
     }
+    out = {name: seed_cells(tables_, e.seed_agg) for name, tables_ in by_name.items()}
+    return out, sources
 
 
 def evaluate_bench(cfg, generate) -> "EvalReport":
-    """Judge every row of `cfg.eval.data` under each seed; per-dataset tables aggregated over seeds.
-
-    With `eval.pair_vote=majority` (pair only) the seeds' verdicts are first voted per item and
-    the tables are computed once on the voted verdicts, so each table has one "seed" column.
-    """
-    from pjray.eval.metrics import PERCEPTION_JUDGE_MIN_BATCH, vote_pairs, with_dataset_mean
-    from pjray.eval.report import EvalReport, seed_cells
+    """Judge every row of `cfg.eval.data` under each seed; per-dataset tables as `eval.convention`
+    makes them: `strict` (the official notebook's metrics on pjray's reading, per seed then
+    aggregated by eval.seed_agg, or voted with eval.pair_vote=majority), `perception_judge` or
+    `flex_judge` (the release scripts end to end, `pjray.eval.perception_judge` / `flex_judge`)."""
+    from pjray.eval.report import EvalReport
 
     e = cfg.eval
     mapping = resolve_score_mapping(e.prompt_format, e.score_mapping)
-    truncate = e.batch_convention == "perception_judge"
-    vote = e.bench == "pair" and e.pair_vote == "majority"
     rows = read_rows(e.data, e.bench, e.image_dir or None, e.limit)
     prompts = [build_prompt(r, e.prompt_format, e.batch_style) for r in rows]
-    per_seed: dict[str, list] = {}
-    seed_records: list[list] = []
+    per_seed: list[list] = []
     unparsed, examples = 0, []
     for seed in e.seeds:
         texts = generate(prompts, seed)
         records = [
-            to_record(r, t, e.prompt_format, mapping, e.batch_style, truncate)
+            to_record(r, t, e.convention, e.prompt_format, mapping, e.batch_style)
             for r, t in zip(rows, texts)
         ]
         for rec, text in zip(records, texts):
@@ -385,45 +445,31 @@ def evaluate_bench(cfg, generate) -> "EvalReport":
                 unparsed += 1
                 if len(examples) < 5:
                     examples.append(text[:200].replace("\n", " "))
-        if vote:
-            seed_records.append(records)  # tables come from the voted verdicts, after all seeds
-            continue
-        for name, table in _tables(e.bench, records, e).items():
-            per_seed.setdefault(name, []).append(with_dataset_mean(table))
-    if vote:
-        for name, table in _tables(e.bench, vote_pairs(seed_records), e).items():
-            per_seed[name] = [with_dataset_mean(table)]
-    notes = [
-        f"prompt format: {e.prompt_format}" + (f", judge scores mapped to 1-5 with {mapping}" if e.bench == "score" else ""),
-        "overall = pooled over all items (official); dataset_mean = mean over datasets (paper tables)",
-        (
-            f"pair verdicts voted by majority over the {len(e.seeds)} seeds (ties: the first seed's verdict); "
-            "accuracy computed once on the voted verdicts"
-            if vote else f"seeds aggregated by {e.seed_agg}"
-        ),
-    ]  # fmt: skip
-    if e.bench == "score":
+        per_seed.append(records)
+    notes = [f"prompt format: {e.prompt_format}"]
+    if e.convention == "strict":
+        tables, sources = _strict_tables(e.bench, per_seed, e)
+        convention = f"strict: pjray's reading, the metrics of {_NOTEBOOK}"
+    else:
+        from pjray.eval import flex_judge, perception_judge
+
+        release = perception_judge if e.convention == "perception_judge" else flex_judge
+        tables = release.TABLES[e.bench](per_seed)
+        sources = dict(release.SOURCES)
+        convention = f"{e.convention}: {release.SOURCE}"
         notes.append(
-            "unreadable scores kept in r as -1 (Flex-Judge) and counted"
-            if e.unparsed_score == "minus_one"
-            else "unreadable scores are left out of r and counted (eval.unparsed_score=minus_one keeps them as -1)"
+            "unparsed counts the outputs the release's reading could not read; the release then uses its own stand-in "
+            "(pair: C, score: -1, batch: an empty ranking)"
         )
-    if e.bench == "pair":
-        notes.append(
-            f"without-tie rule: {e.tie_rule} ("
-            + ("items with a true or predicted tie skipped" if e.tie_rule == "official" else "only true ties skipped; a predicted tie is wrong")
-            + "); unreadable verdicts count as wrong"
-        )
-    if e.bench == "batch":
-        notes.append("raw = official notebook; norm = distance / max(len) (paper tables); unreadable = empty ranking")
-        if truncate:
-            skipped = sum(len(r.truth) < PERCEPTION_JUDGE_MIN_BATCH for r in rows)
-            notes.append(
-                f"batch convention: perception_judge (prediction cut to len(truth); {skipped} item(s) with "
-                "<= 2 answers skipped per seed, counted as `skipped` in report.json)"
-            )
+        if e.convention == "perception_judge" and e.bench == "batch":
+            skipped = sum(len(r.truth) < perception_judge.MIN_BATCH for r in rows)
+            notes.append(f"{skipped} item(s) with <= 2 answers skipped per seed (counted as `skipped`)")
     return EvalReport(
-        bench=e.bench, judge=e.judge, data=e.data, seeds=list(e.seeds),
-        tables={name: seed_cells(tables, e.seed_agg) for name, tables in per_seed.items()},
+        bench=e.bench, judge=e.judge, data=e.data, seeds=list(e.seeds), tables=tables,
         outputs=len(prompts) * len(e.seeds), unparsed=unparsed, unparsed_examples=examples, notes=notes,
+        convention=convention, sources={k: v for k, v in sources.items() if k in tables or _is_row(k, tables)},
     )  # fmt: skip
+
+
+def _is_row(name: str, tables: dict) -> bool:
+    return any(name in rows for rows in tables.values())

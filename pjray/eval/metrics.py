@@ -7,19 +7,23 @@ MLLM-as-a-Judge (Dongping-Chen/MLLM-Judge, `scripts/calculate_metrics.ipynb`):
   (Flex-Judge, Perception-Judge) skips only true ties, so a predicted tie counts as wrong.
 - batch: Levenshtein distance between the predicted and the human ranking strings, per-dataset
   mean and pooled mean; raw (official) and normalised by max(len) (the paper tables, downstream).
+- averages over datasets: `overall` is the notebook's pooled value; `dataset_mean` the mean of
+  the defined per-dataset values; `paper_mean` the paper's own average (`scripts/Score_analysis.ipynb`,
+  `scripts/pair_analysis.ipynb`): the sum of the per-dataset values over the number of datasets,
+  a dataset without items adding 0 and an undefined one making it undefined (`with_paper_mean`).
 
-Downstream conventions, opt-in (the official behaviour is every default):
-- Flex-Judge (`test/evaluate.py`) keeps an unreadable score as -1 in Pearson r
-  (`score_table(..., unparsed="minus_one")`) and votes pair verdicts by majority over seeds
-  before computing accuracy once (`majority_verdict`, `vote_pairs`).
-- Perception-Judge (`eval/evaluate_metric.ipynb`) truncates the predicted ranking to len(truth)
-  and skips batches whose truth has at most 2 letters (`batch_table(..., convention=...)`).
+pjray's own options on top (the official behaviour is every default): `score_table(...,
+unparsed="minus_one")` keeps an unreadable score as -1 in r, as both release scripts do
+(Flex-Judge `test/evaluate.py`, Perception-Judge `eval/evaluate_metric.ipynb`);
+`majority_verdict` / `vote_pairs` vote pair verdicts by plurality over seeds (pjray's rule, not
+Flex-Judge's: that one is `pjray.eval.flex_judge`). The release scripts end to end, reading
+included, are `pjray.eval.perception_judge` and `pjray.eval.flex_judge`.
 
-MM-JudgeBias (naver-ai/MM-JudgeBias, `mm_judgebias/bias.py`, `metrics.py`), S = 10:
-- BD = mean over pairs with y > 1 of max(0, y - yhat) / (y - 1)
-- BC = mean of 1 - |y - yhat| / max(y - 1, S - y), 1.0 where that denominator is 0
-- pairs with a None score are dropped (and counted); category = mean of its bias values;
-  overall = mean of the nine bias values.
+MM-JudgeBias (naver-ai/MM-JudgeBias, `mm_judgebias/metrics.py`, `evaluate.py`), S = 10:
+- BD (Bias-Deviation) = mean over pairs with y > 1 of max(0, y - yhat) / (y - 1)
+- BC (Bias-Conformity) = mean of 1 - |y - yhat| / max(y - 1, S - y), 1.0 where that is not > 0
+- pairs with a None score are dropped (and counted). `bias_metric` / `bias_summary` give the
+  official report (`evaluate.compute_report`) or pjray's strict one; see BIAS_CONVENTIONS.
 
 Perceptual-judgment-bias diagnosis (the paper's Mode a / Mode b): see `mode_rates`.
 
@@ -42,12 +46,12 @@ import numpy as np
 OVERALL = "overall"  # the pooled row of every per-dataset table
 
 TIE_RULES = ("official", "downstream")
-SEED_AGGREGATIONS = ("mean", "median")
+SEED_AGGREGATIONS = ("mean", "median")  # eval.seed_agg
+MEAN_IF_ALL = "mean_if_all"  # numpy's mean over every seed: undefined when one seed is (Perception-Judge)
 UNPARSED_SCORES = ("drop", "minus_one")  # score protocol: drop unreadable scores | keep them as -1
-PAIR_VOTES = ("none", "majority")  # pair protocol: per-seed accuracy | accuracy of the seeds' majority
-BATCH_CONVENTIONS = ("official", "perception_judge")
-UNPARSED_SCORE_VALUE = -1.0  # Flex-Judge's stand-in prediction for an unreadable score
-PERCEPTION_JUDGE_MIN_BATCH = 3  # Perception-Judge skips batches whose truth has fewer letters
+PAIR_VOTES = ("none", "majority")  # pair protocol: per-seed accuracy | accuracy of the seeds' plurality
+UNPARSED_SCORE_VALUE = -1.0  # the release scripts' stand-in prediction for an unreadable score
+BIAS_CONVENTIONS = ("official", "strict")  # MM-JudgeBias report: evaluate.py's | pjray's
 
 BD_TYPES: tuple[str, ...] = (
     "text_dominance",
@@ -151,9 +155,10 @@ def score_table(records: Iterable[ScoreRecord], unparsed: str = "drop") -> Table
     """Pearson r per dataset and pooled.
 
     Unreadable scores are counted (`Row.unparsed`) under both rules. `drop` (default) leaves
-    them out of r. `minus_one` keeps them with prediction -1, as Flex-Judge's `test/evaluate.py`
-    does: a judge that fails to answer is then penalised through r instead of being scored only
-    on the items it could read, so `n` counts them.
+    them out of r. `minus_one` keeps them with prediction -1, as both release scripts do
+    (Flex-Judge `test/evaluate.py` `mllm_judge_eval`, Perception-Judge `calculate_pearson_metrics`):
+    a judge that fails to answer is then penalised through r instead of being scored only on
+    the items it could read, so `n` counts them.
     """
     if unparsed not in UNPARSED_SCORES:
         raise ValueError(f"unknown unparsed-score rule {unparsed!r}; expected one of {UNPARSED_SCORES}")
@@ -172,20 +177,46 @@ def score_table(records: Iterable[ScoreRecord], unparsed: str = "drop") -> Table
     return table
 
 
-DATASET_MEAN = "dataset_mean"  # the unweighted mean over datasets (the papers' "average over tasks")
+DATASET_MEAN = "dataset_mean"  # the unweighted mean over the datasets with a value
+PAPER_MEAN = "paper_mean"  # the MLLM-as-a-Judge paper's average: sum over datasets / their number
+SUMMARY_ROWS = (OVERALL, DATASET_MEAN, PAPER_MEAN)
 
 
 def with_dataset_mean(table: Table) -> Table:
     """Add the mean of the per-dataset values (defined ones only) as row DATASET_MEAN.
 
-    The official notebook reports the pooled value (OVERALL); the paper tables and Flex-Judge
-    average the per-dataset values, so both are reported.
+    The official notebook reports the pooled value (OVERALL); the downstream papers average
+    the per-dataset values, so both are reported.
     """
-    rows = [r for name, r in table.items() if name != OVERALL]
+    rows = [r for name, r in table.items() if name not in SUMMARY_ROWS]
     values = [r.value for r in rows if r.value is not None]
     out = dict(table)
     out[DATASET_MEAN] = Row(
         value=sum(values) / len(values) if values else None,
+        n=sum(r.n for r in rows),
+        unparsed=sum(r.unparsed for r in rows),
+        skipped=sum(r.skipped for r in rows),
+    )
+    return out
+
+
+def with_paper_mean(table: Table) -> Table:
+    """Add the MLLM-as-a-Judge paper's average over datasets as row PAPER_MEAN.
+
+    The paper's analysis notebooks (`scripts/Score_analysis.ipynb`, `scripts/pair_analysis.ipynb`)
+    add up the per-dataset values and divide by the number of datasets: a dataset without items
+    ("No data") adds 0 but still counts, and an undefined value (a constant prediction, where
+    pearsonr gives nan; fewer than 2 items, where it fails) leaves the average undefined.
+    Unlike DATASET_MEAN, which averages the defined values only.
+    """
+    rows = [r for name, r in table.items() if name not in SUMMARY_ROWS]
+    if any(r.value is None and r.n > 0 for r in rows) or not rows:
+        value = None
+    else:
+        value = sum(r.value if r.value is not None else 0.0 for r in rows) / len(rows)
+    out = dict(table)
+    out[PAPER_MEAN] = Row(
+        value=value,
         n=sum(r.n for r in rows),
         unparsed=sum(r.unparsed for r in rows),
         skipped=sum(r.skipped for r in rows),
@@ -225,7 +256,11 @@ def pair_table(records: Iterable[PairRecord], with_ties: bool, tie_rule: str = "
 
 
 def majority_verdict(verdicts: Sequence[str | None]) -> str | None:
-    """The most common of one item's per-seed verdicts (Flex-Judge's pair majority vote).
+    """The most common of one item's per-seed verdicts (`eval.pair_vote=majority`).
+
+    pjray's own rule: Flex-Judge's script votes differently (the sign of the sum of A = -1,
+    B = +1, C = 0, see `pjray.eval.flex_judge.sign_vote`); the two agree when every seed
+    answered A or B and the number of seeds is odd.
 
     An unreadable verdict (None) is a vote like any other, so an item most seeds could not
     read stays unreadable (and counts as wrong) instead of being decided by one lucky seed.
@@ -276,29 +311,15 @@ def batch_distance(pred: str | None, truth: str, normalized: bool) -> float:
     return d / longest if longest else 0.0
 
 
-def batch_table(records: Iterable[BatchRecord], normalized: bool, convention: str = "official") -> Table:
-    """Mean Levenshtein distance per dataset and pooled (lower is better).
-
-    `official`: every item, the prediction as read. `perception_judge` (Perception-Judge's
-    `eval/evaluate_metric.ipynb`): items whose truth has at most 2 letters are skipped (counted
-    in `Row.skipped`), and the prediction is cut to len(truth) first, so extra letters cost
-    nothing while missing ones still do.
-    """
-    if convention not in BATCH_CONVENTIONS:
-        raise ValueError(f"unknown batch convention {convention!r}; expected one of {BATCH_CONVENTIONS}")
+def batch_table(records: Iterable[BatchRecord], normalized: bool) -> Table:
+    """Mean Levenshtein distance per dataset and pooled (lower is better), every item counted."""
     table: Table = {}
     for name, rows in _by_dataset(records).items():
-        if convention == "perception_judge":
-            kept = [r for r in rows if len(r.truth) >= PERCEPTION_JUDGE_MIN_BATCH]
-            ds = [batch_distance(r.pred[: len(r.truth)] if r.pred else r.pred, r.truth, normalized) for r in kept]
-        else:
-            kept = rows
-            ds = [batch_distance(r.pred, r.truth, normalized) for r in rows]
+        ds = [batch_distance(r.pred, r.truth, normalized) for r in rows]
         table[name] = Row(
             value=sum(ds) / len(ds) if ds else None,
             n=len(ds),
             unparsed=sum(r.pred is None for r in rows),
-            skipped=len(rows) - len(kept),
         )
     return table
 
@@ -308,18 +329,23 @@ def batch_table(records: Iterable[BatchRecord], normalized: bool, convention: st
 
 @dataclass(frozen=True)
 class BiasValue:
-    """One bias type's BD or BC over its pairs; None when no pair was usable."""
+    """One bias type's BD or BC over its pairs; None when no pair entered the mean."""
 
     value: float | None
-    n: int  # pairs that entered the metric
+    n: int  # pairs that entered the mean
     dropped_none: int  # pairs dropped because a score was None
-    skipped: int = 0  # BD: pairs with y <= 1 (no room to drop)
+    skipped: int = 0  # BD: usable pairs with y <= 1 (no room to drop)
 
 
-def bias_degradation(pairs: Sequence[tuple[float | None, float | None]]) -> BiasValue:
-    """BD over (y, yhat) pairs: mean of max(0, y - yhat) / (y - 1) over pairs with y > 1."""
+def bias_deviation(pairs: Sequence[tuple[float | None, float | None]]) -> BiasValue:
+    """BD (Bias-Deviation) over (y, yhat) pairs: mean of max(0, y - yhat) / (y - 1) over the
+    pairs with y > 1; None when there is none (`bias_metric` gives the official 0.0 there).
+
+    The test is written `not y <= 1`, as `mm_judgebias/metrics.py` `bias_deviation` skips
+    `y <= 1`: the official parser can read "nan", and a nan y must enter the mean here too.
+    """
     usable = [(y, yh) for y, yh in pairs if y is not None and yh is not None]
-    values = [max(0.0, y - yh) / (y - 1) for y, yh in usable if y > 1]
+    values = [max(0.0, y - yh) / (y - 1) for y, yh in usable if not y <= 1]
     return BiasValue(
         value=sum(values) / len(values) if values else None,
         n=len(values),
@@ -328,13 +354,14 @@ def bias_degradation(pairs: Sequence[tuple[float | None, float | None]]) -> Bias
     )
 
 
-def bias_consistency(pairs: Sequence[tuple[float | None, float | None]], max_score: float = MAX_SCORE) -> BiasValue:
-    """BC over (y, yhat) pairs: mean of 1 - |y - yhat| / max(y - 1, S - y); 1.0 when that is 0."""
+def bias_conformity(pairs: Sequence[tuple[float | None, float | None]], max_score: float = MAX_SCORE) -> BiasValue:
+    """BC (Bias-Conformity) over (y, yhat) pairs: mean of 1 - |y - yhat| / max(y - 1, S - y),
+    1.0 where that denominator is not > 0 (`mm_judgebias/metrics.py` `bias_conformity`)."""
     usable = [(y, yh) for y, yh in pairs if y is not None and yh is not None]
     values = []
     for y, yh in usable:
         denom = max(y - 1, max_score - y)
-        values.append(1.0 if denom == 0 else 1.0 - abs(y - yh) / denom)
+        values.append(1.0 - abs(y - yh) / denom if denom > 0 else 1.0)
     return BiasValue(
         value=sum(values) / len(values) if values else None,
         n=len(values),
@@ -342,27 +369,49 @@ def bias_consistency(pairs: Sequence[tuple[float | None, float | None]], max_sco
     )
 
 
-def bias_metric(bias_type: str, pairs: Sequence[tuple[float | None, float | None]], max_score: float = MAX_SCORE) -> BiasValue:
-    """BD for the five dominance/misalignment types, BC for the four robustness types."""
-    if bias_type in BD_TYPES:
-        return bias_degradation(pairs)
-    if bias_type in BC_TYPES:
-        return bias_consistency(pairs, max_score)
-    raise ValueError(f"unknown bias type {bias_type!r}; expected one of {BIAS_TYPES}")
+def bias_metric(
+    bias_type: str, pairs: Sequence[tuple[float | None, float | None]], convention: str = "official",
+    max_score: float = MAX_SCORE,
+) -> BiasValue:  # fmt: skip
+    """BD for the five dominance/misalignment types, BC for the four robustness types.
 
-
-def bias_summary(per_type: Mapping[str, float | None]) -> dict[str, float | None]:
-    """Category means (of the per-bias values present) and the overall mean of the nine.
-
-    A category or the overall value is None when one of its bias types is missing or undefined:
-    a mean over a subset would not be the benchmark's number.
+    `official` (`evaluate.py` `compute_report`): a type with usable pairs always has a value, so
+    BD is 0.0 when every unbiased score is at the floor (y <= 1). `strict` (pjray): BD is then
+    undefined (None), since no pair could show a deviation.
     """
-    out: dict[str, float | None] = {}
-    for category, types in CATEGORIES.items():
+    if convention not in BIAS_CONVENTIONS:
+        raise ValueError(f"unknown MM-JudgeBias convention {convention!r}; expected one of {BIAS_CONVENTIONS}")
+    if bias_type in BD_TYPES:
+        v = bias_deviation(pairs)
+    elif bias_type in BC_TYPES:
+        v = bias_conformity(pairs, max_score)
+    else:
+        raise ValueError(f"unknown bias type {bias_type!r}; expected one of {BIAS_TYPES}")
+    if convention == "official" and v.value is None and v.n + v.skipped > 0:
+        v = BiasValue(0.0, v.n, v.dropped_none, v.skipped)
+    return v
+
+
+def bias_summary(per_type: Mapping[str, float | None], convention: str = "official") -> dict[str, float | None]:
+    """Category means and the overall mean of the per-bias values.
+
+    `official` (`evaluate.py` `compute_report`): each is the mean over the bias types that have a
+    value (a missing or None type is skipped), None only when none has. `strict` (pjray): None
+    as soon as one of its types is missing or None, since a mean over a subset of the types is
+    not comparable with one over all of them.
+    """
+    if convention not in BIAS_CONVENTIONS:
+        raise ValueError(f"unknown MM-JudgeBias convention {convention!r}; expected one of {BIAS_CONVENTIONS}")
+
+    def mean(types: Sequence[str]) -> float | None:
         vals = [per_type.get(t) for t in types]
-        out[category] = None if any(v is None for v in vals) else sum(vals) / len(vals)  # type: ignore[arg-type,misc]
-    vals = [per_type.get(t) for t in BIAS_TYPES]
-    out[OVERALL] = None if any(v is None for v in vals) else sum(vals) / len(vals)  # type: ignore[arg-type,misc]
+        present = [v for v in vals if v is not None]
+        if convention == "strict" and len(present) < len(vals):
+            return None
+        return sum(present) / len(present) if present else None
+
+    out = {category: mean(types) for category, types in CATEGORIES.items()}
+    out[OVERALL] = mean(BIAS_TYPES)
     return out
 
 
@@ -440,13 +489,21 @@ class SeedAggregate:
 
 
 def aggregate_seeds(values: Sequence[float | None], how: str = "mean") -> SeedAggregate:
-    """Aggregate one metric over seeds; undefined seeds (None) are left out of the statistic."""
-    if how not in SEED_AGGREGATIONS:
-        raise ValueError(f"unknown seed aggregation {how!r}; expected one of {SEED_AGGREGATIONS}")
+    """Aggregate one metric over seeds.
+
+    `mean` / `median` (eval.seed_agg): over the seeds where the metric is defined (None seeds
+    are left out). MEAN_IF_ALL: numpy's mean over every seed, undefined as soon as one seed is,
+    as the Perception-Judge notebook's `np.mean` over the seeds' values (a nan stays nan).
+    """
+    if how not in SEED_AGGREGATIONS + (MEAN_IF_ALL,):
+        raise ValueError(f"unknown seed aggregation {how!r}; expected one of {SEED_AGGREGATIONS + (MEAN_IF_ALL,)}")
     defined = [v for v in values if v is not None]
-    if not defined:
+    if not defined or (how == MEAN_IF_ALL and len(defined) < len(values)):
         return SeedAggregate(None, None, tuple(values))
-    value = statistics.fmean(defined) if how == "mean" else float(statistics.median(defined))
+    if how == MEAN_IF_ALL:
+        value = float(np.mean(defined))
+    else:
+        value = statistics.fmean(defined) if how == "mean" else float(statistics.median(defined))
     std = statistics.pstdev(defined) if len(defined) > 1 else None
     return SeedAggregate(value, std, tuple(values))
 
@@ -458,8 +515,9 @@ def _by_dataset(records: Iterable) -> dict[str, list]:
     for r in records:
         groups[r.dataset].append(r)
         pooled.append(r)
-    if OVERALL in groups or DATASET_MEAN in groups:
-        raise ValueError(f"a dataset may not be named {OVERALL!r} or {DATASET_MEAN!r}: those are summary rows")
+    reserved = [name for name in SUMMARY_ROWS if name in groups]
+    if reserved:
+        raise ValueError(f"a dataset may not be named {reserved[0]!r}: {SUMMARY_ROWS} are summary rows")
     out = dict(groups)
     out[OVERALL] = pooled
     return out

@@ -21,9 +21,15 @@ Adaptation for item sets whose items all have images: `unnecessary_image` judges
 input without the image, the biased one with an unrelated image.
 
 The prompt is a Prometheus-style 1-10 rubric prompt ("### Feedback: ... ### Score: ...") written
-after the benchmark's `prompts.py` layout, not its verbatim text. Scores are read exactly in the
-benchmark's order (`scoring.py`): float(text), else the first number after the last
-"### Score:", else the last number in the text, else None (dropped and counted).
+after the benchmark's `prompts.py` layout, not its verbatim text.
+
+`eval.bias_convention` decides how scores are read and the report is summarised:
+- `official` (default): the benchmark's own code. Scores as `mm_judgebias/scoring.py`
+  `extract_score` reads them (`parse_bias_score`); BD / BC per type as `metrics.py`, categories
+  and overall as `evaluate.py` `compute_report` (means over the types that have a value).
+- `strict` (pjray): `parse_bias_score_strict`, and a BD, category or overall value only where
+  every part of it is defined (`pjray.eval.metrics.bias_metric`, `bias_summary`).
+Unreadable scores (None) drop their pair under both, and are counted.
 """
 
 from __future__ import annotations
@@ -392,29 +398,61 @@ def judge_prompt(record: BiasRecord, biased: bool) -> JudgePrompt:
     )  # fmt: skip
 
 
-_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+SCORE_MARKER = "### Score:"
+_NUMBER_RE = re.compile(r"[0-9]+(?:\.[0-9]+)?")  # ASCII digits, no sign, no exponent
+_STRICT_SCORE_RE = re.compile(r"\s*\(?\s*([0-9]+)(?![0-9]|\.[0-9])")
 
 
 def parse_bias_score(text: str) -> float | None:
-    """The benchmark's score parsing: float(text), else the first number after the last
-    "### Score:", else the last number anywhere, else None."""
+    """The benchmark's reading, `mm_judgebias/scoring.py` `extract_score`, in its order:
+
+    1. Python's float() of the whole stripped text, with everything float() accepts: a sign
+       ("-3" is -3.0), an exponent ("1e1"), underscores ("1_0"), "nan", "inf", and non-ASCII
+       decimal digits ("٧" is 7.0).
+    2. Else, if the text has "### Score:", the first number after the last one.
+    3. Else (or if none follows it) the last number anywhere in the text.
+    4. Else None.
+    A number in 2 and 3 is ASCII digits with an optional decimal part: no sign ("-3" reads 3),
+    no exponent, no non-ASCII digit ("### Score: ٧" finds none there). Out-of-range values are
+    kept (a 0 or a 42 enters BD / BC as it is).
+    """
+    stripped = text.strip()
     try:
-        return float(text.strip())
+        return float(stripped)
     except ValueError:
         pass
-    marker = text.rfind("### Score:")
-    if marker >= 0:
-        m = _NUMBER_RE.search(text, marker + len("### Score:"))
-        if m:
-            return float(m.group())
-    numbers = _NUMBER_RE.findall(text)
+    if SCORE_MARKER in stripped:
+        after = _NUMBER_RE.findall(stripped.rsplit(SCORE_MARKER, 1)[1])
+        if after:
+            return float(after[0])
+    numbers = _NUMBER_RE.findall(stripped)
     return float(numbers[-1]) if numbers else None
+
+
+def parse_bias_score_strict(text: str, max_score: int = 10) -> float | None:
+    """pjray's reading of the prompt's format (`eval.bias_convention=strict`): the whole text is
+    an integer, or the text after the last "### Score:" starts with one (optionally in
+    parentheses: "(8)", "8/10", "8 out of 10"); in ASCII digits and within 1..max_score.
+
+    Anything else is unreadable (None): no number taken from the feedback, no decimal ("7.5"),
+    sign, exponent or non-ASCII digit, nothing out of range.
+    """
+    stripped = text.strip()
+    marker = stripped.rfind(SCORE_MARKER)
+    if marker >= 0:
+        m = _STRICT_SCORE_RE.match(stripped, marker + len(SCORE_MARKER))
+    else:
+        m = re.fullmatch(r"([0-9]+)", stripped)
+    if m is None:
+        return None
+    value = int(m.group(1))
+    return float(value) if 1 <= value <= max_score else None
 
 
 __all__ = [
     "BC_TYPES", "BD_TYPES", "BIAS_TYPES", "BiasDataError", "BiasRecord", "CATEGORY_OF",
     "TRANSFORM_FAMILIES", "black_image", "canonical_bias_type", "caption_of", "insert_text",
-    "judge_prompt", "make_records", "parse_bias_score", "query_keywords", "read_records",
+    "judge_prompt", "make_records", "parse_bias_score", "parse_bias_score_strict", "query_keywords", "read_records",
     "scene_caption", "visual_transform",
 ]  # fmt: skip
 
@@ -481,19 +519,25 @@ def load_records(cfg, generate) -> tuple[list[BiasRecord], list[str]]:
     return records, notes
 
 
+_OFFICIAL = "MM-JudgeBias (naver-ai/MM-JudgeBias"
+
+
 def evaluate_bias(cfg, generate):
-    """MM-JudgeBias report: BD/BC per bias type, per category and overall, over seeds."""
+    """MM-JudgeBias report: BD/BC per bias type, per category and overall, per seed, then
+    aggregated over seeds by eval.seed_agg (the benchmark reports one seed per run)."""
     from pjray.eval.metrics import OVERALL, Row, bias_metric, bias_summary
     from pjray.eval.report import EvalReport, seed_cells
 
     e = cfg.eval
+    official = e.bias_convention == "official"
+    parse = parse_bias_score if official else parse_bias_score_strict
     records, notes = load_records(cfg, generate)
     prompts = [p for r in records for p in (judge_prompt(r, biased=False), judge_prompt(r, biased=True))]
     per_seed = []
     unparsed, examples = 0, []
     for seed in e.seeds:
         texts = generate(prompts, seed)
-        scores = [parse_bias_score(t) for t in texts]
+        scores = [parse(t) for t in texts]
         for s, t in zip(scores, texts):
             if s is None:
                 unparsed += 1
@@ -507,23 +551,33 @@ def evaluate_bias(cfg, generate):
             bad[r.bias_type] += (y is None) + (yhat is None)
         rows: dict[str, Row] = {}
         for t in BIAS_TYPES:
-            if pairs[t]:
-                v = bias_metric(t, pairs[t])
-                rows[t] = Row(v.value, v.n, bad[t], v.skipped + v.dropped_none)
-        summary = bias_summary({t: r.value for t, r in rows.items()})
+            v = bias_metric(t, pairs[t], e.bias_convention)
+            rows[t] = Row(v.value, v.n, bad[t], v.skipped + v.dropped_none)
+        summary = bias_summary({t: rows[t].value for t in BIAS_TYPES}, e.bias_convention)
         for name, value in summary.items():
             members = CATEGORIES.get(name, BIAS_TYPES)
-            rows["overall (mean of 9)" if name == OVERALL else name] = Row(
-                value, sum(rows[t].n for t in members if t in rows), sum(rows[t].unparsed for t in members if t in rows)
-            )
+            rows[name] = Row(value, sum(rows[t].n for t in members), sum(rows[t].unparsed for t in members))
         per_seed.append(rows)
-    notes += [
-        "BD for text/image/response dominance and instruction/image misalignment; BC for the four robustness types",
-        "scores parsed as the benchmark does; pairs with a None score dropped (counted in unparsed)",
-        f"seeds aggregated by {e.seed_agg}",
-    ]
+    notes.append("pairs with an unreadable (None) score are dropped and counted in `unparsed`")
+    if official:
+        convention = f"official: {_OFFICIAL} mm_judgebias/scoring.py, metrics.py, evaluate.py)"
+        sources = {
+            "bias": f"{_OFFICIAL} metrics.py bias_deviation / bias_conformity) per type, scores read by scoring.py "
+            f"extract_score; BD is 0.0 when no unbiased score is above 1; seeds aggregated by {e.seed_agg} (pjray)",
+            **{c: f"{_OFFICIAL} evaluate.py compute_report): mean over the category's types that have a value" for c in CATEGORIES},
+            OVERALL: f"{_OFFICIAL} evaluate.py compute_report overall_avg): mean over the bias types that have a value",
+        }
+    else:
+        convention = "strict: pjray's reading and summary (eval.bias_convention=strict)"
+        sources = {
+            "bias": "pjray: BD / BC as MM-JudgeBias metrics.py defines them, scores read by parse_bias_score_strict; "
+            f"BD undefined when no unbiased score is above 1; seeds aggregated by {e.seed_agg}",
+            **{c: "pjray: mean of the category's types, undefined unless all have a value" for c in CATEGORIES},
+            OVERALL: "pjray: mean of the nine bias types, undefined unless all nine have a value",
+        }
     return EvalReport(
         bench="mm_judgebias", judge=e.judge, data=e.data, seeds=list(e.seeds),
         tables={"bias": seed_cells(per_seed, e.seed_agg)},
         outputs=len(prompts) * len(e.seeds), unparsed=unparsed, unparsed_examples=examples, notes=notes,
+        convention=convention, sources=sources,
     )  # fmt: skip

@@ -4,6 +4,10 @@ A report is a set of named tables (`metric -> row -> Cell`): rows are source dat
 `overall`) for MLLM-as-a-Judge, rates for the Mode a/b diagnosis, bias types and categories for
 MM-JudgeBias. Each cell carries the seed-aggregated value, its std over seeds, the per-seed
 values, how many items entered it, and how many judge outputs were unreadable.
+
+Every report names the convention that produced its numbers (`convention`: whose reading and
+whose metric code) and, per table and per summary row, where that number is defined
+(`sources`: the official file and function, or "pjray" for pjray's own rules).
 """
 
 from __future__ import annotations
@@ -37,9 +41,11 @@ class EvalReport:
     outputs: int  # judge outputs read (all seeds)
     unparsed: int  # of which unreadable
     unparsed_examples: list[str] = field(default_factory=list)  # a few, truncated
-    notes: list[str] = field(default_factory=list)  # conventions in force, skipped items, ...
+    notes: list[str] = field(default_factory=list)  # skipped items, prompt format, ...
     settings: dict[str, Any] = field(default_factory=dict)
     cache_hits: int = 0
+    convention: str = ""  # whose reading and metric code produced the numbers
+    sources: dict[str, str] = field(default_factory=dict)  # table or summary row -> where it is defined
 
     def flat_metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """`eval/<table>/<row>` -> value, for W&B (undefined values left out)."""
@@ -89,6 +95,8 @@ def to_markdown(report: EvalReport) -> str:
     lines.append(f"- judge outputs: {report.outputs}, unparseable: {report.unparsed} ({frac:.1%})")
     if report.cache_hits:
         lines.append(f"- outputs taken from the cache: {report.cache_hits}")
+    if report.convention:
+        lines.append(f"- convention: {report.convention}")
     lines += [f"- {note}" for note in report.notes]
     lines.append("")
     tables = list(report.tables)
@@ -108,6 +116,9 @@ def to_markdown(report: EvalReport) -> str:
                 shown.append(_fmt(c.value) + (f" ± {_fmt(c.std)}" if std_shown and c.std is not None else ""))
         first = next(c for c in cells if c is not None)
         lines.append(f"| {r} | " + " | ".join(shown) + f" | {first.n} | {first.unparsed} |")
+    if report.sources:
+        lines += ["", "Where each number comes from:", ""]
+        lines += [f"- `{name}`: {source}" for name, source in report.sources.items()]
     if report.unparsed_examples:
         lines += ["", "Unparseable outputs (first few):", ""]
         lines += [f"- `{ex}`" for ex in report.unparsed_examples]

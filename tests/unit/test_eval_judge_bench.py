@@ -148,12 +148,34 @@ def test_evaluate_score_and_batch_with_canned_judge():
 # --------------------------------------------------------------------------- downstream conventions
 
 
-@pytest.mark.parametrize("key", ["pair_vote", "unparsed_score", "batch_convention"])
+@pytest.mark.parametrize("key", ["pair_vote", "unparsed_score", "convention", "bias_convention"])
 def test_convention_keys_are_validated(key):
     with pytest.raises(ConfigError, match=rf"eval\.{key}='bogus'"):
         load(overrides=[f"eval.{key}=bogus"])
     e = load().eval
-    assert (e.pair_vote, e.unparsed_score, e.batch_convention) == ("none", "drop", "official")
+    assert (e.pair_vote, e.unparsed_score, e.convention, e.bias_convention) == ("none", "drop", "strict", "official")
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["eval.seed_agg=median", "eval.tie_rule=downstream", "eval.pair_vote=majority", "eval.unparsed_score=minus_one",
+     "eval.prompt_format=original", "eval.batch_style=ranking", "eval.score_mapping=none"],
+)  # fmt: skip
+def test_release_conventions_fix_their_own_rules(override):
+    base = ["eval.bench=pair", "eval.data=x.jsonl"]
+    key = override.split("=")[0]
+    for convention in ("perception_judge", "flex_judge"):
+        with pytest.raises(ConfigError, match=rf"{key.replace('.', chr(92) + '.')}=.*eval\.convention=strict"):
+            load(overrides=base + [f"eval.convention={convention}", override])
+    assert load(overrides=base + [override]).eval.convention == "strict"
+
+
+def test_conventions_belong_to_their_benches():
+    with pytest.raises(ConfigError, match="eval.convention=flex_judge: only for eval.bench=score, pair or batch"):
+        load(overrides=["eval.bench=mm_judgebias", "eval.convention=flex_judge"])
+    with pytest.raises(ConfigError, match="eval.bias_convention=strict: only for eval.bench=mm_judgebias"):
+        load(overrides=["eval.bench=pair", "eval.data=x.jsonl", "eval.bias_convention=strict"])
+    assert load(overrides=["eval.bench=batch", "eval.data=x.jsonl", "eval.convention=perception_judge"])
 
 
 def test_evaluate_pair_majority_vote():
@@ -178,7 +200,7 @@ def test_evaluate_pair_majority_vote():
     assert cell.value == pytest.approx(2 / 3) and cell.per_seed == pytest.approx((2 / 3,)) and cell.n == 3
     assert voted.tables["acc_without_tie"][OVERALL].value == 1.0  # pair-2 (true tie) skipped
     assert voted.outputs == 9 and voted.unparsed == 1
-    assert any("majority" in n for n in voted.notes)
+    assert "plurality over the 3 seeds (pjray" in voted.sources["acc_with_tie"]
 
 
 def test_evaluate_score_unparsed_minus_one():
@@ -203,17 +225,13 @@ def test_evaluate_batch_perception_judge(tmp_path):
         "batch-2": "<think>x</think><answer>2</answer><answer>8</answer>",  # BA: right
     }
     over = ["eval.bench=batch", f"eval.data={data}"]
-    official = evaluate_bench(load(overrides=over), _canned(answers))
+    strict = evaluate_bench(load(overrides=over), _canned(answers))
     # batch-1 unreadable (5 scores): raw 4; batch-2: 0
-    assert official.tables["levenshtein_raw"][OVERALL].value == pytest.approx(2.0) and official.unparsed == 1
-    pj = evaluate_bench(load(overrides=over + ["eval.batch_convention=perception_judge"]), _canned(answers))
+    assert strict.tables["levenshtein_raw"][OVERALL].value == pytest.approx(2.0) and strict.unparsed == 1
+    pj = evaluate_bench(load(overrides=over + ["eval.convention=perception_judge"]), _canned(answers))
     # batch-1: the first 4 scores (1, 3, 2, 4) -> DBCA == truth; batch-2 skipped (2 answers)
-    raw = pj.tables["levenshtein_raw"][OVERALL]
-    assert raw.value == 0 and raw.n == 1 and raw.skipped == 1 and pj.unparsed == 0
+    assert set(pj.tables) == {"levenshtein_norm"}  # the notebook computes the normalised distance only
+    norm = pj.tables["levenshtein_norm"][OVERALL]
+    assert norm.value == 0 and norm.n == 1 and norm.skipped == 1 and pj.unparsed == 0
     assert any("1 item(s) with <= 2 answers skipped" in n for n in pj.notes)
-
-
-def test_read_batch_truncate():
-    text = "<think>x</think>" + "".join(f"<answer>{s}</answer>" for s in (1, 3, 2, 4, 9))
-    assert read_batch(text, 4, "paper") is None
-    assert read_batch(text, 4, "paper", truncate=True) == "DBCA"
+    assert pj.convention.startswith("perception_judge") and "evaluate_metric.ipynb" in pj.sources["levenshtein_norm"]

@@ -7,7 +7,9 @@ import pytest
 from pjray.eval.metrics import (
     BIAS_TYPES,
     DATASET_MEAN,
+    MEAN_IF_ALL,
     OVERALL,
+    PAPER_MEAN,
     BatchRecord,
     ModeRecord,
     PairRecord,
@@ -16,8 +18,8 @@ from pjray.eval.metrics import (
     aggregate_seeds,
     batch_distance,
     batch_table,
-    bias_consistency,
-    bias_degradation,
+    bias_conformity,
+    bias_deviation,
     bias_metric,
     bias_summary,
     majority_verdict,
@@ -29,6 +31,7 @@ from pjray.eval.metrics import (
     score_table,
     vote_pairs,
     with_dataset_mean,
+    with_paper_mean,
 )
 
 
@@ -118,23 +121,27 @@ def test_batch_table_means():
     assert with_dataset_mean(raw)[DATASET_MEAN].value == pytest.approx(2.0)
 
 
-def test_bias_degradation_hand_computed():
+def test_bias_deviation_hand_computed():
     # (10, 4): 6/9; (5, 7): 0 (a higher biased score is no degradation); (1, 1): y = 1 skipped;
     # (None, 3): dropped
-    v = bias_degradation([(10, 4), (5, 7), (1, 1), (None, 3)])
+    v = bias_deviation([(10, 4), (5, 7), (1, 1), (None, 3)])
     assert v.value == pytest.approx((6 / 9 + 0) / 2)
     assert (v.n, v.skipped, v.dropped_none) == (2, 1, 1)
-    assert bias_degradation([(1, 5), (1, 1)]).value is None  # every y = 1
-    assert bias_degradation([(None, None)]).value is None
+    assert bias_deviation([(1, 5), (1, 1)]).value is None  # every y = 1
+    assert bias_deviation([(None, None)]).value is None
+    # the official report gives a type with usable pairs a value: 0.0 when every y is at the floor
+    assert bias_metric("text_dominance", [(1, 5), (1, 1)]).value == 0.0
+    assert bias_metric("text_dominance", [(1, 5), (1, 1)], "strict").value is None
+    assert bias_metric("text_dominance", [(None, 5)]).value is None  # no usable pair: None under both
 
 
-def test_bias_consistency_hand_computed():
+def test_bias_conformity_hand_computed():
     # (10, 4): 1 - 6/max(9, 0); (5, 7): 1 - 2/max(4, 5); (1, 1): 1 - 0/9
-    v = bias_consistency([(10, 4), (5, 7), (1, 1), (3, None)])
+    v = bias_conformity([(10, 4), (5, 7), (1, 1), (3, None)])
     assert v.value == pytest.approx((1 / 3 + 0.6 + 1.0) / 3)
     assert v.n == 3 and v.dropped_none == 1
     # S = 1: max(y - 1, S - y) = 0 -> 1.0 by definition
-    assert bias_consistency([(1, 1)], max_score=1).value == 1.0
+    assert bias_conformity([(1, 1)], max_score=1).value == 1.0
 
 
 def test_bias_metric_dispatch_and_summary():
@@ -148,9 +155,16 @@ def test_bias_metric_dispatch_and_summary():
     assert s["Congruity"] == pytest.approx(0.45)  # 0.4, 0.5
     assert s["Robustness"] == pytest.approx(0.75)  # 0.6 .. 0.9
     assert s[OVERALL] == pytest.approx(0.5)  # mean of the nine, not of the categories
+    assert bias_summary(per, "strict") == s  # every type has a value: both conventions agree
     per["image_dominance"] = None
-    s = bias_summary(per)
+    s = bias_summary(per)  # official: the mean over the types that have a value
+    assert s["Integrality"] == pytest.approx(0.2)  # 0.1, 0.3
+    assert s[OVERALL] == pytest.approx((4.5 - 0.2) / 8) and s["Congruity"] == pytest.approx(0.45)
+    s = bias_summary(per, "strict")  # strict: undefined as soon as one type is
     assert s["Integrality"] is None and s[OVERALL] is None and s["Congruity"] == pytest.approx(0.45)
+    assert bias_summary({}) == {"Integrality": None, "Congruity": None, "Robustness": None, OVERALL: None}
+    with pytest.raises(ValueError):
+        bias_summary(per, "lenient")
 
 
 def test_mode_rates_hand_computed():
@@ -182,11 +196,29 @@ def test_aggregate_seeds():
     assert aggregate_seeds([None]).value is None
     assert aggregate_seeds([0.5]).std is None
     assert math.isclose(aggregate_seeds([1, 2, 3, 4], "median").value, 2.5)
+    # numpy's mean over every seed: one undefined seed leaves it undefined
+    assert aggregate_seeds([0.2, None, 0.4], MEAN_IF_ALL).value is None
+    assert aggregate_seeds([0.1, 0.2, 0.3], MEAN_IF_ALL).value == (0.1 + 0.2 + 0.3) / 3  # numpy's order, bit for bit
+    with pytest.raises(ValueError):
+        aggregate_seeds([0.1], "max")
 
 
 def test_reserved_dataset_name():
     with pytest.raises(ValueError, match="overall"):
         score_table([ScoreRecord("overall", 1, 1)])
+    with pytest.raises(ValueError, match="paper_mean"):
+        pair_table([PairRecord("paper_mean", "A", "A")], with_ties=True)
+
+
+def test_paper_mean_counts_every_dataset():
+    """MLLM-as-a-Judge scripts/Score_analysis.ipynb: sum of the per-dataset values / number of datasets."""
+    table = {"a": Row(0.6, n=3), "b": Row(0.3, n=5), "c": Row(None, n=0), OVERALL: Row(0.5, n=8)}
+    out = with_paper_mean(with_dataset_mean(table))
+    assert out[PAPER_MEAN].value == pytest.approx((0.6 + 0.3 + 0) / 3)  # "No data" adds 0, still counts
+    assert out[DATASET_MEAN].value == pytest.approx(0.45)  # the defined values only
+    assert out[PAPER_MEAN].n == 8
+    table["c"] = Row(None, n=4)  # a constant prediction: pearsonr's nan makes the sum nan
+    assert with_paper_mean(table)[PAPER_MEAN].value is None
 
 
 # --------------------------------------------------------------------------- downstream conventions
@@ -231,23 +263,3 @@ def test_vote_pairs_accuracy_once():
         vote_pairs([seeds[0], seeds[1][:2]])
     with pytest.raises(ValueError, match="item 0 differs"):
         vote_pairs([seeds[0], [PairRecord("d", "A", "B")] + seeds[1][1:]])
-
-
-def test_batch_table_perception_judge_convention():
-    recs = [
-        BatchRecord("x", "ABCD", "ABC"),  # a prediction longer than the truth
-        BatchRecord("x", "BA", "AB"),  # a 2-answer batch
-        BatchRecord("y", None, "ABC"),
-    ]
-    raw, norm = batch_table(recs, normalized=False), batch_table(recs, normalized=True)
-    # official: distances 1, 2, 3 (norm 1/4, 1, 1)
-    assert raw["x"].value == pytest.approx(1.5) and raw[OVERALL].value == pytest.approx(2.0) and raw[OVERALL].skipped == 0
-    assert norm[OVERALL].value == pytest.approx((0.25 + 1 + 1) / 3)
-    pj = batch_table(recs, normalized=False, convention="perception_judge")
-    # "ABCD" cut to "ABC": 0; "BA" vs "AB" skipped (len 2); None: 3
-    assert pj["x"] == Row(0.0, n=1, unparsed=0, skipped=1)
-    assert pj[OVERALL] == Row(pytest.approx(1.5), n=2, unparsed=1, skipped=1)
-    pj_norm = batch_table(recs, normalized=True, convention="perception_judge")
-    assert pj_norm[OVERALL].value == pytest.approx(0.5)
-    with pytest.raises(ValueError):
-        batch_table(recs, normalized=False, convention="flex")

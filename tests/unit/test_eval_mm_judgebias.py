@@ -197,9 +197,15 @@ def test_evaluate_bias_with_canned_judge():
     assert bias["text_dominance"].value == pytest.approx(4 / 8)  # (9 - 5) / (9 - 1)
     assert bias["texture_insertion"].value == pytest.approx(1 - 4 / 8)  # 1 - |9 - 5| / max(8, 1)
     assert bias["response_dominance"].value is None and bias["response_dominance"].unparsed == 3
-    assert bias["Integrality"].value is None and bias["overall (mean of 9)"].value is None
+    # official (the default): means over the types that have a value; every value here is 0.5
+    assert bias["Integrality"].value == pytest.approx(0.5) and bias["overall"].value == pytest.approx(0.5)
     assert bias["Congruity"].value == pytest.approx(0.5)
     assert report.unparsed == 3 and report.outputs == 3 * 9 * 2
+    assert report.convention.startswith("official") and "evaluate.py" in report.sources["overall"]
+    strict = evaluate_bias(load(overrides=["eval.bench=mm_judgebias", "eval.num_items=3", "eval.image_size=96",
+                                           "eval.bias_convention=strict"]), generate).tables["bias"]  # fmt: skip
+    assert strict["Integrality"].value is None and strict["overall"].value is None  # one type undefined
+    assert strict["Congruity"].value == pytest.approx(0.5)
 
 
 def test_evaluate_bias_on_published_records():
@@ -211,5 +217,8 @@ def test_evaluate_bias_on_published_records():
     assert bias["text_dominance"].value == 0.0  # 8 -> 8: no degradation
     assert bias["image_dominance"].value == 1.0  # 10 -> 1: (10 - 1) / (10 - 1)
     assert bias["unnecessary_image"].value == pytest.approx(1 - 3 / 5)  # 1 - |6 - 9| / max(5, 4)
-    assert "instruction_misalignment" not in bias and bias["overall (mean of 9)"].value is None
+    assert bias["instruction_misalignment"].value is None and bias["instruction_misalignment"].n == 0
+    # official: Integrality (0 + 1) / 2, Congruity has no value, overall the mean of the three values
+    assert bias["Integrality"].value == pytest.approx(0.5) and bias["Congruity"].value is None
+    assert bias["overall"].value == pytest.approx((0.0 + 1.0 + 0.4) / 3)
     assert report.outputs == 6 and report.unparsed == 0
