@@ -419,12 +419,6 @@ def _validate_sft(cfg: Config) -> None:
         raise ConfigError(f"sft.path: required when sft.source={s.source}")
     if s.source == "base_judge" and s.path:
         raise ConfigError("sft.path: only read when sft.source is jsonl or parquet")
-    per_step = cfg.learner.num_ranks * cfg.learner.micro_batch_size
-    if s.batch_size % per_step:
-        raise ConfigError(
-            f"sft.batch_size={s.batch_size}: must split into learner.num_ranks {cfg.learner.num_ranks} x "
-            f"learner.micro_batch_size {cfg.learner.micro_batch_size}"
-        )
 
 
 def _validate_layout(cfg: Config) -> None:

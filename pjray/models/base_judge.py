@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from pjray.data.prompts import LETTERS, render_batch, render_score
+from pjray.data.prompts import EOS_TOKEN, LETTERS, render_batch, render_score
 from pjray.data.scenes import COLORS, KINDS, SHAPES, SIZES, Scene, SceneQA, generate_scene, render, sample_qa
 from pjray.eval.bias import probe_prompt
 from pjray.ppjd.perturb import Change, Probe, final_answer, probe_for, ranked_item
@@ -255,7 +255,7 @@ def base_config(recipe: BaseJudgeRecipe, tok: Any) -> Any:
         "max_position_embeddings": 4096,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": sections, "mrope_interleaved": True},
         "bos_token_id": ids["<|endoftext|>"],
-        "eos_token_id": ids["<|im_end|>"],
+        "eos_token_id": ids[EOS_TOKEN],
         "pad_token_id": ids["<|endoftext|>"],
         "tie_word_embeddings": False,
     }

@@ -25,7 +25,7 @@ from typing import Any
 import ray
 
 from pjray.cluster import connect
-from pjray.config import AlgoConfig, Config, to_dict
+from pjray.config import AlgoConfig, Config, ConfigError, to_dict
 from pjray.models.loading import decode_image, load_processor, render_chat
 from pjray.rl.learner import LearnerRank
 from pjray.rl.placement import Placement, RoleResources
@@ -116,6 +116,11 @@ def run_sft(cfg: Config, model_path: str) -> Path:
     connect(cfg.ray)
 
     lc, s = cfg.learner, cfg.sft
+    if s.batch_size % (lc.num_ranks * lc.micro_batch_size):
+        raise ConfigError(
+            f"sft.batch_size={s.batch_size}: must split into learner.num_ranks {lc.num_ranks} x "
+            f"learner.micro_batch_size {lc.micro_batch_size}"
+        )
     learner_cfg = dataclasses.replace(lc, lr=s.lr, warmup_steps=s.warmup_steps, lr_schedule=s.lr_schedule)
     placement = Placement(
         {"learner": RoleResources(lc.num_ranks, lc.num_cpus_per_rank, lc.num_gpus_per_rank)},

@@ -57,7 +57,7 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "mllm_judge"
 )
 def test_score_reading(text, strict, release):
     """`mllm_judge_eval` score: v = ints of <answer>(\\d+)</answer>; -1 if none, else v[0] as is."""
-    assert read_score(text, "paper", False, "none") == strict
+    assert read_score(text, "paper", "none") == strict
     assert fj.read_score(text) == release
 
 
@@ -71,7 +71,7 @@ def test_score_reading(text, strict, release):
 )
 def test_pair_reading(text, strict, release):
     """`mllm_as_a_judge_vllm.py` `main`: pred from the first two answer integers, C on failure."""
-    assert read_pair(T + text, "paper", False) == strict
+    assert read_pair(T + text, "paper") == strict
     assert fj.read_pair(T + text) == release
 
 
@@ -88,7 +88,7 @@ def test_pair_reading(text, strict, release):
 )
 def test_batch_reading(text, strict, release):
     """`mllm_judge_eval` batch: every <answer>(\\d+)</answer> integer, ranked (no cut to len(truth))."""
-    assert read_batch(T + text, 3, "paper", False) == strict
+    assert read_batch(T + text, 3, "paper") == strict
     assert fj.read_batch(T + text) == release
 
 
@@ -271,7 +271,7 @@ def test_identical_seeds_batch_is_one_seeds_mean(items, seeds):
     lambda k: st.lists(st.integers(1, 10), min_size=k, max_size=k, unique=True)))  # fmt: skip
 def test_well_formed_outputs_read_the_same(a, b, scores):
     pair = f"{T}<answer>{a}</answer><answer>{b}</answer>"
-    assert fj.read_pair(pair) == read_pair(pair, "paper", False)
-    assert fj.read_score(f"{T}<answer>{a}</answer>") == read_score(f"{T}<answer>{a}</answer>", "paper", False, "none") == a
+    assert fj.read_pair(pair) == read_pair(pair, "paper")
+    assert fj.read_score(f"{T}<answer>{a}</answer>") == read_score(f"{T}<answer>{a}</answer>", "paper", "none") == a
     batch = T + "".join(f"<answer>{s}</answer>" for s in scores)
-    assert fj.read_batch(batch) == read_batch(batch, len(scores), "paper", False)
+    assert fj.read_batch(batch) == read_batch(batch, len(scores), "paper")

@@ -38,7 +38,7 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "mllm_judge"
 
 
 def _strict_score(text):
-    return read_score(text, "paper", False, "ceil_half")
+    return read_score(text, "paper", "ceil_half")
 
 
 # --------------------------------------------------------------------------- reading (raw text -> number)
@@ -90,7 +90,7 @@ def test_pair_reading(text, strict, release):
     """`calculate_accuracy_metrics` (and `generate_judgment.py`'s `pred`): the first two ints of
     <answer>(\\d+)</answer>, A / B / C by comparison; fewer than two raise and give "C"."""
     full = text if text.startswith("<think>") else T + text
-    assert read_pair(full, "paper", False) == strict
+    assert read_pair(full, "paper") == strict
     assert pj.read_pair(full) == release
 
 
@@ -115,7 +115,7 @@ def test_batch_reading(text, strict, release):
     """`calculate_levenshtein_metrics`: every \\d+ inside every <answer>(.*?)</answer> block
     (DOTALL), cut to len(gt), ranked by sorted(zip(v, labels), reverse=True)."""
     full = text if text.startswith("<think>") else T + text
-    assert read_batch(full, 3, "paper", False) == strict
+    assert read_batch(full, 3, "paper") == strict
     assert pj.read_batch(full, 3) == release
 
 
@@ -240,14 +240,14 @@ def test_well_formed_score_reads_the_same(junk, v):
 @given(_junk, st.integers(1, 10), st.integers(1, 10))
 def test_well_formed_pair_reads_the_same(junk, a, b):
     text = f"<think>{junk}</think><answer>{a}</answer><answer>{b}</answer>"
-    assert pj.read_pair(text) == read_pair(text, "paper", False) == ("A" if a > b else "B" if a < b else "C")
+    assert pj.read_pair(text) == read_pair(text, "paper") == ("A" if a > b else "B" if a < b else "C")
 
 
 @settings(max_examples=60, deadline=None)
 @given(_junk, st.integers(3, 8).flatmap(lambda k: st.lists(st.integers(1, 10), min_size=k, max_size=k, unique=True)))
 def test_well_formed_batch_reads_the_same(junk, scores):
     text = f"<think>{junk}</think>" + "".join(f"<answer>{s}</answer>" for s in scores)
-    assert pj.read_batch(text, len(scores)) == read_batch(text, len(scores), "paper", False)
+    assert pj.read_batch(text, len(scores)) == read_batch(text, len(scores), "paper")
 
 
 _datasets = st.sampled_from(["coco", "ChartQA", "WIT"])
