@@ -34,12 +34,12 @@ def test_sft_learns_the_target_and_exports_a_loadable_judge(tmp_path: Path, ray_
     data = write_rows(tmp_path, 8)
     run_dir = tmp_path / "run"
     cfg = load(None, [
-        "sft.source=jsonl", f"sft.path={data}", "sft.steps=12", "sft.batch_size=8", "sft.lr=3e-3",
+        "sft.source=jsonl", f"sft.path={data}", "sft.steps=30", "sft.batch_size=8", "sft.lr=5e-3",
         "sft.warmup_steps=0", "learner.micro_batch_size=4", f"trainer.run_dir={run_dir}", "tracking.wandb=false",
     ])  # fmt: skip
     export = run_sft(cfg, str(judge))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, 13))
+    assert [m["step"] for m in metrics] == list(range(1, 31))
     assert metrics[-1]["sft/loss"] < 0.5 * metrics[0]["sft/loss"]
     assert metrics[-1]["sft/token_acc"] > metrics[0]["sft/token_acc"]
     model, processor = load_judge(export)
