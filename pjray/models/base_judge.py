@@ -34,6 +34,14 @@ starting point on a CPU in minutes, from scratch, in three parts:
    high as the correct one. With `bias < 1` the remaining examples follow the image (a matching
    answer first; a non-matching self-consistent one scores 4).
 
+Measured so far (2 CPU cores, shared; held-out scenes): the perception front-end reaches cell
+accuracy colour 0.99, size 1.00, shape 0.83, row 0.97, column 1.00 in 500 steps (~50 s). After
+600 probe-only steps and 600 mixed steps of the text model (~14 min, in-process), probe accuracy
+is colour 0.61, size 0.80, location 0.41, shape 0.32 (100 prompts), the judge format is written
+on 95% of batch prompts and 99% of score prompts, and the think text states the image's answer
+correctly 58% of the time. GRPO from that judge (30 steps, 8 prompts x 8 samples, lr 3e-4) kept
+the mean reward flat at ~0.42: the recipe does not yet give a judge that learns in minutes.
+
 Every step is deterministic for a seed; the built judge is cached in a directory named by a
 hash of the recipe (`pjray.models.cache`), so a changed recipe builds anew.
 """
