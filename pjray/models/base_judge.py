@@ -243,9 +243,7 @@ def tokenizer_corpus(recipe: BaseJudgeRecipe) -> list[str]:
 
 def base_config(recipe: BaseJudgeRecipe, tok: Any) -> Any:
     """The Qwen3-VL config of the recipe; special-token ids from `tok`."""
-    from transformers import AutoConfig
-
-    from pjray.models.tiny import QWEN_SPECIAL_TOKENS
+    from pjray.models.tiny import QWEN_SPECIAL_TOKENS, vlm_config
 
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     head_dim = recipe.hidden // recipe.heads
@@ -273,16 +271,7 @@ def base_config(recipe: BaseJudgeRecipe, tok: Any) -> Any:
         "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
         "num_position_embeddings": grid * grid, "deepstack_visual_indexes": [0],
     }  # fmt: skip
-    return AutoConfig.for_model(
-        "qwen3_vl",
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    return vlm_config("qwen3_vl", tok, text, vision)
 
 
 def build_untrained(out_dir: str, recipe: BaseJudgeRecipe) -> None:

@@ -205,6 +205,12 @@ def _config(arch: str, tok: PreTrainedTokenizerFast) -> Any:
         text["rope_parameters"]["mrope_interleaved"] = True
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS + TEXT_ONLY_ARCHS}")
+    return vlm_config(arch, tok, text, vision)
+
+
+def vlm_config(arch: str, tok: PreTrainedTokenizerFast, text: dict[str, Any], vision: dict[str, Any]) -> Any:
+    """A Qwen-VL config of `arch` from its text and vision parts, image/video ids from `tok`."""
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     return AutoConfig.for_model(
         arch,
         text_config=text,
