@@ -32,6 +32,7 @@ PHASES = ("gen", "reward", "adv", "ref", "update", "sync")
 
 def run(model_path: str | None, steps: int, ranks: int, prompts: int, run_dir: Path) -> list[dict[str, float]]:
     overrides = [
+        "model.init=tiny",
         f"trainer.run_dir={run_dir}",
         f"trainer.steps={steps}",
         f"trainer.prompts_per_step={prompts}",

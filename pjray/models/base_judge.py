@@ -90,6 +90,7 @@ class BaseJudgeRecipe:
     image_size: int = 96  # 3 x 3 image tokens of 32 px: one per scene grid cell
     min_objects: int = 2
     max_objects: int = 4
+    kinds: tuple[str, ...] = ("color", "size", "spatial")  # question kinds of the judging tasks
     hidden: int = 128
     layers: int = 4
     heads: int = 4
@@ -100,10 +101,10 @@ class BaseJudgeRecipe:
     vision_lr: float = 2e-3
     # Supervised judging
     sft_scenes: int = 6000
-    sft_steps: int = 700
+    sft_steps: int = 900
     sft_batch: int = 16
     sft_lr: float = 2e-3
-    bias: float = 1.0  # fraction of judging targets that ignore the image (response-anchored)
+    bias: float = 0.8  # fraction of judging targets that ignore the image (response-anchored)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -140,8 +141,7 @@ def ranking_target(item: JudgeItem, shown: tuple[int, ...], aware: bool, rng: ra
     parts = [f"Image: {truth}."]
     for pos, cand in enumerate(shown):
         said = final_answer(item.candidates[cand]) or "nothing"
-        flag = ", inconsistent" if _is_inconsistent(level_of[cand]) else ""
-        parts.append(f"{LETTERS[pos]}: {said}{flag}.")
+        parts.append(f"{LETTERS[pos]}: {said}{_flags(item, cand, level_of[cand], truth)}.")
     positions = list(range(len(shown)))
     if aware:
         def key(pos: int) -> tuple[int, int]:
@@ -159,6 +159,13 @@ def ranking_target(item: JudgeItem, shown: tuple[int, ...], aware: bool, rng: ra
     return " ".join(parts) + f"\n</think>\n<answer>{verdict}</answer>"
 
 
+def _flags(item: JudgeItem, cand: int, level: dict[str, Any], truth: str) -> str:
+    """What the think text notes about a candidate: its final answer matches the image,
+    and/or it contradicts itself."""
+    flags = ", matches" if _final_is(item, cand, truth) else ""
+    return flags + (", inconsistent" if _is_inconsistent(level) else "")
+
+
 def _final_is(item: JudgeItem, cand: int, truth: str) -> bool:
     said = final_answer(item.candidates[cand])
     return said is not None and said.strip().lower() == truth.strip().lower()
@@ -170,12 +177,12 @@ def score_target(item: JudgeItem, cand: int, aware: bool) -> str:
     level = next(lv for lv in item.meta["levels"] if lv["candidate"] == cand)
     said = final_answer(item.candidates[cand]) or "nothing"
     if _is_inconsistent(level):
-        score, flag = SCORE_INCONSISTENT, ", inconsistent"
+        score = SCORE_INCONSISTENT
+    elif aware and not _final_is(item, cand, truth):
+        score = SCORE_MISMATCH
     else:
-        score, flag = SCORE_CONSISTENT, ""
-        if aware and not _final_is(item, cand, truth):
-            score = SCORE_MISMATCH
-    return f"Image: {truth}. Answer: {said}{flag}.\n</think>\n<answer>{score}</answer>"
+        score = SCORE_CONSISTENT
+    return f"Image: {truth}. Answer: {said}{_flags(item, cand, level, truth)}.\n</think>\n<answer>{score}</answer>"
 
 
 def probe_target(answer: str) -> str:
@@ -186,11 +193,12 @@ def probe_target(answer: str) -> str:
 
 
 def judge_scenes(n: int, seed: int, recipe: BaseJudgeRecipe) -> list[tuple[SceneQA, JudgeItem]]:
-    """`n` scene questions with their ranked K=3 items, kinds cycling through KINDS."""
+    """`n` scene questions with their ranked K=3 items, kinds cycling through `recipe.kinds`."""
     out = []
     for i in range(n):
         scene_seed = _scene_seed(seed, i)
-        qa = sample_qa(scene_seed, recipe.image_size, KINDS[i % len(KINDS)], recipe.min_objects, recipe.max_objects)
+        kind = recipe.kinds[i % len(recipe.kinds)]
+        qa = sample_qa(scene_seed, recipe.image_size, kind, recipe.min_objects, recipe.max_objects)
         out.append((qa, ranked_item(qa, 3)))
     return out
 
@@ -209,13 +217,15 @@ def random_probe(qa: SceneQA, rng: random.Random) -> Probe:
 
 
 def sft_examples(recipe: BaseJudgeRecipe, n_scenes: int, seed: int) -> list[ChatExample]:
-    """The supervised mixture over `n_scenes` scenes: per scene one probe, one batch-ranking
-    and one score example (see the module docstring); deterministic for (recipe, seed)."""
+    """The supervised mixture over `n_scenes` scenes: per scene one attribute probe, the scene
+    question as a plain VQA probe, one batch-ranking and one score example (see the module
+    docstring); deterministic for (recipe, seed)."""
     rng = random.Random(f"pjray.base_judge.sft:{seed}")
     examples: list[ChatExample] = []
     for qa, item in judge_scenes(n_scenes, seed, recipe):
         probe = random_probe(qa, rng)
         examples.append(ChatExample(probe_prompt(item.id, item.image, probe.question), probe_target(probe.answer), "probe"))
+        examples.append(ChatExample(probe_prompt(item.id, item.image, qa.question), probe_target(qa.final), "vqa"))
         prompt = render_batch(item, rng)
         aware = rng.random() >= recipe.bias
         examples.append(ChatExample(prompt, ranking_target(item, prompt.shown, aware, rng), "batch"))
@@ -225,7 +235,20 @@ def sft_examples(recipe: BaseJudgeRecipe, n_scenes: int, seed: int) -> list[Chat
     return examples
 
 
+def training_scene_seeds(recipe: BaseJudgeRecipe) -> set[int]:
+    """Every scene seed the recipe trains on (tokenizer corpus, perception front-end, supervised
+    judging), so that evaluations can assert their scenes are held out."""
+    seeds = {qa.scene.seed for qa, _ in judge_scenes(recipe.sft_scenes, recipe.seed, recipe)}
+    seeds |= {qa.scene.seed for qa, _ in judge_scenes(TOKENIZER_SCENES, TOKENIZER_SEED, recipe)}
+    first = _scene_seed(recipe.seed, VISION_SEED_INDEX)
+    seeds |= set(range(first, first + recipe.vision_steps * recipe.vision_batch))
+    return seeds
+
+
 # --------------------------------------------------------------------------- building
+
+TOKENIZER_SCENES, TOKENIZER_SEED = 300, -1
+VISION_SEED_INDEX, VISION_HELD_OUT_INDEX = 10_000_000, 20_000_000
 
 
 def tokenizer_corpus(recipe: BaseJudgeRecipe) -> list[str]:
@@ -236,7 +259,7 @@ def tokenizer_corpus(recipe: BaseJudgeRecipe) -> list[str]:
 
     systems = [SYSTEM_BATCH_RANKING, SYSTEM_BATCH_SCORES, SYSTEM_PAIR_RANKING, SYSTEM_PAIR_SCORES, SYSTEM_SCORE, PROBE_SYSTEM]
     lines = systems * 20
-    for ex in sft_examples(recipe, 300, seed=-1):
+    for ex in sft_examples(recipe, TOKENIZER_SCENES, seed=TOKENIZER_SEED):
         lines += [ex.prompt.user, ex.response]
     return lines
 
@@ -332,7 +355,9 @@ def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: An
 
     visual = model.model.visual
     width = model.config.text_config.hidden_size
-    heads = torch.nn.ModuleList(torch.nn.Linear(width, n) for _, n in AUX_TARGETS)
+    with torch.random.fork_rng():  # the heads' initialisation is part of the recipe
+        torch.manual_seed(recipe.seed)
+        heads = torch.nn.ModuleList(torch.nn.Linear(width, n) for _, n in AUX_TARGETS)
     params = [*visual.parameters(), *heads.parameters()]
     optimizer = torch.optim.AdamW(params, lr=recipe.vision_lr)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, recipe.vision_lr, total_steps=recipe.vision_steps, pct_start=0.1)
@@ -346,7 +371,7 @@ def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: An
         feats = visual(pixels, grid_thw=grid, return_dict=True).pooler_output.reshape(grid.shape[0], 9, width)
         return [h(feats) for h in heads]
 
-    base = _scene_seed(recipe.seed, 10_000_000)  # vision scenes: their own seed range
+    base = _scene_seed(recipe.seed, VISION_SEED_INDEX)  # vision scenes: their own seed range
     visual.train()
     for step in range(recipe.vision_steps):
         start = base + step * recipe.vision_batch
@@ -360,7 +385,7 @@ def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: An
         if log is not None and (step + 1) % 100 == 0:
             log(f"perception front-end: step {step + 1}/{recipe.vision_steps}, loss {loss.item():.3f}")
     visual.eval()
-    held_out = _scene_seed(recipe.seed + 1, 20_000_000)
+    held_out = _scene_seed(recipe.seed + 1, VISION_HELD_OUT_INDEX)
     with torch.no_grad():
         pixels, grid, targets = batch(range(held_out, held_out + 256))
         out = logits(pixels, grid)
@@ -375,13 +400,39 @@ def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: An
 # --------------------------------------------------------------------------- the cached build
 
 
-def recipe_hash(recipe: BaseJudgeRecipe) -> str:
-    """Names the cache directory: the recipe's fields and the version of this module's code."""
-    import inspect
-    import sys
+# The modules whose code decides the training data of a build (scenes, prompts, targets): their
+# syntax trees are hashed. Changes elsewhere that alter what a build produces (the tiny model
+# builders, the SFT loop, the learner's loss) bump RECIPE_VERSION instead.
+RECIPE_MODULES = ("pjray.models.base_judge", "pjray.data.scenes", "pjray.data.prompts", "pjray.ppjd.perturb")
+RECIPE_VERSION = 1
 
-    code = inspect.getsource(sys.modules[__name__])
-    payload = json.dumps({"recipe": recipe.to_dict(), "code": hashlib.sha256(code.encode()).hexdigest()}, sort_keys=True)
+
+def code_fingerprint(module: str) -> str:
+    """A hash of a module's syntax tree without docstrings: edits to comments and docs keep it."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None, module
+    tree = ast.parse(Path(spec.origin).read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and _is_docstring(body[0]):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+
+
+def _is_docstring(node: Any) -> bool:
+    import ast
+
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
+
+
+def recipe_hash(recipe: BaseJudgeRecipe) -> str:
+    """Names the cache directory: the recipe's fields, RECIPE_VERSION and the code of
+    `RECIPE_MODULES`."""
+    code = {m: code_fingerprint(m) for m in RECIPE_MODULES}
+    payload = json.dumps({"recipe": recipe.to_dict(), "version": RECIPE_VERSION, "code": code}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -396,7 +447,7 @@ def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, log: Any = print) -> Pat
     """The base judge of `recipe`: from the cache, or built into it (perception front-end in this
     process, then `pjray sft` on the learner), with `report.json` (probe accuracies) beside it.
 
-    `cfg` supplies the Ray and tracking settings of the SFT stage.
+    `cfg` supplies the Ray settings of the SFT stage.
     """
     from pjray.config import SFTConfig
     from pjray.models.loading import load_judge
@@ -424,10 +475,15 @@ def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, log: Any = print) -> Pat
             source="base_judge", num_scenes=recipe.sft_scenes, steps=recipe.sft_steps,
             batch_size=recipe.sft_batch, lr=recipe.sft_lr,
         ),
-        learner=dataclasses.replace(cfg.learner, num_ranks=1, zero_stage=0, bf16=False, micro_batch_size=recipe.sft_batch),
+        # One rank with two CPUs: Ray then gives its torch two threads (a 1.5x faster step).
+        learner=dataclasses.replace(
+            cfg.learner, num_ranks=1, num_cpus_per_rank=2, zero_stage=0, bf16=False, micro_batch_size=recipe.sft_batch
+        ),
         trainer=dataclasses.replace(cfg.trainer, run_dir=str(work / "sft"), seed=recipe.seed),
+        tracking=dataclasses.replace(cfg.tracking, wandb=False),  # a cached artefact: metrics.jsonl only
     )  # fmt: skip
-    export = run_sft(sft_cfg, str(work / "untrained"))
+    examples = [(e.prompt, e.response) for e in sft_examples(recipe, recipe.sft_scenes, recipe.seed)]
+    export = run_sft(sft_cfg, str(work / "untrained"), examples)
     report = {"recipe": recipe.to_dict(), "vision_cell_accuracy": vision, "build_seconds": time.perf_counter() - started}
     (work / "report.json").write_text(json.dumps(report, indent=2))
     shutil.move(str(export), str(work / "hf_model"))

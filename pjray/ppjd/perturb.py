@@ -24,7 +24,7 @@ import hashlib
 import random
 import re
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Sequence
 
 from pjray.data.scenes import (
     COLORS,
@@ -362,6 +362,11 @@ def reasoning_perturb(p: Perturbed, rng: random.Random) -> Perturbed:
     """`p` with one reasoning error added; its perception errors stay and the final stays wrong."""
     if not p.errors:
         raise ValueError("reasoning_perturb expects a perception-perturbed answer (its final must be wrong)")
+    return add_reasoning_error(p, rng)
+
+
+def add_reasoning_error(p: Perturbed, rng: random.Random) -> Perturbed:
+    """`p` with one more reasoning error, at a slot not broken yet."""
     sites = _free_break_sites(p)
     if not sites:
         raise ValueError(f"no further reasoning error possible for a {p.qa.kind} question")
@@ -470,6 +475,17 @@ def is_correct(qa: SceneQA, text: str) -> bool:
 # --------------------------------------------------------------------------- ranked items
 
 
+def reasoning_only_levels(qa: SceneQA, num_candidates: int, rng: random.Random) -> list[Perturbed]:
+    """Levels 0..K-1 with reasoning errors only (0, 1, 2, ... broken steps; perception intact):
+    the data of the ablation without perception perturbations."""
+    levels = [unperturbed(qa)]
+    while len(levels) < num_candidates:
+        if not _free_break_sites(levels[-1]):
+            raise ValueError(f"num_candidates={num_candidates}: a {qa.kind} question has {len(levels) - 1} reasoning-error sites")
+        levels.append(add_reasoning_error(levels[-1], rng))
+    return levels
+
+
 def ranked_levels(qa: SceneQA, num_candidates: int, rng: random.Random) -> list[Perturbed]:
     """Levels 0..K-1 (best -> worst), each with one more error than the one before."""
     if num_candidates < 2:
@@ -501,8 +517,11 @@ def item_id(qa: SceneQA) -> str:
     return f"scenes-{qa.scene.seed}-{qa.kind}-{digest}"
 
 
-def ranked_item(qa: SceneQA, num_candidates: int = 3, rng: random.Random | None = None) -> JudgeItem:
-    """A ranked PPJD item: chosen > perception-only > perception+reasoning (> more errors ...).
+def ranked_item(
+    qa: SceneQA, num_candidates: int = 3, rng: random.Random | None = None, perception: bool = True
+) -> JudgeItem:
+    """A ranked PPJD item: chosen > perception-only > perception+reasoning (> more errors ...);
+    with `perception=False`, chosen > one reasoning error > two ... (`reasoning_only_levels`).
 
     Candidates are stored shuffled; `order` lists their indices best -> worst. `meta["levels"]`
     holds each level's perturbation record, best -> worst, with the candidate index it landed at.
@@ -510,7 +529,7 @@ def ranked_item(qa: SceneQA, num_candidates: int = 3, rng: random.Random | None 
     if rng is None:
         # Not seeded by K: the levels of a K-item are then those of the (K-1)-item plus one.
         rng = random.Random(f"pjray.ppjd.rank:{item_id(qa)}")
-    levels = ranked_levels(qa, num_candidates, rng)
+    levels = (ranked_levels if perception else reasoning_only_levels)(qa, num_candidates, rng)
     slots = list(range(num_candidates))
     rng.shuffle(slots)  # level l is stored at candidates[slots[l]]
     candidates = [""] * num_candidates
@@ -540,9 +559,11 @@ def _scene_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:4], "big") >> 1
 
 
-def scene_items(n: int, seed: int = 0, num_candidates: int = 3, image_size: int = 128) -> list[JudgeItem]:
-    """`n` ranked scene items; question kinds cycle through KINDS so they are balanced."""
+def scene_items(
+    n: int, seed: int = 0, num_candidates: int = 3, image_size: int = 128, kinds: Sequence[str] = KINDS
+) -> list[JudgeItem]:
+    """`n` ranked scene items; question kinds cycle through `kinds` so they are balanced."""
     return [
-        ranked_item(sample_qa(_scene_seed(seed, i), image_size, KINDS[i % len(KINDS)]), num_candidates)
+        ranked_item(sample_qa(_scene_seed(seed, i), image_size, kinds[i % len(kinds)]), num_candidates)
         for i in range(n)
     ]

@@ -634,7 +634,7 @@ def run_ppjd(cfg: Config | PPJDConfig, config_dict: dict[str, Any] | None = None
     _check_job(out, p)
 
     start = time.perf_counter()
-    rows = read_source(p.source, p.paths, p.num_items, p.seed, p.image_size)
+    rows = read_source(p.source, p.paths, p.num_items, p.seed, p.image_size, p.scene_kinds)
     shards = _shards(rows, p.shard_size)
     pending = [i for i in range(len(shards)) if not (out / "ppjd" / f"{shard_name(i)}.parquet").exists()]
     log.info("ppjd: %d rows in %d shards, %d to do, %d already written", len(rows), len(shards),

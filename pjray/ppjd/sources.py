@@ -52,11 +52,11 @@ class RawRow:
         return d
 
 
-def scene_rows(num_items: int, seed: int, image_size: int) -> list[RawRow]:
-    """The same scenes and questions as `pjray.ppjd.perturb.scene_items` (kinds cycle)."""
+def scene_rows(num_items: int, seed: int, image_size: int, kinds: Sequence[str] = KINDS) -> list[RawRow]:
+    """The same scenes and questions as `pjray.ppjd.perturb.scene_items` (`kinds` cycle)."""
     rows = []
     for i in range(num_items):
-        kind = KINDS[i % len(KINDS)]
+        kind = kinds[i % len(kinds)]
         s = _scene_seed(seed, i)
         qa = sample_qa(s, image_size, kind)
         rows.append(
@@ -163,10 +163,12 @@ def file_rows(paths: Sequence[str | Path], source: str) -> list[RawRow]:
     return rows
 
 
-def read_source(kind: str, paths: Sequence[str], num_items: int, seed: int, image_size: int) -> list[RawRow]:
+def read_source(
+    kind: str, paths: Sequence[str], num_items: int, seed: int, image_size: int, scene_kinds: Sequence[str] = KINDS
+) -> list[RawRow]:
     """All raw rows of the configured source, in a stable order (shards are cut from it)."""
     if kind == "scenes":
-        return scene_rows(num_items, seed, image_size)
+        return scene_rows(num_items, seed, image_size, scene_kinds)
     if kind == "mmpr":
         return [r for p in paths for r in mmpr_rows(p)]
     if kind in ("jsonl", "parquet"):

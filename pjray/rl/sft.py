@@ -104,12 +104,13 @@ def _examples(cfg: Config) -> list[tuple[JudgePrompt, str]]:
     return read_chat_examples(cfg.sft.path, cfg.sft.source)
 
 
-def run_sft(cfg: Config, model_path: str) -> Path:
-    """Fine-tune the judge at `model_path` as `cfg.sft` says; returns the HF export's path."""
+def run_sft(cfg: Config, model_path: str, examples: list[tuple[JudgePrompt, str]] | None = None) -> Path:
+    """Fine-tune the judge at `model_path` as `cfg.sft` says, on `examples` when given (else
+    those `cfg.sft` names); returns the HF export's path."""
     run_dir = Path(cfg.trainer.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    pairs = _examples(cfg)
+    pairs = examples if examples is not None else _examples(cfg)
     processor = load_processor(model_path)
     experiences = [to_experience(processor, p, r, cfg.model.think_prefix) for p, r in pairs]
     log.info("sft: %d examples", len(experiences))

@@ -128,7 +128,7 @@ def load_items(cfg: Config) -> list[JudgeItem]:
 
     out = Path(cfg.trainer.run_dir).resolve() / "data"
     ppjd = PPJDConfig(
-        source="scenes", num_items=cfg.data.num_items, image_size=cfg.data.image_size,
+        source="scenes", num_items=cfg.data.num_items, image_size=cfg.data.image_size, scene_kinds=cfg.data.scene_kinds,
         num_candidates=cfg.data.num_candidates, perturb_backend="rules", vqa_backend="oracle",
         output_dir=str(out), seed=cfg.data.seed,
     )
@@ -203,9 +203,14 @@ class Trainer:
         self.tracker = Tracker(cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None)
 
     def resolve_model(self) -> str:
-        """The judge's path; with none configured, a tiny random judge built in the run dir."""
+        """The judge's path; with none configured, the cached base judge (built on first use)
+        or a tiny random judge built in the run dir, as `model.init` says."""
         if self.cfg.model.path:
             return self.cfg.model.path
+        if self.cfg.model.init == "base_judge":
+            from pjray.models.base_judge import BaseJudgeRecipe, build_base_judge
+
+            return str(build_base_judge(self.cfg, BaseJudgeRecipe()))
         from pjray.models.tiny import build_tiny_judge
 
         target = self.run_dir / "base_model"

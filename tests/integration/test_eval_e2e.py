@@ -84,7 +84,7 @@ def test_training_eval_through_a_rollout_pool(judge):
     from pjray.rl.placement import Placement, RoleResources, WorkerPool
     from pjray.rl.rollout import RolloutWorker, generate_with_pool
 
-    cfg = load(overrides=["eval.every_steps=1", "eval.train_num_items=2", "data.image_size=64",
+    cfg = load(overrides=["model.init=tiny", "eval.every_steps=1", "eval.train_num_items=2", "data.image_size=64",
                           "rollout.max_new_tokens=8", "ray.num_cpus=2"])  # fmt: skip
     connect(cfg.ray)
     placement = Placement({"rollout": RoleResources(1, 0.5, 0.0)}, strategy="PACK")

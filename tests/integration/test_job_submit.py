@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the environment's `ray` and `pjray` scripts
 
 TRAIN = [
+    "model.init=tiny",
     "data.num_items=16",
     "data.image_size=64",
     "rollout.max_new_tokens=8",

@@ -21,6 +21,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
 
 TINY = [
+    "model.init=tiny",
     "data.num_items=32",
     "data.image_size=64",
     "rollout.max_new_tokens=12",

@@ -58,6 +58,7 @@ pytestmark = [
 ]
 
 VLLM_CPU = [
+    "model.init=tiny",
     "rollout.backend=vllm",
     "rollout.device=cpu",
     "rollout.max_model_len=1024",

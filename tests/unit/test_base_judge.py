@@ -15,11 +15,13 @@ from pjray.models.base_judge import (
     SCORE_MISMATCH,
     BaseJudgeRecipe,
     cell_targets,
+    code_fingerprint,
     judge_scenes,
     ranking_target,
     recipe_hash,
     score_target,
     sft_examples,
+    training_scene_seeds,
 )
 from pjray.ppjd.perturb import final_answer
 from pjray.reward import judge_reward
@@ -87,7 +89,8 @@ def test_examples_are_deterministic_and_mixed():
     a = sft_examples(RECIPE, 20, seed=5)
     b = sft_examples(RECIPE, 20, seed=5)
     assert [(e.prompt, e.response) for e in a] == [(e.prompt, e.response) for e in b]
-    assert [e.task for e in a[:3]] == ["probe", "batch", "score"] and len(a) == 60
+    assert [e.task for e in a[:4]] == ["probe", "vqa", "batch", "score"] and len(a) == 80
+    assert {e.task for e in a if e.prompt.user.endswith("?")} >= {"probe", "vqa"}
     assert a != sft_examples(RECIPE, 20, seed=6)
     # bias=0: every judging target follows the image.
     aware = sft_examples(dataclasses.replace(RECIPE, bias=0.0), 20, seed=5)
@@ -99,6 +102,32 @@ def test_examples_are_deterministic_and_mixed():
 def test_recipe_hash_follows_the_recipe():
     assert recipe_hash(RECIPE) == recipe_hash(BaseJudgeRecipe())
     assert recipe_hash(RECIPE) != recipe_hash(dataclasses.replace(RECIPE, sft_steps=RECIPE.sft_steps + 1))
+
+
+def test_code_fingerprint_ignores_docstrings_but_not_code(tmp_path, monkeypatch):
+    pkg = tmp_path / "fpmod"
+    pkg.mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    versions = {
+        "a": '"""Doc."""\ndef f():\n    """One."""\n    return 1  # a comment\n',
+        "b": '"""Other doc."""\n\ndef f():\n    """Two."""\n    return 1\n',
+        "c": '"""Doc."""\ndef f():\n    """One."""\n    return 2\n',
+    }
+    prints = {}
+    for name, text in versions.items():
+        (pkg / f"m_{name}.py").write_text(text)
+        (pkg / "__init__.py").write_text("")
+        prints[name] = code_fingerprint(f"fpmod.m_{name}")
+    assert prints["a"] == prints["b"] != prints["c"]
+
+
+def test_every_kind_of_the_recipe_is_judged_and_training_scenes_are_listed():
+    pairs = judge_scenes(9, seed=0, recipe=RECIPE)
+    assert [qa.kind for qa, _ in pairs] == list(RECIPE.kinds) * 3
+    small = dataclasses.replace(RECIPE, sft_scenes=12, vision_steps=2, vision_batch=4)
+    seeds = training_scene_seeds(small)
+    assert {qa.scene.seed for qa, _ in judge_scenes(12, small.seed, small)} <= seeds
+    assert len(seeds) >= 12 + 8
 
 
 def test_cell_targets_match_the_scene():

@@ -96,3 +96,15 @@ def test_missing_file_and_malformed_override():
         load("no/such/file.yaml")
     with pytest.raises(ConfigError, match="key=value"):
         load(overrides=["algo.group_size"])
+
+
+def test_scene_kinds_are_checked_and_cycle_through_the_scene_rows():
+    from pjray.ppjd.sources import scene_rows
+
+    with pytest.raises(ConfigError, match="data.scene_kinds"):
+        load(overrides=["data.scene_kinds=[colour]"])
+    with pytest.raises(ConfigError, match="ppjd.scene_kinds"):
+        load(overrides=["ppjd.scene_kinds=[]"])
+    cfg = load(overrides=["data.scene_kinds=[size,count]"])
+    rows = scene_rows(4, 0, 64, cfg.data.scene_kinds)
+    assert [r.id.split("-")[2] for r in rows] == ["size", "count", "size", "count"]

@@ -129,6 +129,22 @@ def test_reasoning_perturbation_is_wrong_and_incoherent():
         assert len(pr.steps) == len(qa.steps)
 
 
+def test_reasoning_only_items_keep_perception_and_break_more_steps_per_level():
+    for qa in QAS:
+        if qa.kind in ("count", "existence"):
+            continue  # one reasoning-error site: K = 2 at most
+        item = ranked_item(qa, 3, perception=False)
+        levels = item.meta["levels"]
+        assert [lv["perception_errors"] for lv in levels] == [0, 0, 0]
+        assert [lv["reasoning_errors"] for lv in levels] == [0, 1, 2]
+        assert item.candidates[levels[0]["candidate"]] == qa.answer
+        for lv in levels[1:]:
+            assert reasoning_problems(qa, item.candidates[lv["candidate"]]), item.candidates[lv["candidate"]]
+    count = next(qa for qa in QAS if qa.kind == "count")
+    with pytest.raises(ValueError, match="reasoning-error sites"):
+        ranked_item(count, 3, perception=False)
+
+
 def test_reasoning_perturb_needs_a_perception_error():
     with pytest.raises(ValueError, match="perception"):
         reasoning_perturb(unperturbed(QAS[0]), random.Random(0))

@@ -105,7 +105,7 @@ def test_text_only_prompt_has_no_multimodal_data(vlm_processor, text_processor) 
 # The vLLM / GPU layouts the config accepts and rejects (pure validation, no cluster needed)
 # ---------------------------------------------------------------------------------------------
 
-VLLM_CPU = ["rollout.backend=vllm", "rollout.device=cpu", "model.tiny_arch=qwen2", "data.images=false"]
+VLLM_CPU = ["model.init=tiny", "rollout.backend=vllm", "rollout.device=cpu", "model.tiny_arch=qwen2", "data.images=false"]
 SPLIT = [
     "rollout.backend=vllm", "rollout.num_gpus_per_worker=1", "learner.num_gpus_per_rank=1",
     "learner.num_ranks=2", "rollout.num_workers=2", "learner.micro_batch_size=2",
@@ -126,8 +126,9 @@ def test_good_layouts_load() -> None:
     "overrides, key",
     [
         (["rollout.backend=vllm"], "rollout.num_gpus_per_worker"),
-        (VLLM_CPU[:2] + ["data.images=false"], "model.tiny_arch"),
-        (VLLM_CPU[:3], "data.images"),
+        (VLLM_CPU[1:3] + ["data.images=false"], "model.init=base_judge"),
+        (VLLM_CPU[:3] + ["data.images=false"], "model.tiny_arch"),
+        (VLLM_CPU[:4], "data.images"),
         (VLLM_CPU + ["rollout.num_gpus_per_worker=1"], "rollout.device=cpu"),
         (VLLM_CPU + ["rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size"),
         (["rollout.device=cuda"], "rollout.device=cuda"),
