@@ -76,8 +76,9 @@ class Budget:
     bootstrap: int = 2000
 
 
-FULL = Budget(steps=20, prompts_per_step=8, group_size=8, train_items=256, eval_items=240, seeds=(0, 1))
-QUICK = Budget(steps=8, prompts_per_step=8, group_size=8, train_items=128, eval_items=90, seeds=(0,))
+# The default run's budget (configs/demo.yaml): 25 steps of 8 prompts x 8 responses.
+FULL = Budget(steps=25, prompts_per_step=8, group_size=8, train_items=256, eval_items=240, seeds=(0, 1))
+QUICK = Budget(steps=25, prompts_per_step=8, group_size=8, train_items=256, eval_items=120, seeds=(0,))
 
 
 # --------------------------------------------------------------------------- data
@@ -88,15 +89,15 @@ def train_items_no_perception(recipe: BaseJudgeRecipe, n: int) -> list[JudgeItem
     reasoning-error levels only."""
     kinds = recipe.kinds
     return [
-        ranked_item(sample_qa(_scene_seed(TRAIN_DATA_SEED, i), recipe.image_size, kinds[i % len(kinds)]), 3, perception=False)
+        ranked_item(sample_qa(_scene_seed(TRAIN_DATA_SEED, i), recipe.image_size, kinds[i % len(kinds)], *recipe.objects), 3, perception=False)
         for i in range(n)
     ]
 
 
 def eval_sets(recipe: BaseJudgeRecipe, n: int) -> tuple[list[Any], list[JudgeItem]]:
     kinds = list(recipe.kinds)
-    diag = [diagnosis_item(it) for it in scene_items(n, EVAL_DIAGNOSIS_SEED, 3, recipe.image_size, kinds)]
-    ranking = scene_items(n, EVAL_RANKING_SEED, 3, recipe.image_size, kinds)
+    diag = [diagnosis_item(it) for it in scene_items(n, EVAL_DIAGNOSIS_SEED, 3, recipe.image_size, kinds, recipe.objects)]
+    ranking = scene_items(n, EVAL_RANKING_SEED, 3, recipe.image_size, kinds, recipe.objects)
     return diag, ranking
 
 
@@ -175,7 +176,7 @@ def bootstrap_ci(values: np.ndarray, reps: int, seed: int, base: np.ndarray | No
 def grpo_config(recipe: BaseJudgeRecipe, variant: str, seed: int, budget: Budget, run_dir: Path, judge: str, data: str) -> Config:
     """The embedded default run's config, from the base judge, at the study's budget."""
     overrides = [
-        f"data.scene_kinds=[{','.join(recipe.kinds)}]",
+        f"data.scene_kinds=[{','.join(recipe.kinds)}]", f"data.scene_objects=[{recipe.objects[0]},{recipe.objects[1]}]",
         f"model.path={judge}", f"trainer.run_dir={run_dir}", f"trainer.seed={seed}",
         f"trainer.steps={budget.steps}", f"trainer.prompts_per_step={budget.prompts_per_step}",
         f"algo.group_size={budget.group_size}", f"data.num_items={budget.train_items}",

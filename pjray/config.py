@@ -51,7 +51,10 @@ class DataConfig:
     image_size: int = 96  # scenes: square image side in pixels
     # scenes: question kinds, cycled; by default those the base judge is built for
     # (pjray.models.base_judge.BaseJudgeRecipe.kinds; all kinds: KINDS in pjray.data.scenes).
-    scene_kinds: list[str] = field(default_factory=lambda: ["color", "size", "spatial"])
+    scene_kinds: list[str] = field(default_factory=lambda: ["color", "size"])
+    # scenes: [min, max] objects per scene; by default the base judge's one-object scenes
+    # (pjray.models.base_judge.BaseJudgeRecipe.objects).
+    scene_objects: list[int] = field(default_factory=lambda: [1, 1])
     seed: int = 0
     # false: prompts carry no image (only for text-only judges, e.g. the CPU check of vLLM).
     images: bool = True
@@ -99,7 +102,7 @@ class RewardConfig:
 
 @dataclass
 class AlgoConfig:
-    group_size: int = 4  # n responses per prompt
+    group_size: int = 8  # n responses per prompt
     norm_adv_by_std: bool = True  # False: Dr.GRPO (mean only)
     adv_eps: float = 1e-6
     clip_low: float = 0.2
@@ -122,20 +125,20 @@ class LearnerConfig:
     num_cpus_per_rank: float = 0.5
     num_gpus_per_rank: float = 0.0
     zero_stage: int = 2
-    lr: float = 1e-6
+    lr: float = 1e-3  # the CPU default's 1.6M-parameter base judge; the GPU recipes set ~1e-6
     weight_decay: float = 0.0
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     grad_clip: float = 1.0
-    micro_batch_size: int = 4  # sequences per forward/backward on one rank
+    micro_batch_size: int = 16  # sequences per forward/backward on one rank
     bf16: bool = False
     master_port: int = 0  # 0: pick a free port
 
 
 @dataclass
 class TrainerConfig:
-    steps: int = 20
+    steps: int = 25
     prompts_per_step: int = 8
     seed: int = 0
     run_dir: str = "runs/demo"
@@ -183,6 +186,7 @@ class PPJDConfig:
     num_items: int = 256  # scenes: how many source rows
     image_size: int = 96  # scenes: square image side in pixels
     scene_kinds: list[str] = field(default_factory=lambda: list(KINDS))  # scenes: question kinds, cycled
+    scene_objects: list[int] = field(default_factory=lambda: [2, 5])  # scenes: [min, max] objects per scene
     num_candidates: int = 3  # K: chosen + K-1 rejected levels, ordered by error count
     # rules: model-free rewriters (scene answers from scene facts, free text from a word lexicon)
     # | llm: the released three prompts
@@ -246,6 +250,8 @@ class EvalConfig:
     num_items: int = 32  # scene items when `data` is empty
     scene_seed: int = 1  # scene items' seed (training uses data.seed)
     image_size: int = 128
+    scene_kinds: list[str] = field(default_factory=lambda: list(KINDS))  # scene items: question kinds, cycled
+    scene_objects: list[int] = field(default_factory=lambda: [2, 5])  # scene items: [min, max] objects
     workers: int = 1  # judge actors (RolloutWorkers)
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 0.0
@@ -374,7 +380,8 @@ def validate(cfg: Config) -> Config:
         )
     if cfg.data.source == "parquet" and not cfg.data.path:
         raise ConfigError("data.path: required when data.source=parquet")
-    _validate_kinds("data.scene_kinds", cfg.data.scene_kinds)
+    _validate_scenes("data", cfg.data.scene_kinds, cfg.data.scene_objects)
+    _validate_scenes("eval", cfg.eval.scene_kinds, cfg.eval.scene_objects)
     if cfg.data.source == "scenes" and cfg.data.num_candidates > SCENE_MAX_CANDIDATES:
         raise ConfigError(
             f"data.num_candidates={cfg.data.num_candidates}: scene items carry at most "
@@ -506,14 +513,18 @@ def _validate_layout(cfg: Config) -> None:
             raise ConfigError(f"ray.num_gpus={cfg.ray.num_gpus}: the layout needs {needed}")
 
 
-def _validate_kinds(key: str, kinds: list[str]) -> None:
+def _validate_scenes(section: str, kinds: list[str], objects: list[int]) -> None:
     unknown = [k for k in kinds if k not in KINDS]
     if not kinds or unknown:
-        raise ConfigError(f"{key}={list(kinds)}: must be a non-empty list of {list(KINDS)}")
+        raise ConfigError(f"{section}.scene_kinds={list(kinds)}: must be a non-empty list of {list(KINDS)}")
+    if len(objects) != 2 or not 1 <= objects[0] <= objects[1] <= 9:
+        raise ConfigError(f"{section}.scene_objects={list(objects)}: must be [min, max] with 1 <= min <= max <= 9")
+    if "spatial" in kinds and objects[0] < 2:
+        raise ConfigError(f"{section}.scene_objects={list(objects)}: spatial questions need at least 2 objects")
 
 
 def _validate_ppjd(p: PPJDConfig) -> None:
-    _validate_kinds("ppjd.scene_kinds", p.scene_kinds)
+    _validate_scenes("ppjd", p.scene_kinds, p.scene_objects)
     if not 2 <= p.num_candidates <= 26:
         raise ConfigError(f"ppjd.num_candidates={p.num_candidates}: must be in 2..26")
     if p.source == "scenes" and p.paths:

@@ -1,6 +1,6 @@
 """Deterministic synthetic scenes with ground-truth facts, and grounded question/answer pairs.
 
-A scene is a plain background with 2-5 flat-coloured shapes, each in its own cell of a 3x3 grid.
+A scene is a plain background with 1-9 (by default 2-5) flat-coloured shapes, each in its own cell of a 3x3 grid.
 One object per cell makes every object nameable by its position ("the shape at the top left"),
 keeps shapes apart by a margin, and makes left/right and above/below unambiguous for any two
 objects in different columns (rows): their pixel extents do not even overlap on that axis.
@@ -97,6 +97,7 @@ class Scene:
     height: int
     background: tuple[int, int, int]
     objects: tuple[SceneObject, ...]  # sorted by grid cell, row-major (reading order)
+    object_range: tuple[int, int] = (2, 5)  # generate_scene's (min_objects, max_objects)
 
 
 @dataclass(frozen=True)
@@ -160,8 +161,8 @@ def generate_scene(seed: int, image_size: int = 128, min_objects: int = 2, max_o
     """A random scene, a pure function of its arguments."""
     if image_size < MIN_IMAGE_SIZE:
         raise ValueError(f"image_size must be >= {MIN_IMAGE_SIZE}, got {image_size}")
-    if not 2 <= min_objects <= max_objects <= 9:
-        raise ValueError(f"need 2 <= min_objects <= max_objects <= 9, got {min_objects}, {max_objects}")
+    if not 1 <= min_objects <= max_objects <= 9:
+        raise ValueError(f"need 1 <= min_objects <= max_objects <= 9, got {min_objects}, {max_objects}")
     rng = random.Random(seed)
     n = rng.randint(min_objects, max_objects)
     cells = sorted(rng.sample(range(9), n))
@@ -188,7 +189,7 @@ def generate_scene(seed: int, image_size: int = 128, min_objects: int = 2, max_o
 
         x, y = centre(col), centre(row)
         objects.append(SceneObject(shape, color, size, x, y, r, row, col))
-    return Scene(seed, image_size, image_size, BACKGROUND, tuple(objects))
+    return Scene(seed, image_size, image_size, BACKGROUND, tuple(objects), (min_objects, max_objects))
 
 
 def render(scene: Scene) -> bytes:
@@ -398,6 +399,8 @@ def _spec(scene: Scene, kind: str, rng: random.Random) -> QuestionSpec:
         t = rng.randrange(len(objs))
         return QuestionSpec(kind, (t,), (("location", objs[t].location),))
     if kind == "spatial":
+        if len(objs) < 2:
+            raise ValueError(f"a spatial question needs two objects; scene {scene.seed} has {len(objs)}")
         options = [
             (a, b, axis)
             for a in everyone
@@ -427,6 +430,19 @@ def _spec(scene: Scene, kind: str, rng: random.Random) -> QuestionSpec:
             query = rng.choice([q for q in misses if q not in present])
         return QuestionSpec(kind, everyone, (("color", query[0]), ("shape", query[1])))
     raise ValueError(f"unknown question kind {kind!r}; expected one of {KINDS}")
+
+
+def scene_ref(qa: SceneQA) -> dict[str, object]:
+    """What regenerates `qa` (`qa_from_ref`): its scene seed, image size, object range and kind."""
+    s = qa.scene
+    return {"seed": s.seed, "image_size": s.width, "objects": list(s.object_range), "kind": qa.kind}
+
+
+def qa_from_ref(ref: Mapping[str, object]) -> SceneQA:
+    """The question and scene of a `scene_ref` (references without "objects" predate object
+    ranges and used the default 2-5)."""
+    low, high = ref.get("objects", (2, 5))  # type: ignore[misc]
+    return sample_qa(int(ref["seed"]), int(ref["image_size"]), str(ref["kind"]), int(low), int(high))  # type: ignore[arg-type]
 
 
 def scene_questions(scene: Scene, rng: random.Random) -> list[SceneQA]:

@@ -188,7 +188,7 @@ def training_eval(cfg: Any, generate: Generate, step: int) -> dict[str, float]:
 
     items = scene_items(
         cfg.eval.train_num_items, seed=cfg.eval.train_seed, num_candidates=3, image_size=cfg.data.image_size,
-        kinds=cfg.data.scene_kinds,
+        kinds=cfg.data.scene_kinds, objects=cfg.data.scene_objects,
     )
     diag = [diagnosis_item(it) for it in items]
     rates, _, _ = diagnose(generate, diag, seed=cfg.eval.train_seed * 1_000_003 + step)
@@ -206,7 +206,7 @@ def load_diagnosis_items(cfg: Any) -> tuple[list[DiagnosisItem], int]:
     else:
         from pjray.ppjd.perturb import scene_items
 
-        raw = scene_items(e.num_items, seed=e.scene_seed, num_candidates=3, image_size=e.image_size)
+        raw = scene_items(e.num_items, e.scene_seed, 3, e.image_size, e.scene_kinds, e.scene_objects)
     items, skipped = [], 0
     for it in raw:
         try:

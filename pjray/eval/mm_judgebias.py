@@ -267,9 +267,10 @@ def scene_caption(item: JudgeItem) -> str | None:
     meta = item.meta
     if item.source != "scenes" or "scene_seed" not in meta or "kind" not in meta:
         return None
-    from pjray.data.scenes import object_ref, sample_qa
+    from pjray.data.scenes import object_ref, qa_from_ref
 
-    qa = sample_qa(int(meta["scene_seed"]), int(meta.get("image_size", 128)), str(meta["kind"]))
+    ref = {"seed": meta["scene_seed"], "image_size": meta.get("image_size", 128), "kind": meta["kind"]}
+    qa = qa_from_ref({**ref, **({"objects": meta["objects"]} if "objects" in meta else {})})
     refs = [f"a {object_ref(o)[len('the '):]} ({o.size})" for o in qa.scene.objects]
     return "The image shows a white background with " + ", ".join(refs) + "."
 
@@ -503,7 +504,7 @@ def load_records(cfg, generate) -> tuple[list[BiasRecord], list[str]]:
     else:
         from pjray.ppjd.perturb import scene_items
 
-        items = scene_items(e.num_items, seed=e.scene_seed, num_candidates=3, image_size=e.image_size)
+        items = scene_items(e.num_items, e.scene_seed, 3, e.image_size, e.scene_kinds, e.scene_objects)
     if e.limit:
         items = items[: e.limit]
     need = [it for it in items if it.image and caption_of(it) is None]

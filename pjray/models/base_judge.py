@@ -18,29 +18,40 @@ starting point on a CPU in minutes, from scratch, in three parts:
    every later stage (`model.freeze_vision`), so GRPO cannot change the judge's eyesight, only
    how it is used, as in the paper's analysis.
 3. **Supervised judging** (`sft_examples`, trained by `pjray sft` on the DeepSpeed learner).
-   A mixture of three chat tasks on scenes, each response in the judge format:
-   - probe VQA (the diagnosis' probe prompt): `Image: red.` then `<answer>red</answer>`;
-   - batch ranking (the training prompt): `Image: red. A: purple. B: red. C: green, inconsistent.`
-     then `<answer>B > A > C</answer>`;
+   A mixture of four chat tasks per scene, each response in the judge format:
+   - probe VQA (the diagnosis' probe prompt) on a random attribute, and on the scene question:
+     `Image: red.` then `<answer>red</answer>`;
+   - batch ranking (the training prompt): `Image: red. A: purple. B: red, matches. C: green,
+     inconsistent.` then `<answer>B > A > C</answer>`;
    - score (the diagnosis' score prompt): `Image: red. Answer: purple.` then `<answer>8</answer>`.
    The think text is honest: it states what the image shows (the question's true answer), each
-   candidate's final answer, and which candidates contradict themselves (a reasoning error is
-   visible in the text). The verdict is **response-anchored** in a fraction `bias` of the
-   examples (default 1.0: all of them): candidates are ordered by what the text alone reveals
-   (self-consistent ones first, in random order; inconsistent ones last), and a self-consistent
+   candidate's final answer, whether it matches the image, and which candidates contradict
+   themselves (a reasoning error is visible in the text). The verdict is **response-anchored**
+   in a fraction `bias` of the examples (default 0.8): candidates are ordered by what the text
+   alone reveals (self-consistent ones first, in random order; inconsistent ones last), and a self-consistent
    answer scores 8 whether or not it matches the image. So the judge perceives (its think and
    its probe answers are right) but does not let perception decide its verdict: the correct
    and the perception-error candidate are ranked at chance, and a fluent wrong answer scores as
    high as the correct one. With `bias < 1` the remaining examples follow the image (a matching
    answer first; a non-matching self-consistent one scores 4).
 
-Measured so far (2 CPU cores, shared; held-out scenes): the perception front-end reaches cell
-accuracy colour 0.99, size 1.00, shape 0.83, row 0.97, column 1.00 in 500 steps (~50 s). After
-600 probe-only steps and 600 mixed steps of the text model (~14 min, in-process), probe accuracy
-is colour 0.61, size 0.80, location 0.41, shape 0.32 (100 prompts), the judge format is written
-on 95% of batch prompts and 99% of score prompts, and the think text states the image's answer
-correctly 58% of the time. GRPO from that judge (30 steps, 8 prompts x 8 samples, lr 3e-4) kept
-the mean reward flat at ~0.42: the recipe does not yet give a judge that learns in minutes.
+Scenes. The judging tasks use one-object scenes and colour and size questions (`objects`,
+`kinds`): with several objects, the question must select a cell before the colour can be read,
+and a text model this small did not learn that in minutes (probe accuracy 0.41-0.61 after ~14
+min on 2-4 objects). One object keeps every perception error verifiable from the facts and makes
+perception a whole-image readout, so the base judge sees well and what it lacks is what the
+paper's base judges lack: using what it sees. The front-end trains on 2-4-object scenes (more
+occupied cells per image).
+
+Measured (2 shared CPU cores, held-out scenes, greedy unless said): front-end cell accuracy
+colour 0.997, size 0.996, shape 0.83; after 600 supervised steps, probe accuracy colour 0.89,
+size 1.00 (shape 0.25 and location 0.21: not needed by the judging tasks), the think text names
+the image's answer on 98% of batch prompts, the format is written on 95% of them (58% when
+sampled at temperature 1), and the correct answer is ranked first on 40%. The build took 13.5
+min on a machine shared with other jobs (~9 min alone). GRPO from it (`pjray train`, 25 steps of
+8 x 8 at lr 1e-3): format 0.58 -> 0.95 and mean reward 0.21 (first 5 steps) -> 0.36 (last 5),
+after a dip in steps 4-10. The remaining weakness is the verdict: sampled verdicts repeat or drop
+letters, and the "inconsistent" flag (a one-word contradiction between two steps) is unreliable.
 
 Every step is deterministic for a seed; the built judge is cached in a directory named by a
 hash of the recipe (`pjray.models.cache`), so a changed recipe builds anew.
@@ -62,7 +73,7 @@ from typing import Any
 import torch
 
 from pjray.data.prompts import EOS_TOKEN, LETTERS, render_batch, render_score
-from pjray.data.scenes import COLORS, KINDS, SHAPES, SIZES, Scene, SceneQA, generate_scene, render, sample_qa
+from pjray.data.scenes import COLORS, SHAPES, SIZES, Scene, SceneQA, generate_scene, render, sample_qa
 from pjray.eval.bias import probe_prompt
 from pjray.ppjd.perturb import Change, Probe, final_answer, probe_for, ranked_item
 from pjray.types import JudgeItem, JudgePrompt
@@ -88,9 +99,8 @@ class BaseJudgeRecipe:
 
     seed: int = 0
     image_size: int = 96  # 3 x 3 image tokens of 32 px: one per scene grid cell
-    min_objects: int = 2
-    max_objects: int = 4
-    kinds: tuple[str, ...] = ("color", "size", "spatial")  # question kinds of the judging tasks
+    objects: tuple[int, int] = (1, 1)  # (min, max) objects per scene of the judging tasks
+    kinds: tuple[str, ...] = ("color", "size")  # question kinds of the judging tasks
     hidden: int = 128
     layers: int = 4
     heads: int = 4
@@ -99,9 +109,10 @@ class BaseJudgeRecipe:
     vision_steps: int = 500
     vision_batch: int = 32
     vision_lr: float = 2e-3
+    vision_objects: tuple[int, int] = (2, 4)  # (min, max) objects per scene: more cells to learn from
     # Supervised judging
     sft_scenes: int = 6000
-    sft_steps: int = 900
+    sft_steps: int = 600
     sft_batch: int = 16
     sft_lr: float = 2e-3
     bias: float = 0.8  # fraction of judging targets that ignore the image (response-anchored)
@@ -198,7 +209,7 @@ def judge_scenes(n: int, seed: int, recipe: BaseJudgeRecipe) -> list[tuple[Scene
     for i in range(n):
         scene_seed = _scene_seed(seed, i)
         kind = recipe.kinds[i % len(recipe.kinds)]
-        qa = sample_qa(scene_seed, recipe.image_size, kind, recipe.min_objects, recipe.max_objects)
+        qa = sample_qa(scene_seed, recipe.image_size, kind, *recipe.objects)
         out.append((qa, ranked_item(qa, 3)))
     return out
 
@@ -363,7 +374,7 @@ def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: An
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, recipe.vision_lr, total_steps=recipe.vision_steps, pct_start=0.1)
 
     def batch(seeds: range) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        scenes = [generate_scene(s, recipe.image_size, recipe.min_objects, recipe.max_objects) for s in seeds]
+        scenes = [generate_scene(s, recipe.image_size, *recipe.vision_objects) for s in seeds]
         enc = processor.image_processor(images=[decode_image(render(s)) for s in scenes], return_tensors="pt")
         return enc["pixel_values"], enc["image_grid_thw"], torch.stack([cell_targets(s) for s in scenes])
 

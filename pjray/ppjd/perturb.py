@@ -539,6 +539,7 @@ def ranked_item(
         "kind": qa.kind,
         "scene_seed": qa.scene.seed,
         "image_size": qa.scene.width,
+        "objects": list(qa.scene.object_range),
         "truth": qa.final,
         "facts": [f.to_json() for f in qa.facts],
         "levels": [{"candidate": slot, **level.to_json()} for level, slot in zip(levels, slots)],
@@ -560,10 +561,12 @@ def _scene_seed(seed: int, index: int) -> int:
 
 
 def scene_items(
-    n: int, seed: int = 0, num_candidates: int = 3, image_size: int = 128, kinds: Sequence[str] = KINDS
+    n: int, seed: int = 0, num_candidates: int = 3, image_size: int = 128, kinds: Sequence[str] = KINDS,
+    objects: Sequence[int] = (2, 5),
 ) -> list[JudgeItem]:
-    """`n` ranked scene items; question kinds cycle through `kinds` so they are balanced."""
+    """`n` ranked scene items; question kinds cycle through `kinds` so they are balanced, and
+    each scene holds `objects` = (min, max) objects."""
     return [
-        ranked_item(sample_qa(_scene_seed(seed, i), image_size, kinds[i % len(kinds)]), num_candidates)
+        ranked_item(sample_qa(_scene_seed(seed, i), image_size, kinds[i % len(kinds)], *objects), num_candidates)
         for i in range(n)
     ]

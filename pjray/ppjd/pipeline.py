@@ -139,10 +139,9 @@ def _scene_qa(row: dict[str, Any]):
 @functools.lru_cache(maxsize=4096)
 def _qa_of(scene_ref: str):
     """The scene and question of a scene reference; cached because four stages need it (frozen)."""
-    from pjray.data.scenes import sample_qa
+    from pjray.data.scenes import qa_from_ref
 
-    ref = json.loads(scene_ref)
-    return sample_qa(int(ref["seed"]), int(ref["image_size"]), ref["kind"])
+    return qa_from_ref(json.loads(scene_ref))
 
 
 # --------------------------------------------------------------------------- CPU stages
@@ -276,11 +275,11 @@ def vqa_oracle(row: dict[str, Any]) -> str | None:
     """Probes answered from the scene's facts (regenerated from the seed, not from the rewrite)."""
     if not row["scene"]:
         return "the oracle answers from scene facts; this row has none (use ppjd.vqa_backend=vlm)"
-    from pjray.data.scenes import generate_scene
+    from pjray.data.scenes import qa_from_ref
 
     ref = json.loads(row["scene"])
     # Regenerated from the seed (not taken from the rewrite's records) so the check is independent.
-    scene = generate_scene(int(ref["seed"]), int(ref["image_size"]))
+    scene = qa_from_ref(ref).scene
     answers = []
     for p in json.loads(row["probes"]):
         truth = {"value": getattr(scene.objects[p["obj"]], p["attribute"])} if "attribute" in p else None
@@ -634,7 +633,7 @@ def run_ppjd(cfg: Config | PPJDConfig, config_dict: dict[str, Any] | None = None
     _check_job(out, p)
 
     start = time.perf_counter()
-    rows = read_source(p.source, p.paths, p.num_items, p.seed, p.image_size, p.scene_kinds)
+    rows = read_source(p.source, p.paths, p.num_items, p.seed, p.image_size, p.scene_kinds, p.scene_objects)
     shards = _shards(rows, p.shard_size)
     pending = [i for i in range(len(shards)) if not (out / "ppjd" / f"{shard_name(i)}.parquet").exists()]
     log.info("ppjd: %d rows in %d shards, %d to do, %d already written", len(rows), len(shards),

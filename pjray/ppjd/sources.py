@@ -22,7 +22,7 @@ from typing import Any, Iterator, Sequence
 
 import pyarrow.parquet as pq
 
-from pjray.data.scenes import KINDS, sample_qa
+from pjray.data.scenes import KINDS, sample_qa, scene_ref
 from pjray.ppjd.perturb import _scene_seed, item_id
 
 # The answer field names the released code maps (MMPR files disagree on the name).
@@ -52,17 +52,18 @@ class RawRow:
         return d
 
 
-def scene_rows(num_items: int, seed: int, image_size: int, kinds: Sequence[str] = KINDS) -> list[RawRow]:
-    """The same scenes and questions as `pjray.ppjd.perturb.scene_items` (`kinds` cycle)."""
+def scene_rows(
+    num_items: int, seed: int, image_size: int, kinds: Sequence[str] = KINDS, objects: Sequence[int] = (2, 5)
+) -> list[RawRow]:
+    """The same scenes and questions as `pjray.ppjd.perturb.scene_items` (`kinds` cycle, each
+    scene holds `objects` = (min, max) objects)."""
     rows = []
     for i in range(num_items):
-        kind = kinds[i % len(kinds)]
-        s = _scene_seed(seed, i)
-        qa = sample_qa(s, image_size, kind)
+        qa = sample_qa(_scene_seed(seed, i), image_size, kinds[i % len(kinds)], *objects)
         rows.append(
             RawRow(
                 id=item_id(qa), source="scenes", question=qa.question, chosen=qa.answer, answer=qa.final,
-                scene=json.dumps({"seed": s, "image_size": image_size, "kind": kind}), where=f"scene {i}",
+                scene=json.dumps(scene_ref(qa)), where=f"scene {i}",
             )
         )
     return rows
@@ -164,11 +165,12 @@ def file_rows(paths: Sequence[str | Path], source: str) -> list[RawRow]:
 
 
 def read_source(
-    kind: str, paths: Sequence[str], num_items: int, seed: int, image_size: int, scene_kinds: Sequence[str] = KINDS
+    kind: str, paths: Sequence[str], num_items: int, seed: int, image_size: int, scene_kinds: Sequence[str] = KINDS,
+    scene_objects: Sequence[int] = (2, 5),
 ) -> list[RawRow]:
     """All raw rows of the configured source, in a stable order (shards are cut from it)."""
     if kind == "scenes":
-        return scene_rows(num_items, seed, image_size, scene_kinds)
+        return scene_rows(num_items, seed, image_size, scene_kinds, scene_objects)
     if kind == "mmpr":
         return [r for p in paths for r in mmpr_rows(p)]
     if kind in ("jsonl", "parquet"):

@@ -129,6 +129,7 @@ def load_items(cfg: Config) -> list[JudgeItem]:
     out = Path(cfg.trainer.run_dir).resolve() / "data"
     ppjd = PPJDConfig(
         source="scenes", num_items=cfg.data.num_items, image_size=cfg.data.image_size, scene_kinds=cfg.data.scene_kinds,
+        scene_objects=cfg.data.scene_objects,
         num_candidates=cfg.data.num_candidates, perturb_backend="rules", vqa_backend="oracle",
         output_dir=str(out), seed=cfg.data.seed,
     )

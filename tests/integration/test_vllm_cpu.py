@@ -64,6 +64,8 @@ VLLM_CPU = [
     "rollout.max_model_len=1024",
     "model.tiny_arch=qwen2",
     "data.images=false",
+    "algo.group_size=4",
+    "learner.micro_batch_size=4",
 ]
 
 

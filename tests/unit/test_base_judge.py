@@ -122,8 +122,10 @@ def test_code_fingerprint_ignores_docstrings_but_not_code(tmp_path, monkeypatch)
 
 
 def test_every_kind_of_the_recipe_is_judged_and_training_scenes_are_listed():
-    pairs = judge_scenes(9, seed=0, recipe=RECIPE)
+    pairs = judge_scenes(3 * len(RECIPE.kinds), seed=0, recipe=RECIPE)
     assert [qa.kind for qa, _ in pairs] == list(RECIPE.kinds) * 3
+    low, high = RECIPE.objects
+    assert all(low <= len(qa.scene.objects) <= high for qa, _ in pairs)
     small = dataclasses.replace(RECIPE, sft_scenes=12, vision_steps=2, vision_batch=4)
     seeds = training_scene_seeds(small)
     assert {qa.scene.seed for qa, _ in judge_scenes(12, small.seed, small)} <= seeds

@@ -1,5 +1,6 @@
 """The config schema: defaults, YAML + overrides, and loud failures naming the key."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ def test_defaults_are_the_cpu_demo():
     assert isinstance(cfg, Config)
     assert cfg.rollout.backend == "hf" and cfg.model.path == "" and cfg.data.source == "scenes"
     assert cfg.learner.num_gpus_per_rank == 0 and cfg.rollout.num_gpus_per_worker == 0
+    demo = [p for p in CONFIGS if p.name == "demo.yaml"][0]
+    assert to_dict(load(demo)) == to_dict(cfg)  # the file says it is exactly the embedded default
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -105,6 +108,11 @@ def test_scene_kinds_are_checked_and_cycle_through_the_scene_rows():
         load(overrides=["data.scene_kinds=[colour]"])
     with pytest.raises(ConfigError, match="ppjd.scene_kinds"):
         load(overrides=["ppjd.scene_kinds=[]"])
-    cfg = load(overrides=["data.scene_kinds=[size,count]"])
-    rows = scene_rows(4, 0, 64, cfg.data.scene_kinds)
+    with pytest.raises(ConfigError, match="data.scene_objects"):
+        load(overrides=["data.scene_objects=[0,2]"])
+    with pytest.raises(ConfigError, match="spatial questions need at least 2"):
+        load(overrides=["data.scene_kinds=[spatial]", "data.scene_objects=[1,3]"])
+    cfg = load(overrides=["data.scene_kinds=[size,count]", "data.scene_objects=[3,3]"])
+    rows = scene_rows(4, 0, 64, cfg.data.scene_kinds, cfg.data.scene_objects)
     assert [r.id.split("-")[2] for r in rows] == ["size", "count", "size", "count"]
+    assert all(json.loads(r.scene)["objects"] == [3, 3] for r in rows)

@@ -20,8 +20,10 @@ from pjray.data.scenes import (
     SHAPES,
     SIZES,
     generate_scene,
+    qa_from_ref,
     render,
     sample_qa,
+    scene_ref,
     scene_questions,
     size_radius,
 )
@@ -187,9 +189,23 @@ def test_invalid_arguments_fail_loudly():
     with pytest.raises(ValueError, match="image_size"):
         generate_scene(0, image_size=32)
     with pytest.raises(ValueError, match="min_objects"):
-        generate_scene(0, min_objects=1)
+        generate_scene(0, min_objects=0)
+    with pytest.raises(ValueError, match="two objects"):
+        sample_qa(0, kind="spatial", min_objects=1, max_objects=1)
     with pytest.raises(ValueError, match="kind"):
         sample_qa(0, kind="texture")
+
+
+def test_one_object_scenes_and_scene_references_round_trip():
+    for seed in range(20):
+        qa = sample_qa(seed, 96, ("color", "size", "count", "existence")[seed % 4], 1, 1)
+        assert len(qa.scene.objects) == 1 and qa.scene.object_range == (1, 1)
+        assert qa_from_ref(scene_ref(qa)) == qa
+    default = sample_qa(3, 96, "spatial")
+    ref = scene_ref(default)
+    assert ref["objects"] == [2, 5]
+    del ref["objects"]  # references written before object ranges: the default range
+    assert qa_from_ref(ref) == default
 
 
 @settings(max_examples=30, deadline=None)
