@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pjray.data.scenes import KINDS
+from pjray.errors import InputError
 
 
 # The rules rewriters build at most this many strictly ordered error levels: scene answers have
@@ -23,8 +24,17 @@ from pjray.data.scenes import KINDS
 SCENE_MAX_CANDIDATES = 6
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A bad config: the message names the offending key."""
+
+    what = "bad config"
+
+
+class PathError(ConfigError):
+    """A path the config names does not exist or is not what it must be; the message is
+    `<key>: <path>: <why>`, complete on its own."""
+
+    what = ""
 
 
 @dataclass
@@ -603,7 +613,7 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
         if path is not None:
             path = Path(path)
             if not path.is_file():
-                raise ConfigError(f"config file not found: {path}")
+                raise PathError(f"--config: {path}: no such file")
             merged = OmegaConf.merge(merged, OmegaConf.load(path))
         for item in overrides:
             if "=" not in item:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pjray.errors import InputError
 from pjray.types import JudgeItem
 
 PPJD_SCHEMA = pa.schema(
@@ -29,8 +30,10 @@ PPJD_SCHEMA = pa.schema(
 )
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """Bad input data: the message names the file and row."""
+
+    what = "bad data"
 
 
 def items_to_table(items: list[JudgeItem]) -> pa.Table:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pjray.data.prompts import render_score
+from pjray.errors import InputError
 from pjray.eval.metrics import ModeRates, ModeRecord, mode_rates
 from pjray.ppjd.perturb import normalize_answer
 from pjray.reward.parse import parse_score
@@ -48,8 +49,10 @@ _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NEGATIONS = {"not", "no", "isn't", "never", "neither", "nor"}
 
 
-class DiagnosisDataError(ValueError):
+class DiagnosisDataError(InputError):
     """An item without the perturbation metadata the diagnosis needs; names the item."""
+
+    what = "bad data"
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pjray.data.prompts import LETTERS, order_from_ranking, render_batch, render_pair, render_score
+from pjray.errors import InputError
 from pjray.eval.metrics import BatchRecord, PairRecord, ScoreRecord, map_score
 from pjray.reward.parse import parse_judgment, parse_pair, parse_score, ranking_from_scores
 from pjray.types import JudgeItem, JudgePrompt
@@ -54,8 +55,10 @@ PROMPT_FORMATS = ("paper", "original")
 CONVENTIONS = ("strict", "perception_judge", "flex_judge")  # eval.convention
 
 
-class BenchDataError(ValueError):
+class BenchDataError(InputError):
     """A bad benchmark row: the message names the file, line and key."""
+
+    what = "bad data"
 
 
 @dataclass(frozen=True)

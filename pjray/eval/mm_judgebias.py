@@ -45,6 +45,7 @@ from typing import Callable, Sequence
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter, ImageFont
 
+from pjray.errors import InputError
 from pjray.eval.metrics import BC_TYPES, BD_TYPES, BIAS_TYPES, CATEGORIES
 from pjray.types import JudgeItem, JudgePrompt
 
@@ -53,8 +54,10 @@ TRANSFORM_FAMILIES = ("geometric", "photometric", "quality", "spatial")
 CATEGORY_OF: dict[str, str] = {t: c for c, types in CATEGORIES.items() for t in types}
 
 
-class BiasDataError(ValueError):
+class BiasDataError(InputError):
     """A bad MM-JudgeBias row: the message names the file, row and key."""
+
+    what = "bad data"
 
 
 @dataclass(frozen=True)

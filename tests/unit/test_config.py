@@ -92,7 +92,7 @@ def test_unknown_key_in_yaml_names_it(tmp_path):
 
 
 def test_missing_file_and_malformed_override():
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError, match="no such file"):
         load("no/such/file.yaml")
     with pytest.raises(ConfigError, match="key=value"):
         load(overrides=["algo.group_size"])
