@@ -92,6 +92,31 @@ class _ImageOnlyMixin:
         )
 
     @classmethod
+    def stock_class_name(cls) -> str:
+        """The transformers processor this one narrows (the next class in the MRO from
+        transformers): the name saved checkpoints carry."""
+        return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("transformers."))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()  # type: ignore[misc]
+        out["processor_class"] = self.stock_class_name()
+        return out
+
+    def save_pretrained(self, save_directory, **kwargs):
+        """Saved as the stock processor, so that plain `AutoProcessor` builds it where torchvision
+        imports (given an unknown class name it would silently return the bare tokenizer), plus
+        the image processor's own preprocessor_config.json, which `AutoImageProcessor` and
+        serving stacks read. pjray reloads either name (`load_processor`)."""
+        files = super().save_pretrained(save_directory, **kwargs)  # type: ignore[misc]
+        tokenizer_config = Path(save_directory) / "tokenizer_config.json"
+        if tokenizer_config.is_file():
+            config = json.loads(tokenizer_config.read_text())
+            config["processor_class"] = self.stock_class_name()
+            tokenizer_config.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        self.image_processor.save_pretrained(save_directory)  # type: ignore[attr-defined]
+        return files
+
+    @classmethod
     def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
         kwargs.pop("subfolder", None)
         image_processor = _load_pil_image_processor(pretrained_model_name_or_path, processor_dict, **kwargs)

@@ -40,10 +40,10 @@ def test_grid_expands_to_the_cartesian_product(tmp_path):
 
 
 def test_shipped_config_and_overrides_apply_to_every_trial(tmp_path):
-    plan = plan_sweep(str(REPO / "configs" / "demo.yaml"), ["algo.group_size=2,4"], ["trainer.steps=2"],
+    plan = plan_sweep(str(REPO / "configs" / "qwen3vl_4b.yaml"), ["algo.group_size=8,16"], ["trainer.steps=2"],
                       name="d", sweep_dir=tmp_path)
     assert [t.config.trainer.steps for t in plan.trials] == [2, 2]
-    assert [t.config.learner.lr for t in plan.trials] == [1e-4, 1e-4]  # from demo.yaml
+    assert [t.config.learner.lr for t in plan.trials] == [7.5e-7, 7.5e-7]  # from the shipped file
 
 
 @pytest.mark.parametrize(
