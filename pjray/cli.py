@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import traceback
 
 from pjray.config import load
-from pjray.errors import EXIT_SIGINT, explain
+from pjray.errors import explain
 from pjray.inputs import check_inputs
+from pjray.signals import Interrupted
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -79,11 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run_command(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:  # Ctrl-C, or pjray.signals.Interrupted (also SIGTERM)
         if debug:
             traceback.print_exc()
-        print("pjray: interrupted", file=sys.stderr)
-        return EXIT_SIGINT
+        stopped = err if isinstance(err, Interrupted) else Interrupted(signal.SIGINT)
+        print(f"pjray: {stopped.message}", file=sys.stderr)
+        return stopped.exit_code
     except Exception as err:  # noqa: BLE001 - every error ends here as one line and an exit code
         if debug:
             traceback.print_exc()

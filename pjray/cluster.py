@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 
 from pjray.config import RayConfig
 
@@ -25,7 +27,12 @@ def connect(ray_cfg: RayConfig) -> None:
         return
     address = ray_cfg.address or os.environ.get("RAY_ADDRESS") or None
     kwargs = {} if address else {"num_cpus": ray_cfg.num_cpus or None}
+    # ray.init replaces the SIGTERM handler with sys.exit; keep a handler the caller installed
+    # (pjray.signals: `ray job stop` stops a training at a checkpoint).
+    sigterm = signal.getsignal(signal.SIGTERM)
     ray.init(address=address, runtime_env={"env_vars": actor_env()}, log_to_driver=True, **kwargs)
+    if callable(sigterm) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def actor_env() -> dict[str, str]:

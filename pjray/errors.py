@@ -13,9 +13,6 @@ from __future__ import annotations
 
 EXIT_INPUT = 2
 EXIT_BUG = 1
-# The shell's 128 + signal number, so scripts can tell an interrupt from a failure.
-EXIT_SIGINT = 130
-EXIT_SIGTERM = 143
 
 DEBUG_HINT = "rerun with --debug (or PJRAY_DEBUG=1) for the traceback"
 

@@ -25,6 +25,7 @@ import json
 import logging
 import random
 import shutil
+import signal
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -45,6 +46,7 @@ from pjray.rl.grpo import group_advantages, zero_std_groups
 from pjray.rl.learner import LearnerRank
 from pjray.rl.placement import Placement, RoleResources, WorkerPool, split_evenly
 from pjray.rl.rollout import RolloutWorker, generate_with_pool
+from pjray.signals import Interrupted, StopRequest
 from pjray.tracking import Tracker
 from pjray.types import Completion, Experience, JudgeItem, JudgePrompt, RewardResult, Timed
 
@@ -154,6 +156,9 @@ class Trainer:
         self.evaluate = evaluate
         self.run_dir = Path(cfg.trainer.run_dir).resolve()
         self.step = 0
+        self.checkpointed_step = 0  # the step of the newest checkpoint, saved or resumed from
+        # SIGINT / SIGTERM: during set-up they stop at once; in the loop, after the step.
+        self.stop = StopRequest()
 
     # ----------------------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -194,13 +199,15 @@ class Trainer:
         if resume_from is not None:
             trainer_state = json.loads((resume_from / "trainer_state.json").read_text())
             ray.get([r.load_checkpoint.remote(str(resume_from / "learner")) for r in self.learners])
-            self.step = trainer_state["step"]
+            self.step = self.checkpointed_step = trainer_state["step"]
             state = SamplerState(**trainer_state["sampler"])
             self.sync_weights()
             log.info("resumed from %s at step %d", resume_from, self.step)
         self.sampler = ItemSampler(self.items, cfg.trainer.seed, state)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        self.tracker = Tracker(cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None)
+        self.tracker = Tracker(
+            cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None, start_step=self.step
+        )
 
     def resolve_model(self) -> str:
         """The judge's path; with none configured, the cached base judge (built on first use)
@@ -256,7 +263,26 @@ class Trainer:
     # ----------------------------------------------------------------------------- the loop
     def run(self) -> None:
         cfg = self.cfg.trainer
-        while self.step < cfg.steps:
+        with self.stop.deferred():
+            self.loop()
+        if self.stop.requested and self.step < cfg.steps:
+            # Everything logged so far is in a checkpoint: an interrupt costs at most the step
+            # it arrived in (finished here, so none).
+            if self.checkpointed_step != self.step:
+                self.save_checkpoint()
+            signame = signal.Signals(self.stop.signum).name
+            raise Interrupted(
+                self.stop.signum,
+                f"stopped by {signame} at step {self.step}/{cfg.steps}: checkpoint "
+                f"{self.run_dir / 'checkpoints' / f'global_step_{self.step}'}; to continue, run the "
+                "same command with trainer.resume=auto",
+            )
+        if cfg.export_hf:
+            self.export_hf()
+
+    def loop(self) -> None:
+        cfg = self.cfg.trainer
+        while self.step < cfg.steps and not self.stop.requested:
             self.step += 1
             metrics = self.train_step()
             if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
@@ -269,8 +295,6 @@ class Trainer:
             )
             if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:
                 self.save_checkpoint()
-        if cfg.export_hf:
-            self.export_hf()
 
     def train_step(self) -> dict[str, float]:
         timer = Timer()
@@ -530,6 +554,7 @@ class Trainer:
         state = {"step": self.step, "sampler": dataclasses.asdict(self.sampler.state), "seed": cfg.seed}
         (path / "trainer_state.json").write_text(json.dumps(state))
         (path / "COMPLETE").touch()  # written last: a checkpoint without it is ignored by resume
+        self.checkpointed_step = self.step
         done = sorted(
             (p.parent for p in (self.run_dir / "checkpoints").glob("global_step_*/COMPLETE")),
             key=lambda p: int(p.name.rsplit("_", 1)[1]),
@@ -545,21 +570,17 @@ class Trainer:
     def shutdown(self) -> None:
         if hasattr(self, "tracker"):
             self.tracker.close()
-        for pool in ("rollout", "reward"):
-            if hasattr(self, pool):
-                getattr(self, pool).shutdown()
-        for rank in getattr(self, "learners", []):
-            ray.kill(rank, no_restart=True)
         if hasattr(self, "placement"):
-            self.placement.shutdown()
+            self.placement.shutdown()  # every learner, rollout and reward actor
 
 
 def train(cfg: Config, evaluate: EvalHook | None = None) -> Path:
     """Run a whole training job (with `evaluate` every eval.every_steps); returns the run directory."""
     trainer = Trainer(cfg, evaluate)
-    try:
-        trainer.setup()
-        trainer.run()
-    finally:
-        trainer.shutdown()
+    with trainer.stop:
+        try:
+            trainer.setup()
+            trainer.run()
+        finally:
+            trainer.shutdown()
     return trainer.run_dir
