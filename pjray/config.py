@@ -65,6 +65,10 @@ class DataConfig:
     seed: int = 0
     # false: prompts carry no image (only for text-only judges, e.g. the CPU check of vLLM).
     images: bool = True
+    # Training and evaluation rows that cannot be judged (an image that does not decode, a
+    # missing field, another K) are skipped and listed in a rejects file; the run fails when
+    # more than this fraction of the rows is bad. 0: every row must be good.
+    max_reject_fraction: float = 0.01
 
 
 @dataclass
@@ -382,6 +386,8 @@ def validate(cfg: Config) -> Config:
             f"data.num_candidates={cfg.data.num_candidates}: reward.style=scores gives each "
             "candidate a distinct score in 1..10, so at most 10 candidates"
         )
+    if not 0 <= cfg.data.max_reject_fraction <= 1:
+        raise ConfigError(f"data.max_reject_fraction={cfg.data.max_reject_fraction}: must be in [0, 1]")
     if cfg.data.source == "parquet" and not cfg.data.path:
         raise ConfigError("data.path: required when data.source=parquet")
     _validate_kinds("data.scene_kinds", cfg.data.scene_kinds)

@@ -39,7 +39,7 @@ from pjray.cluster import connect
 from pjray.config import Config, ConfigError, to_dict
 from pjray.data.prompts import render_batch
 from pjray.data.sampler import ItemSampler, SamplerState
-from pjray.data.sources import read_items
+from pjray.data.sources import Rows, scan_items, write_rejects
 from pjray.models.loading import load_processor, opens_think, render_chat
 from pjray.reward.workers import RewardWorker
 from pjray.rl.grpo import group_advantages, zero_std_groups
@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 # Pads a step's experiences to a whole number of micro-batches per rank: no response tokens, so
 # no loss, no gradient and no share of the token counts.
 FILLER = Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.0)
+
+# Training rows skipped as unusable, one JSON object a line, in the run directory.
+DATA_REJECTS = "data_rejects.jsonl"
 
 # Phases whose work runs in workers that time it themselves (Timed answers).
 COMPUTE_PHASES = ("gen", "reward", "ref", "old_log_prob", "update")
@@ -117,17 +120,21 @@ class Rollouts:
     groups_seen: int
 
 
-def load_items(cfg: Config) -> list[JudgeItem]:
-    """The training items: a PPJD parquet, or scenes built by the PPJD job (rules + oracle).
+def load_items(cfg: Config) -> Rows[JudgeItem]:
+    """The training items: a PPJD parquet, or scenes built by the PPJD job (rules + oracle),
+    each row checked (`scan_items`); fails when more than data.max_reject_fraction are bad.
 
     Scene data goes through the same Ray Data job as `pjray ppjd` (on the cluster we are
     connected to), into `<run_dir>/data`; a rerun or resume reuses the shards already there.
     """
     if cfg.data.source == "parquet":
-        return read_items(cfg.data.path)
+        rows = scan_items(cfg.data.path, cfg.data.num_candidates)
+        rows.check(cfg.data.max_reject_fraction)
+        return rows
     from pjray.config import PPJDConfig
     from pjray.ppjd.pipeline import run_ppjd
 
+    connect(cfg.ray)  # the job runs on the cluster of this training
     out = Path(cfg.trainer.run_dir).resolve() / "data"
     ppjd = PPJDConfig(
         source="scenes", num_items=cfg.data.num_items, image_size=cfg.data.image_size, scene_kinds=cfg.data.scene_kinds,
@@ -136,7 +143,9 @@ def load_items(cfg: Config) -> list[JudgeItem]:
     )
     manifest = run_ppjd(ppjd)
     log.info("PPJD scene data: %d kept of %d read in %s", manifest["counts"]["kept"], manifest["counts"]["read"], out)
-    return read_items(out / "ppjd")
+    rows = scan_items(out / "ppjd", cfg.data.num_candidates)
+    rows.check(cfg.data.max_reject_fraction)
+    return rows
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -164,8 +173,17 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # A parquet is read before Ray starts: a broken file costs no cluster start-up.
+        data = load_items(cfg)
         connect(cfg.ray)
-        self.items = load_items(cfg)
+        self.items, self.data_rejected = data.rows, len(data.rejects)
+        write_rejects(data.rejects, self.run_dir / DATA_REJECTS)
+        if data.rejects:
+            log.warning(
+                "%d of %d training rows skipped (listed in %s), e.g. %s: %s", len(data.rejects),
+                len(data.rows) + len(data.rejects), self.run_dir / DATA_REJECTS, data.rejects[0].where,
+                data.rejects[0].reason,
+            )
         self.model_path = self.resolve_model()
         self.processor = load_processor(self.model_path)
 
@@ -538,6 +556,7 @@ class Trainer:
             "advantages/max": float(advantages.max()) if advantages.numel() else 0.0,
             "advantages/min": float(advantages.min()) if advantages.numel() else 0.0,
             "data/consumed": float(self.sampler.state.consumed),
+            "data/rejected": float(self.data_rejected),
             "data/epoch": float(self.sampler.epoch),
             "perf/total_num_tokens": float(tokens),
             "perf/throughput": tokens / timer.seconds["step"],

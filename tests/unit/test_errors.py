@@ -3,6 +3,7 @@ bad input and 1 for a bug; the traceback only with --debug."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -155,6 +156,23 @@ def test_eval_with_a_malformed_jsonl_line(tmp_path, monkeypatch, capsys):
     )
     assert code == 2 and len(err) == 1
     assert err[0].startswith(f"pjray: bad data: {data} line 2: not JSON")
+
+
+def test_train_on_a_parquet_with_too_many_bad_rows(tmp_path, monkeypatch, capsys):
+    from pjray.data.sources import write_items
+    from pjray.ppjd.perturb import scene_items
+
+    monkeypatch.chdir(tmp_path)
+    items = scene_items(3, seed=0, num_candidates=3, image_size=64)
+    items[1] = dataclasses.replace(items[1], image=items[1].image[:50])  # a truncated PNG
+    write_items(items, tmp_path / "rows.parquet")
+    code, err = run_cli(["train", "model.init=tiny", "data.source=parquet", "data.path=rows.parquet",
+                         f"trainer.run_dir={tmp_path / 'run'}"], capsys)
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith(
+        "pjray: bad data: rows.parquet: 1 of 3 rows are bad (more than data.max_reject_fraction=0.01): "
+        "rows.parquet row 1: could not decode image"
+    )
 
 
 def test_config_errors_keep_their_line(tmp_path, monkeypatch, capsys):
