@@ -124,17 +124,19 @@ class Rows(Generic[T]):
     rows: list[T] = field(default_factory=list)
     rejects: list[RowReject] = field(default_factory=list)
 
-    def check(self, max_fraction: float, key: str = "data.max_reject_fraction") -> None:
-        """Raise `DataError`, naming the first rejects, when more than `max_fraction` of the
-        rows are bad (or none is usable): a few corrupt rows are skipped, a broken file is not."""
+    def check(self, max_fraction: float, error: type[InputError] | None = None) -> None:
+        """Raise `error` (`DataError`), naming the first rejects, when more than `max_fraction`
+        of the rows are bad (or none is usable): a few corrupt rows are skipped, a broken file
+        is not."""
+        error = error or DataError
         total = len(self.rows) + len(self.rejects)
         if not total:
-            raise DataError(f"{self.source}: no rows")
+            raise error(f"{self.source}: no rows")
         if self.rows and len(self.rejects) <= max_fraction * total:
             return
         first = "; ".join(f"{r.where}: {r.reason}" for r in self.rejects[:3])
-        raise DataError(
-            f"{self.source}: {len(self.rejects)} of {total} rows are bad (more than {key}="
+        raise error(
+            f"{self.source}: {len(self.rejects)} of {total} rows are bad (more than data.max_reject_fraction="
             f"{max_fraction:g}): {first}{'; ...' if len(self.rejects) > 3 else ''}"
         )
 

@@ -154,8 +154,10 @@ def test_eval_with_a_malformed_jsonl_line(tmp_path, monkeypatch, capsys):
          "--output-dir", str(tmp_path / "out")],
         capsys,
     )
-    assert code == 2 and len(err) == 1
-    assert err[0].startswith(f"pjray: bad data: {data} line 2: not JSON")
+    assert code == 2 and len(err) == 1  # 1 of 4 lines is more than the default 1%
+    assert err[0].startswith(
+        f"pjray: bad data: {data}: 1 of 4 rows are bad (more than data.max_reject_fraction=0.01): {data} line 2: not JSON"
+    )
 
 
 def test_train_on_a_parquet_with_too_many_bad_rows(tmp_path, monkeypatch, capsys):
