@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import ray
@@ -35,11 +36,16 @@ def steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def train_until(run_dir: Path, args: list[str], stop_after: int, signum: int) -> tuple[int, str]:
+def logged(run_dir: Path, rows: int) -> Callable[[], bool]:
+    metrics = run_dir / "metrics.jsonl"
+    return lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= rows
+
+
+def train_until(run_dir: Path, args: list[str], ready: Callable[[], bool], signum: int) -> tuple[int, str]:
     """Run `pjray train` in its own process group (as a terminal runs it), send `signum` once
-    metrics.jsonl has `stop_after` rows, and return (exit code, output). SIGINT goes to the
-    whole group, as Ctrl-C in a terminal sends it (the local Ray cluster's processes ignore it);
-    SIGTERM to the driver, as `kill PID` and `ray job stop` send it."""
+    `ready()`, and return (exit code, output). SIGINT goes to the whole group, as Ctrl-C in a
+    terminal sends it (the local Ray cluster's processes ignore it); SIGTERM to the driver, as
+    `kill PID` and `ray job stop` send it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
@@ -47,9 +53,8 @@ def train_until(run_dir: Path, args: list[str], stop_after: int, signum: int) ->
         text=True, env=env, cwd=run_dir.parent, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 240
-    metrics = run_dir / "metrics.jsonl"
     while proc.poll() is None and time.monotonic() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= stop_after:
+        if ready():
             if signum == signal.SIGINT:
                 os.killpg(proc.pid, signum)
             else:
@@ -64,7 +69,7 @@ def test_an_interrupt_costs_no_logged_step_and_resume_logs_each_step_once(tmp_pa
     run_dir = tmp_path / "run"
     args = [*TINY, f"trainer.run_dir={run_dir}", "trainer.steps=8", "trainer.save_every=4"]
 
-    code, out = train_until(run_dir, args, stop_after=2, signum=signal.SIGINT)
+    code, out = train_until(run_dir, args, logged(run_dir, 2), signal.SIGINT)
     assert code == 130, out[-3000:]
     last = out.strip().splitlines()[-1]
     assert last.startswith("pjray: stopped by SIGINT at step "), out[-3000:]
@@ -77,7 +82,7 @@ def test_an_interrupt_costs_no_logged_step_and_resume_logs_each_step_once(tmp_pa
     before = (run_dir / "metrics.jsonl").read_text().splitlines()
 
     # `ray job stop` sends SIGTERM: the resumed run stops the same way, with 143.
-    code, out = train_until(run_dir, args, stop_after=stopped + 1, signum=signal.SIGTERM)
+    code, out = train_until(run_dir, args, logged(run_dir, stopped + 1), signal.SIGTERM)
     assert code == 143, out[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'global_step_{stopped}'}" in out
     last = out.strip().splitlines()[-1]
@@ -86,6 +91,17 @@ def test_an_interrupt_costs_no_logged_step_and_resume_logs_each_step_once(tmp_pa
     assert not [n for n in NOISE if n in out], out[-3000:]
     assert steps(run_dir) == list(range(1, again + 1))  # no step twice, none lost
     assert (run_dir / "metrics.jsonl").read_text().splitlines()[:stopped] == before
+
+
+def test_ctrl_c_during_set_up_is_one_line(tmp_path):
+    """Ctrl-C while the actors start (the tiny judge is built just before): one line, 130, and
+    no actor dying on a failed check with a C++ stack dump as Ray goes down under it."""
+    run_dir = tmp_path / "run"
+    code, out = train_until(run_dir, [*TINY, f"trainer.run_dir={run_dir}"], (run_dir / "base_model").exists, signal.SIGINT)
+    assert code == 130, out[-3000:]
+    assert out.strip().splitlines()[-1] == "pjray: interrupted (SIGINT)"
+    assert not [n for n in NOISE if n in out], out[-3000:]
+    assert not (run_dir / "metrics.jsonl").exists()
 
 
 def test_an_error_in_a_ray_worker_is_its_own_line(ray_local):
