@@ -19,9 +19,11 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 
 from pjray.config import load
+from pjray.console import VERBOSE_ENV, quiet_stack, run_summary
 from pjray.errors import explain
 from pjray.inputs import check_inputs
 from pjray.signals import Interrupted
@@ -30,9 +32,11 @@ from pjray.signals import Interrupted
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pjray", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error (also PJRAY_DEBUG=1)")
-    # Also accepted after the subcommand; SUPPRESS keeps a subcommand from resetting it.
+    parser.add_argument("--verbose", action="store_true", help="keep Ray's and the actors' notices and warnings")
+    # Also accepted after the subcommand; SUPPRESS keeps a subcommand from resetting them.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="print the traceback of an error")
+    common.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help="keep Ray's notices and warnings")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,sft,ppjd,eval,sweep}")
 
     def add(name: str, help: str) -> argparse.ArgumentParser:
@@ -79,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     debug = args.debug or os.environ.get("PJRAY_DEBUG", "") not in ("", "0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"  # for the actors too (pjray.cluster.actor_env)
+    quiet_stack()
     try:
         return run_command(args)
     except KeyboardInterrupt as err:  # Ctrl-C, or pjray.signals.Interrupted (also SIGTERM)
@@ -108,8 +115,9 @@ def run_command(args: argparse.Namespace) -> int:
         from pjray.eval.bias import training_eval
         from pjray.rl.trainer import train as run_training
 
+        start = time.perf_counter()
         run_dir = run_training(cfg, evaluate=training_eval)
-        print(f"pjray: run finished: {run_dir}")
+        print("\n".join(run_summary(run_dir, time.perf_counter() - start)))
     elif args.command == "sft":
         if cfg.model.path:
             from pjray.rl.sft import run_sft

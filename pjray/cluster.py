@@ -14,6 +14,7 @@ import signal
 import threading
 
 from pjray.config import RayConfig
+from pjray.console import ACTOR_WARNING_FILTERS, verbose
 
 __all__ = ["actor_env", "connect", "job_env_vars"]
 
@@ -44,6 +45,8 @@ def actor_env() -> dict[str, str]:
         # sync of a 114M model than pickling (benchmarks/bench_sync.py). Receivers only copy.
         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
     }
+    if not verbose():
+        defaults["PYTHONWARNINGS"] = ACTOR_WARNING_FILTERS
     # Under `ray job submit` the job's runtime env already reaches every actor, and ray.init
     # refuses a driver env that names one of its variables again: leave those to the job.
     job_vars = job_env_vars()

@@ -37,6 +37,7 @@ import torch
 
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, to_dict
+from pjray.console import step_line
 from pjray.data.prompts import render_batch
 from pjray.data.sampler import ItemSampler, SamplerState
 from pjray.data.sources import Rows, scan_items, write_rejects
@@ -300,6 +301,7 @@ class Trainer:
 
     def loop(self) -> None:
         cfg = self.cfg.trainer
+        started, first_step = time.perf_counter(), self.step
         while self.step < cfg.steps and not self.stop.requested:
             self.step += 1
             metrics = self.train_step()
@@ -307,10 +309,8 @@ class Trainer:
                 # Held-out metrics (eval/*), judged by the rollout pool (the hook is checked in __init__).
                 metrics.update(self.evaluate(self.cfg, self.judge_texts, self.step))
             self.tracker.log(metrics, self.step)
-            log.info(
-                "step %d/%d reward %.3f frac_zero_std %.2f step %.1fs", self.step, cfg.steps,
-                metrics["reward/mean"], metrics["rollout/frac_zero_std"], metrics["timing_s/step"],
-            )
+            seconds_per_step = (time.perf_counter() - started) / (self.step - first_step)
+            log.info(step_line(self.step, cfg.steps, metrics, seconds_per_step))
             if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:
                 self.save_checkpoint()
 
