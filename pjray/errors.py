@@ -11,6 +11,8 @@ its constructor); `explain` looks through the wrapping to the error that was rai
 
 from __future__ import annotations
 
+import importlib
+
 EXIT_INPUT = 2
 EXIT_BUG = 1
 
@@ -43,6 +45,18 @@ def last_line(text: str) -> str:
     return next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
 
 
+def pjray_input_error(qualified_name: str) -> type[InputError] | None:
+    """The pjray `InputError` class a traceback names (`pjray.data.sources.DataError`), if any."""
+    module, _, name = qualified_name.rpartition(".")
+    if not module.startswith("pjray."):
+        return None
+    try:
+        cls = getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, InputError) else None
+
+
 def explain(err: BaseException) -> tuple[int, str]:
     """(exit code, the one line for the console) for an error that ended a command."""
     chain = causes(err)
@@ -54,8 +68,13 @@ def explain(err: BaseException) -> tuple[int, str]:
     root = chain[-1]
     if getattr(root, "actor_init_failed", False):
         # An actor whose constructor raised: Ray keeps only the text, whose last line is the
-        # original `Type: message`.
+        # original `module.Type: message`.
         message = last_line(str(root))
+        cls, _, text = message.partition(": ")
+        input_error = pjray_input_error(cls)
+        if input_error is not None:
+            prefix = f"{input_error.what}: " if input_error.what else ""
+            return EXIT_INPUT, f"pjray: {prefix}{text}"
     else:
         message = f"{type(root).__name__}: {first_line(str(root))}"
     return EXIT_BUG, f"pjray: internal error: {message} ({DEBUG_HINT})"

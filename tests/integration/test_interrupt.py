@@ -15,6 +15,7 @@ from typing import Callable
 import pytest
 import ray
 
+from pjray.cli import main
 from pjray.data.sources import DataError
 from pjray.errors import EXIT_INPUT, explain
 
@@ -112,3 +113,16 @@ def test_an_error_in_a_ray_worker_is_its_own_line(ray_local):
     with pytest.raises(DataError) as err:
         ray.get(read_shard.remote())
     assert explain(err.value) == (EXIT_INPUT, "pjray: bad data: shard-00003.parquet row 7: could not decode image")
+
+
+def test_an_error_in_an_actor_constructor_is_its_own_line(ray_local, tmp_path, capsys):
+    """A judge directory without weights fails in the judge actor's constructor; the user sees
+    pjray's line about the checkpoint, not Ray's account of a dead actor."""
+    judge = tmp_path / "judge"
+    judge.mkdir()
+    (judge / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    code = main(["eval", "--judge", str(judge), "--bench", "perceptual_bias", "--output-dir", str(tmp_path / "out"),
+                 "eval.num_items=2"])  # fmt: skip
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"pjray: bad model: {judge}: cannot load the model: "), last
+

@@ -67,6 +67,16 @@ def test_errors_from_ray_workers_are_unwrapped_to_their_cause():
     assert explain(bug)[1].startswith("pjray: internal error: KeyError: 'id'")
 
 
+def test_an_actor_whose_constructor_raised_is_read_from_its_text():
+    from ray.exceptions import RayActorError
+
+    text = "The actor died because of an error raised in its creation task, ...\n  File ...\n"
+    died = RayActorError(error_msg=text + "pjray.data.sources.DataError: rows.parquet row 4: empty image", actor_init_failed=True)
+    assert explain(died) == (EXIT_INPUT, "pjray: bad data: rows.parquet row 4: empty image")
+    bug = RayActorError(error_msg=text + "ZeroDivisionError: division by zero", actor_init_failed=True)
+    assert explain(bug)[0] == EXIT_BUG and explain(bug)[1].startswith("pjray: internal error: ZeroDivisionError: division by zero")
+
+
 def test_an_input_error_re_raised_as_something_else_is_still_input():
     try:
         try:
