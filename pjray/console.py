@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,10 +47,13 @@ class _DropNotice(logging.Filter):
 
 def quiet_stack() -> None:
     """Silence the driver-side notices (`--verbose` leaves them): Ray's note that a local
-    cluster uses token authentication (its default; the warning that auth is *disabled* stays)
-    and Ray Data's operator-name truncation warning. Actor warnings: pjray.cluster.actor_env."""
+    cluster uses token authentication (its default; the warning that auth is *disabled* stays),
+    Ray Data's operator-name truncation warning, and the colours of the actors' log prefixes
+    when the console is not a terminal. Actor warnings: pjray.cluster.actor_env."""
     if verbose():
         return
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no colour codes in the actors' log prefixes
     logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
         _DropNotice("Token authentication is enabled")
     )
@@ -64,6 +69,21 @@ def duration(seconds: float) -> str:
         return f"{minutes}m{seconds:02d}s"
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m"
+
+
+class PhaseClock:
+    """Logs each set-up phase that took a second or more (`clock.done("learners")` after it),
+    so a slow start-up says where its time goes and a fast one stays quiet."""
+
+    def __init__(self, logger: logging.Logger, min_s: float = 1.0) -> None:
+        self.logger, self.min_s = logger, min_s
+        self.last = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        took, self.last = now - self.last, now
+        if took >= self.min_s:
+            self.logger.info("set-up: %s %.1fs", phase, took)
 
 
 def step_line(step: int, total: int, metrics: dict[str, float], seconds_per_step: float) -> str:

@@ -37,7 +37,7 @@ import torch
 
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, to_dict
-from pjray.console import step_line
+from pjray.console import PhaseClock, step_line
 from pjray.data.prompts import render_batch
 from pjray.data.sampler import ItemSampler, SamplerState
 from pjray.data.sources import Rows, scan_items, write_rejects
@@ -173,10 +173,13 @@ class Trainer:
     # ----------------------------------------------------------------------------- setup
     def setup(self) -> None:
         cfg = self.cfg
+        clock = PhaseClock(log)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # A parquet is read before Ray starts: a broken file costs no cluster start-up.
         data = load_items(cfg)
+        clock.done("data")
         connect(cfg.ray)
+        clock.done("ray")
         self.items, self.data_rejected = data.rows, len(data.rejects)
         write_rejects(data.rejects, self.run_dir / DATA_REJECTS)
         if data.rejects:
@@ -187,6 +190,7 @@ class Trainer:
             )
         self.model_path = self.resolve_model()
         self.processor = load_processor(self.model_path)
+        clock.done("judge")
 
         self.placement = Placement(
             {
@@ -201,7 +205,9 @@ class Trainer:
             strategy=cfg.ray.placement_strategy,
             timeout_s=cfg.ray.placement_timeout_s,
         )
+        clock.done("placement group")
         self.learners = self.launch_learners()
+        clock.done("learners")
         self.rollout = WorkerPool(
             self.placement, "rollout", RolloutWorker,
             lambda i: (self.model_path, cfg.model, cfg.rollout, i),
@@ -212,6 +218,7 @@ class Trainer:
             max_retries=cfg.trainer.max_step_retries,
         )
         self.init_weight_sync()
+        clock.done("rollout and reward workers")
 
         state = SamplerState()
         resume_from = self.resume_dir()
@@ -222,6 +229,7 @@ class Trainer:
             state = SamplerState(**trainer_state["sampler"])
             self.sync_weights()
             log.info("resumed from %s at step %d", resume_from, self.step)
+            clock.done("resume")
         self.sampler = ItemSampler(self.items, cfg.trainer.seed, state)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         self.tracker = Tracker(

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 from pjray.cluster import actor_env
-from pjray.console import ACTOR_WARNING_FILTERS, VERBOSE_ENV, duration, quiet_stack, run_summary, step_line
+from pjray.console import ACTOR_WARNING_FILTERS, VERBOSE_ENV, PhaseClock, duration, quiet_stack, run_summary, step_line
 
 METRICS = {"reward/mean": 0.4123, "reward/format_mean": 0.95, "reward/ranking_mean": 0.4333, "timing_s/step": 1.14}
 
@@ -44,7 +45,10 @@ def test_stack_notices_are_dropped_unless_verbose(monkeypatch, caplog):
     monkeypatch.delenv("PYTHONWARNINGS", raising=False)
     auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
     monkeypatch.setattr(auth, "filters", [])
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "")
+    monkeypatch.delenv("RAY_COLOR_PREFIX")  # restored to what it was after the test
     quiet_stack()
+    assert os.environ["RAY_COLOR_PREFIX"] == "0"  # the captured stderr is no terminal
     with caplog.at_level(logging.WARNING):
         auth.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
         auth.warning("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
@@ -55,3 +59,14 @@ def test_stack_notices_are_dropped_unless_verbose(monkeypatch, caplog):
     monkeypatch.setenv("PYTHONWARNINGS", "default")
     monkeypatch.delenv(VERBOSE_ENV)
     assert actor_env()["PYTHONWARNINGS"] == "default"  # the user's own setting wins
+
+
+def test_set_up_phases_of_a_second_or_more_are_logged(monkeypatch, caplog):
+    ticks = iter([0.0, 0.3, 2.5, 2.9])
+    monkeypatch.setattr("pjray.console.time.perf_counter", lambda: next(ticks))
+    clock = PhaseClock(logging.getLogger("test"))
+    with caplog.at_level(logging.INFO):
+        clock.done("data")  # 0.3 s: quiet
+        clock.done("learners")  # 2.2 s
+        clock.done("workers")  # 0.4 s: quiet
+    assert [r.getMessage() for r in caplog.records] == ["set-up: learners 2.2s"]
