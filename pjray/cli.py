@@ -1,4 +1,4 @@
-"""Command line: `pjray train | sft | ppjd | eval [--config FILE] [key=value ...]`.
+"""Command line: `pjray train | sft | ppjd | eval | sweep [--config FILE] [key=value ...]`.
 
 `pjray sweep --config FILE --grid KEY=V1,V2 ...` runs a grid of trainings (pjray.sweep).
 
@@ -6,30 +6,52 @@
 
 With no arguments `pjray train` runs the embedded CPU default: a tiny random judge trained with
 GRPO on ranked candidate tuples built from synthetic scenes, on a local Ray cluster.
+
+Every path a command names is checked before Ray starts. A failed command prints one line,
+`pjray: <what>: <where>: <why>`, and exits 2 for bad input (config, paths, data) or 1 for a bug
+in pjray; `--debug` (or PJRAY_DEBUG=1) prints the traceback too.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+import time
+import traceback
 
-from pjray.config import ConfigError, load
+from pjray.config import load
+from pjray.console import VERBOSE_ENV, quiet_stack, run_summary
+from pjray.errors import explain
+from pjray.inputs import check_inputs
+from pjray.signals import Interrupted
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pjray", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="GRPO training of a judge on Ray")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error (also PJRAY_DEBUG=1)")
+    parser.add_argument("--verbose", action="store_true", help="keep Ray's and the actors' notices and warnings")
+    # Also accepted after the subcommand; SUPPRESS keeps a subcommand from resetting them.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="print the traceback of an error")
+    common.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help="keep Ray's notices and warnings")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,sft,ppjd,eval,sweep}")
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, parents=[common])
+
+    train = add("train", "GRPO training of a judge on Ray")
     train.add_argument("--config", help="YAML file merged onto the defaults")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.group_size=8")
-    sft = sub.add_parser("sft", help="supervised fine-tuning of a judge (no model.path: build the base judge)")
+    sft = add("sft", "supervised fine-tuning of a judge (no model.path: build the base judge)")
     sft.add_argument("--config", help="YAML file merged onto the defaults")
     sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.steps=200 model.path=DIR")
-    ppjd = sub.add_parser("ppjd", help="build the PPJD dataset with Ray Data")
+    ppjd = add("ppjd", "build the PPJD dataset with Ray Data")
     ppjd.add_argument("--config", help="YAML file merged onto the defaults, e.g. configs/ppjd_scenes.yaml")
     ppjd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppjd.num_items=64")
-    evaluate = sub.add_parser("eval", help="evaluate a judge on a benchmark and write a report")
+    evaluate = add("eval", "evaluate a judge on a benchmark and write a report")
     evaluate.add_argument("--config", help="YAML file merged onto the defaults, e.g. configs/eval_scenes.yaml")
     evaluate.add_argument("--judge", help="HF directory or hub id of the judge (eval.judge)")
     evaluate.add_argument("--bench", help="score | pair | batch | perceptual_bias | mm_judgebias (eval.bench)")
@@ -37,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--image-dir", help="folder the data file's image paths are relative to")
     evaluate.add_argument("--output-dir", help="where the report and the output cache go")
     evaluate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.tie_rule=downstream")
-    sweep = sub.add_parser("sweep", help="a grid of trainings, one W&B group, a results table and plots")
+    sweep = add("sweep", "a grid of trainings, one W&B group, a results table and plots")
     sweep.add_argument("--config", help="YAML file merged onto the defaults for every trial")
     sweep.add_argument("--grid", nargs="+", required=True, metavar="KEY=V1,V2",
                        help="axes, e.g. algo.group_size=2,4,8 data.num_candidates=3,4 (one value: fixed)")
@@ -54,24 +76,48 @@ def main(argv: list[str] | None = None) -> int:
         flags = {"judge": args.judge, "bench": args.bench, "data": args.data,
                  "image_dir": args.image_dir, "output_dir": args.output_dir}  # fmt: skip
         args.overrides = list(args.overrides) + [f"eval.{k}={v}" for k, v in flags.items() if v is not None]
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    debug = args.debug or os.environ.get("PJRAY_DEBUG", "") not in ("", "0")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"  # for the actors too (pjray.cluster.actor_env)
+    quiet_stack()
+    try:
+        return run_command(args)
+    except KeyboardInterrupt as err:  # Ctrl-C, or pjray.signals.Interrupted (also SIGTERM)
+        if debug:
+            traceback.print_exc()
+        stopped = err if isinstance(err, Interrupted) else Interrupted(signal.SIGINT)
+        print(f"pjray: {stopped.message}", file=sys.stderr)
+        return stopped.exit_code
+    except Exception as err:  # noqa: BLE001 - every error ends here as one line and an exit code
+        if debug:
+            traceback.print_exc()
+        code, line = explain(err)
+        print(line, file=sys.stderr)
+        return code
+
+
+def run_command(args: argparse.Namespace) -> int:
     if args.command == "sweep":
         from pjray.sweep import main as run_sweep_command
 
         return run_sweep_command(args)
-    try:
-        cfg = load(args.config, args.overrides)
-    except ConfigError as err:
-        print(f"pjray: bad config: {err}", file=sys.stderr)
-        return 2
+    cfg = load(args.config, args.overrides)
+    # Before Ray starts: a typo'd path costs a second, not a cluster start-up.
+    check_inputs(cfg, args.command)
 
     if args.command == "train":
         from pjray.eval.bias import training_eval
         from pjray.rl.trainer import train as run_training
 
+        start = time.perf_counter()
         run_dir = run_training(cfg, evaluate=training_eval)
-        print(f"pjray: run finished: {run_dir}")
+        print("\n".join(run_summary(run_dir, time.perf_counter() - start)))
     elif args.command == "sft":
         if cfg.model.path:
             from pjray.rl.sft import run_sft
@@ -85,21 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "ppjd":
         from pjray.ppjd.pipeline import run_ppjd, summary
 
-        try:
-            manifest = run_ppjd(cfg)
-        except (ValueError, FileNotFoundError) as err:  # bad inputs or a mismatched output dir
-            print(f"pjray: ppjd: {err}", file=sys.stderr)
-            return 2
+        manifest = run_ppjd(cfg)
         print(summary(manifest))
         print(f"pjray: PPJD rows in {manifest['output']['ppjd']}, rejects in {manifest['output']['rejects']}")
     elif args.command == "eval":
         from pjray.eval.runner import run_eval
 
-        try:
-            paths = run_eval(cfg)
-        except ConfigError as err:
-            print(f"pjray: bad config: {err}", file=sys.stderr)
-            return 2
+        paths = run_eval(cfg)
         print(paths["markdown"].read_text())
         print(f"pjray: report written: {', '.join(str(p) for p in paths.values())}")
     return 0

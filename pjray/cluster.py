@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 
 from pjray.config import RayConfig
+from pjray.console import ACTOR_WARNING_FILTERS, verbose
 
 __all__ = ["actor_env", "connect", "job_env_vars"]
 
@@ -25,7 +28,12 @@ def connect(ray_cfg: RayConfig) -> None:
         return
     address = ray_cfg.address or os.environ.get("RAY_ADDRESS") or None
     kwargs = {} if address else {"num_cpus": ray_cfg.num_cpus or None}
+    # ray.init replaces the SIGTERM handler with sys.exit; keep a handler the caller installed
+    # (pjray.signals: `ray job stop` stops a training at a checkpoint).
+    sigterm = signal.getsignal(signal.SIGTERM)
     ray.init(address=address, runtime_env={"env_vars": actor_env()}, log_to_driver=True, **kwargs)
+    if callable(sigterm) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def actor_env() -> dict[str, str]:
@@ -37,6 +45,8 @@ def actor_env() -> dict[str, str]:
         # sync of a 114M model than pickling (benchmarks/bench_sync.py). Receivers only copy.
         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
     }
+    if not verbose():
+        defaults["PYTHONWARNINGS"] = ACTOR_WARNING_FILTERS
     # Under `ray job submit` the job's runtime env already reaches every actor, and ray.init
     # refuses a driver env that names one of its variables again: leave those to the job.
     job_vars = job_env_vars()

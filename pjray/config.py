@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pjray.data.scenes import KINDS
+from pjray.errors import InputError
 
 
 # The rules rewriters build at most this many strictly ordered error levels: scene answers have
@@ -23,8 +24,17 @@ from pjray.data.scenes import KINDS
 SCENE_MAX_CANDIDATES = 6
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A bad config: the message names the offending key."""
+
+    what = "bad config"
+
+
+class PathError(ConfigError):
+    """A path the config names does not exist or is not what it must be; the message is
+    `<key>: <path>: <why>`, complete on its own."""
+
+    what = ""
 
 
 @dataclass
@@ -58,6 +68,10 @@ class DataConfig:
     seed: int = 0
     # false: prompts carry no image (only for text-only judges, e.g. the CPU check of vLLM).
     images: bool = True
+    # Training and evaluation rows that cannot be judged (an image that does not decode, a
+    # missing field, another K) are skipped and listed in a rejects file; the run fails when
+    # more than this fraction of the rows is bad. 0: every row must be good.
+    max_reject_fraction: float = 0.01
 
 
 @dataclass
@@ -378,6 +392,8 @@ def validate(cfg: Config) -> Config:
             f"data.num_candidates={cfg.data.num_candidates}: reward.style=scores gives each "
             "candidate a distinct score in 1..10, so at most 10 candidates"
         )
+    if not 0 <= cfg.data.max_reject_fraction <= 1:
+        raise ConfigError(f"data.max_reject_fraction={cfg.data.max_reject_fraction}: must be in [0, 1]")
     if cfg.data.source == "parquet" and not cfg.data.path:
         raise ConfigError("data.path: required when data.source=parquet")
     _validate_scenes("data", cfg.data.scene_kinds, cfg.data.scene_objects)
@@ -614,7 +630,7 @@ def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Confi
         if path is not None:
             path = Path(path)
             if not path.is_file():
-                raise ConfigError(f"config file not found: {path}")
+                raise PathError(f"--config: {path}: no such file")
             merged = OmegaConf.merge(merged, OmegaConf.load(path))
         for item in overrides:
             if "=" not in item:

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from pjray.config import Config, ConfigError, load
+from pjray.inputs import check_inputs
 
 log = logging.getLogger(__name__)
 
@@ -575,12 +576,11 @@ def main(args: Any) -> int:
     """`pjray sweep` (argparse namespace from pjray.cli): plan, run, print the table."""
     import sys
 
-    try:
-        check_concurrency(args.submit, args.max_concurrent)
-        plan = plan_sweep(args.config, args.grid, args.overrides, args.name, args.sweep_dir)
-    except ConfigError as err:
-        print(f"pjray: bad config: {err}", file=sys.stderr)
-        return 2
+    check_concurrency(args.submit, args.max_concurrent)
+    plan = plan_sweep(args.config, args.grid, args.overrides, args.name, args.sweep_dir)
+    if not args.submit:  # submitted trials read their paths on the cluster, which checks them
+        for trial in plan.trials:
+            check_inputs(trial.config, "train")
     print(f"pjray: sweep {plan.name}: {len(plan.trials)} trials in {plan.sweep_dir}")
     results = run_sweep(plan, submit=args.submit, max_concurrent=args.max_concurrent)
     print((plan.sweep_dir / "results.md").read_text())

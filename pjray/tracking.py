@@ -26,11 +26,42 @@ def wandb_mode(cfg: TrackingConfig) -> str:
     return "offline"
 
 
-class Tracker:
-    """Logs step metrics to W&B and to `<run_dir>/metrics.jsonl`."""
+def truncate_metrics(path: Path, last_step: int) -> int:
+    """Drop the rows of a metrics JSONL logged after `last_step` (and a line cut by a kill);
+    returns how many were dropped. A run resumed from step N logs N+1... again, and its
+    curves must not hold those steps twice."""
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if row.get("step", 0) <= last_step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        partial = path.with_suffix(".jsonl.partial")
+        partial.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        partial.replace(path)
+    return dropped
 
-    def __init__(self, cfg: TrackingConfig, run_dir: Path, config: dict[str, Any], resume: bool):
+
+class Tracker:
+    """Logs step metrics to W&B and to `<run_dir>/metrics.jsonl`.
+
+    `start_step`: the step a training (re)starts from; rows of metrics.jsonl past it are dropped
+    first, and a resumed W&B run continues the stored run id from there."""
+
+    def __init__(
+        self, cfg: TrackingConfig, run_dir: Path, config: dict[str, Any], resume: bool, start_step: int | None = None
+    ):
         self.run_dir = run_dir
+        if start_step is not None:
+            truncate_metrics(run_dir / "metrics.jsonl", start_step)
         self.jsonl = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
         self.run = None
         if cfg.wandb:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pjray.data.prompts import render_score
+from pjray.data.sources import RowReject
+from pjray.errors import InputError
 from pjray.eval.metrics import ModeRates, ModeRecord, mode_rates
 from pjray.ppjd.perturb import normalize_answer
 from pjray.reward.parse import parse_score
@@ -48,8 +50,10 @@ _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NEGATIONS = {"not", "no", "isn't", "never", "neither", "nor"}
 
 
-class DiagnosisDataError(ValueError):
+class DiagnosisDataError(InputError):
     """An item without the perturbation metadata the diagnosis needs; names the item."""
+
+    what = "bad data"
 
 
 @dataclass(frozen=True)
@@ -195,14 +199,18 @@ def training_eval(cfg: Any, generate: Generate, step: int) -> dict[str, float]:
     return rates_metrics(rates)
 
 
-def load_diagnosis_items(cfg: Any) -> tuple[list[DiagnosisItem], int]:
+def load_diagnosis_items(cfg: Any) -> tuple[list[DiagnosisItem], int, list[RowReject]]:
     """The items of `cfg.eval`: a PPJD parquet (`eval.data`) or scene items of `eval.scene_seed`.
-    Returns (items, how many rows had no usable perturbation metadata)."""
+    Returns (items, how many rows had no usable perturbation metadata, the rows rejected as
+    unusable, within data.max_reject_fraction)."""
     e = cfg.eval
+    rejects: list[RowReject] = []
     if e.data:
-        from pjray.data.sources import read_items
+        from pjray.data.sources import scan_items
 
-        raw = read_items(e.data)
+        scanned = scan_items(e.data)
+        scanned.check(cfg.data.max_reject_fraction)
+        raw, rejects = scanned.rows, scanned.rejects
     else:
         from pjray.ppjd.perturb import scene_items
 
@@ -217,7 +225,7 @@ def load_diagnosis_items(cfg: Any) -> tuple[list[DiagnosisItem], int]:
             break
     if not items:
         raise DiagnosisDataError(f"{e.data or 'scenes'}: no item carries perturbation records with probes")
-    return items, skipped
+    return items, skipped, rejects
 
 
 def evaluate_modes(cfg: Any, generate: Generate) -> Any:
@@ -226,7 +234,7 @@ def evaluate_modes(cfg: Any, generate: Generate) -> Any:
     from pjray.eval.report import EvalReport, seed_cells
 
     e = cfg.eval
-    items, skipped = load_diagnosis_items(cfg)
+    items, skipped, rejects = load_diagnosis_items(cfg)
     per_seed, kinds_per_seed = [], []
     unparsed, outputs, examples = 0, 0, []
     for seed in e.seeds:
@@ -267,6 +275,7 @@ def evaluate_modes(cfg: Any, generate: Generate) -> Any:
         tables={"perceptual_bias": seed_cells(per_seed, e.seed_agg), "error_rate_by_kind": seed_cells(kinds_per_seed, e.seed_agg)},
         outputs=outputs, unparsed=unparsed, unparsed_examples=examples, notes=notes,
         convention="pjray: the paper's Mode (a) / Mode (b) diagnosis (pjray.eval.metrics.mode_rates)",
+        rejects=rejects,
     )  # fmt: skip
 
 

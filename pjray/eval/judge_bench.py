@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pjray.data.prompts import LETTERS, order_from_ranking, render_batch, render_pair, render_score
+from pjray.data.sources import RowReject, Rows
+from pjray.errors import InputError
 from pjray.eval.metrics import BatchRecord, PairRecord, ScoreRecord, map_score
 from pjray.reward.parse import parse_judgment, parse_pair, parse_score, ranking_from_scores
 from pjray.types import JudgeItem, JudgePrompt
@@ -54,8 +56,10 @@ PROMPT_FORMATS = ("paper", "original")
 CONVENTIONS = ("strict", "perception_judge", "flex_judge")  # eval.convention
 
 
-class BenchDataError(ValueError):
+class BenchDataError(InputError):
     """A bad benchmark row: the message names the file, line and key."""
+
+    what = "bad data"
 
 
 @dataclass(frozen=True)
@@ -122,15 +126,17 @@ def _score_truth(value, where: str) -> str:
         raise BenchDataError(f"{where}: score truth {value!r} is not a number") from None
 
 
-def read_rows(path: str | Path, protocol: str, image_dir: str | Path | None = None, limit: int = 0) -> list[BenchRow]:
-    """Read a published MLLM-as-a-Judge JSONL file of `protocol` (score | pair | batch)."""
+def scan_rows(path: str | Path, protocol: str, image_dir: str | Path | None = None, limit: int = 0) -> Rows[BenchRow]:
+    """The rows of a published MLLM-as-a-Judge JSONL file of `protocol` (score | pair | batch),
+    up to `limit` good ones (0: all); a line that is not JSON or lacks a key or its image is a
+    reject naming the file and line, not an error."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
     path = Path(path)
     if not path.is_file():
         raise BenchDataError(f"{path}: no such file")
     root = Path(image_dir) if image_dir else path.parent
-    rows: list[BenchRow] = []
+    out: Rows[BenchRow] = Rows(str(path))
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -139,13 +145,23 @@ def read_rows(path: str | Path, protocol: str, image_dir: str | Path | None = No
             try:
                 raw = json.loads(line)
             except json.JSONDecodeError as err:
-                raise BenchDataError(f"{where}: not JSON ({err})") from None
-            rows.append(_row(raw, protocol, root, where))
-            if limit and len(rows) >= limit:
+                out.rejects.append(RowReject(where, "", f"not JSON ({err})"))
+                continue
+            try:
+                out.rows.append(_row(raw, protocol, root, where))
+            except BenchDataError as err:
+                row_id = str(raw.get("id", "")) if isinstance(raw, dict) else ""
+                out.rejects.append(RowReject(where, row_id, str(err).removeprefix(f"{where}: ")))
+            if limit and len(out.rows) >= limit:
                 break
-    if not rows:
-        raise BenchDataError(f"{path}: no rows")
-    return rows
+    return out
+
+
+def read_rows(path: str | Path, protocol: str, image_dir: str | Path | None = None, limit: int = 0) -> list[BenchRow]:
+    """`scan_rows`, with any bad line an error naming it."""
+    rows = scan_rows(path, protocol, image_dir, limit)
+    rows.check(0.0, BenchDataError)
+    return rows.rows
 
 
 def _row(raw: dict, protocol: str, root: Path, where: str) -> BenchRow:
@@ -430,7 +446,9 @@ def evaluate_bench(cfg, generate) -> "EvalReport":
 
     e = cfg.eval
     mapping = resolve_score_mapping(e.prompt_format, e.score_mapping)
-    rows = read_rows(e.data, e.bench, e.image_dir or None, e.limit)
+    scanned = scan_rows(e.data, e.bench, e.image_dir or None, e.limit)
+    scanned.check(cfg.data.max_reject_fraction, BenchDataError)
+    rows = scanned.rows
     prompts = [build_prompt(r, e.prompt_format, e.batch_style) for r in rows]
     per_seed: list[list] = []
     unparsed, examples = 0, []
@@ -468,6 +486,7 @@ def evaluate_bench(cfg, generate) -> "EvalReport":
         bench=e.bench, judge=e.judge, data=e.data, seeds=list(e.seeds), tables=tables,
         outputs=len(prompts) * len(e.seeds), unparsed=unparsed, unparsed_examples=examples, notes=notes,
         convention=convention, sources={k: v for k, v in sources.items() if k in tables or _is_row(k, tables)},
+        rejects=scanned.rejects,
     )  # fmt: skip
 
 

@@ -41,10 +41,12 @@ import random
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter, ImageFont
 
+from pjray.data.sources import RowReject, Rows
+from pjray.errors import InputError
 from pjray.eval.metrics import BC_TYPES, BD_TYPES, BIAS_TYPES, CATEGORIES
 from pjray.types import JudgeItem, JudgePrompt
 
@@ -53,8 +55,10 @@ TRANSFORM_FAMILIES = ("geometric", "photometric", "quality", "spatial")
 CATEGORY_OF: dict[str, str] = {t: c for c, types in CATEGORIES.items() for t in types}
 
 
-class BiasDataError(ValueError):
+class BiasDataError(InputError):
     """A bad MM-JudgeBias row: the message names the file, row and key."""
+
+    what = "bad data"
 
 
 @dataclass(frozen=True)
@@ -109,61 +113,71 @@ def _image_field(value, root: Path, where: str, key: str) -> bytes | None:
     return file.read_bytes()
 
 
-def read_records(path: str | Path, image_dir: str | Path | None = None, limit: int = 0) -> list[BiasRecord]:
-    """Read published MM-JudgeBias records from JSONL, a JSON list, or parquet."""
+def scan_records(path: str | Path, image_dir: str | Path | None = None, limit: int = 0) -> Rows[BiasRecord]:
+    """Published MM-JudgeBias records from JSONL, a JSON list, or parquet, up to `limit` good
+    ones (0: all); a row that is not JSON or lacks a key or an image is a reject naming it."""
     path = Path(path)
     if not path.is_file():
         raise BiasDataError(f"{path}: no such file")
     root = Path(image_dir) if image_dir else path.parent
+    out: Rows[BiasRecord] = Rows(str(path))
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        raws = pq.read_table(path).to_pylist()
-        label = "row"
+        raws: list[tuple[str, Any]] = [(f"{path} row {i}", raw) for i, raw in enumerate(pq.read_table(path).to_pylist())]
     elif path.suffix == ".json":
-        raws = json.loads(path.read_text(encoding="utf-8"))
-        label = "row"
+        raws = [(f"{path} row {i}", raw) for i, raw in enumerate(json.loads(path.read_text(encoding="utf-8")))]
     else:
-        raws, label = [], "line"
+        raws = []
         for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             if line.strip():
                 try:
-                    raws.append((lineno, json.loads(line)))
+                    raws.append((f"{path} line {lineno}", json.loads(line)))
                 except json.JSONDecodeError as err:
-                    raise BiasDataError(f"{path} line {lineno}: not JSON ({err})") from None
-    records = []
-    for index, raw in enumerate(raws):
-        lineno, raw = raw if isinstance(raw, tuple) else (index, raw)
-        where = f"{path} {label} {lineno}"
-        missing = [k for k in ("bias_type", "response", "unbiased_instruction", "biased_instruction") if k not in raw]
-        if missing:
-            raise BiasDataError(f"{where}: missing key(s) {missing} (row has {sorted(raw)})")
+                    out.rejects.append(RowReject(f"{path} line {lineno}", "", f"not JSON ({err})"))
+    for where, raw in raws:
         try:
-            bias_type = canonical_bias_type(str(raw["bias_type"]))
-        except ValueError as err:
-            raise BiasDataError(f"{where}: bias_type: {err}") from None
-        records.append(
-            BiasRecord(
-                id=str(raw.get("id", lineno)),
-                bias_type=bias_type,
-                bias_category=CATEGORY_OF[bias_type],
-                response=str(raw["response"]),
-                unbiased_instruction=str(raw["unbiased_instruction"] or ""),
-                biased_instruction=str(raw["biased_instruction"] or ""),
-                unbiased_image=_image_field(raw.get("unbiased_image"), root, where, "unbiased_image"),
-                biased_image=_image_field(raw.get("biased_image"), root, where, "biased_image"),
-                task_type=str(raw.get("task_type") or ""),
-                domain_type=str(raw.get("domain_type") or ""),
-                difficulty=str(raw.get("difficulty") or ""),
-                unbiased_source=str(raw.get("unbiased_source") or ""),
-                biased_source=str(raw.get("biased_source") or ""),
-            )
-        )
-        if limit and len(records) >= limit:
+            out.rows.append(_record(raw, root, where))
+        except BiasDataError as err:
+            row_id = str(raw.get("id", "")) if isinstance(raw, dict) else ""
+            out.rejects.append(RowReject(where, row_id, str(err).removeprefix(f"{where}: ")))
+        if limit and len(out.rows) >= limit:
             break
-    if not records:
-        raise BiasDataError(f"{path}: no rows")
-    return records
+    return out
+
+
+def read_records(path: str | Path, image_dir: str | Path | None = None, limit: int = 0) -> list[BiasRecord]:
+    """`scan_records`, with any bad row an error naming it."""
+    records = scan_records(path, image_dir, limit)
+    records.check(0.0, BiasDataError)
+    return records.rows
+
+
+def _record(raw: Any, root: Path, where: str) -> BiasRecord:
+    if not isinstance(raw, dict):
+        raise BiasDataError(f"{where}: expected a JSON object, got {type(raw).__name__}")
+    missing = [k for k in ("bias_type", "response", "unbiased_instruction", "biased_instruction") if k not in raw]
+    if missing:
+        raise BiasDataError(f"{where}: missing key(s) {missing} (row has {sorted(raw)})")
+    try:
+        bias_type = canonical_bias_type(str(raw["bias_type"]))
+    except ValueError as err:
+        raise BiasDataError(f"{where}: bias_type: {err}") from None
+    return BiasRecord(
+        id=str(raw.get("id", where.rsplit(" ", 1)[1])),
+        bias_type=bias_type,
+        bias_category=CATEGORY_OF[bias_type],
+        response=str(raw["response"]),
+        unbiased_instruction=str(raw["unbiased_instruction"] or ""),
+        biased_instruction=str(raw["biased_instruction"] or ""),
+        unbiased_image=_image_field(raw.get("unbiased_image"), root, where, "unbiased_image"),
+        biased_image=_image_field(raw.get("biased_image"), root, where, "biased_image"),
+        task_type=str(raw.get("task_type") or ""),
+        domain_type=str(raw.get("domain_type") or ""),
+        difficulty=str(raw.get("difficulty") or ""),
+        unbiased_source=str(raw.get("unbiased_source") or ""),
+        biased_source=str(raw.get("biased_source") or ""),
+    )
 
 
 # --------------------------------------------------------------------------- image helpers
@@ -491,16 +505,22 @@ def _is_published(path: str) -> bool:
     return "bias_type" in pq.read_schema(p).names
 
 
-def load_records(cfg, generate) -> tuple[list[BiasRecord], list[str]]:
-    """The records of `cfg.eval`: published rows, or the nine perturbations of PPJD / scene items.
-    Items without a caption get one from the judge itself as the captioning engine."""
+def load_records(cfg, generate) -> tuple[list[BiasRecord], list[str], list[RowReject]]:
+    """The records of `cfg.eval`: published rows, or the nine perturbations of PPJD / scene items;
+    and the data rows rejected as unusable (within data.max_reject_fraction). Items without a
+    caption get one from the judge itself as the captioning engine."""
     e = cfg.eval
     if e.data and _is_published(e.data):
-        return read_records(e.data, e.image_dir or None, e.limit), [f"published records: {e.data}"]
+        published = scan_records(e.data, e.image_dir or None, e.limit)
+        published.check(cfg.data.max_reject_fraction, BiasDataError)
+        return published.rows, [f"published records: {e.data}"], published.rejects
+    rejects: list[RowReject] = []
     if e.data:
-        from pjray.data.sources import read_items
+        from pjray.data.sources import scan_items
 
-        items = read_items(e.data)
+        scanned = scan_items(e.data)
+        scanned.check(cfg.data.max_reject_fraction)
+        items, rejects = scanned.rows, scanned.rejects
     else:
         from pjray.ppjd.perturb import scene_items
 
@@ -517,7 +537,7 @@ def load_records(cfg, generate) -> tuple[list[BiasRecord], list[str]]:
     if need:
         notes.append(f"{len(need)} captions for detail_description came from the judge as captioning engine")
     notes += [f"{t}: {k} items could not be perturbed and were skipped" for t, k in skipped.items() if k]
-    return records, notes
+    return records, notes, rejects
 
 
 _OFFICIAL = "MM-JudgeBias (naver-ai/MM-JudgeBias"
@@ -532,7 +552,7 @@ def evaluate_bias(cfg, generate):
     e = cfg.eval
     official = e.bias_convention == "official"
     parse = parse_bias_score if official else parse_bias_score_strict
-    records, notes = load_records(cfg, generate)
+    records, notes, rejects = load_records(cfg, generate)
     prompts = [p for r in records for p in (judge_prompt(r, biased=False), judge_prompt(r, biased=True))]
     per_seed = []
     unparsed, examples = 0, []
@@ -580,5 +600,5 @@ def evaluate_bias(cfg, generate):
         bench="mm_judgebias", judge=e.judge, data=e.data, seeds=list(e.seeds),
         tables={"bias": seed_cells(per_seed, e.seed_agg)},
         outputs=len(prompts) * len(e.seeds), unparsed=unparsed, unparsed_examples=examples, notes=notes,
-        convention=convention, sources=sources,
+        convention=convention, sources=sources, rejects=rejects,
     )  # fmt: skip

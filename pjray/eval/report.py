@@ -18,7 +18,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pjray.data.sources import RowReject, write_rejects
 from pjray.eval.metrics import BIAS_TYPES, aggregate_seeds
+
+REJECTS_FILE = "rejects.jsonl"
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class EvalReport:
     cache_hits: int = 0
     convention: str = ""  # whose reading and metric code produced the numbers
     sources: dict[str, str] = field(default_factory=dict)  # table or summary row -> where it is defined
+    # Data rows left out as unusable (within data.max_reject_fraction); also in rejects.jsonl.
+    rejects: list[RowReject] = field(default_factory=list)
 
     def flat_metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """`eval/<table>/<row>` -> value, for W&B (undefined values left out)."""
@@ -56,6 +61,7 @@ class EvalReport:
             if cell.value is not None
         }
         out[f"{prefix}unparsed_fraction"] = self.unparsed / self.outputs if self.outputs else 0.0
+        out[f"{prefix}rejected"] = float(len(self.rejects))
         return out  # type: ignore[return-value]
 
 
@@ -93,6 +99,11 @@ def to_markdown(report: EvalReport) -> str:
     lines.append(f"- seeds: {report.seeds}")
     frac = report.unparsed / report.outputs if report.outputs else 0.0
     lines.append(f"- judge outputs: {report.outputs}, unparseable: {report.unparsed} ({frac:.1%})")
+    if report.rejects:
+        first = report.rejects[0]
+        lines.append(
+            f"- data rows rejected: {len(report.rejects)} (listed in {REJECTS_FILE}), e.g. `{first.where}`: {first.reason}"
+        )
     if report.cache_hits:
         lines.append(f"- outputs taken from the cache: {report.cache_hits}")
     if report.convention:
@@ -177,6 +188,9 @@ def write_report(report: EvalReport, out_dir: str | Path, plots: bool = True) ->
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "markdown": out / "report.md"}
     paths["json"].write_text(json.dumps(asdict(report), indent=2, default=str))
+    if report.rejects:
+        paths["rejects"] = out / REJECTS_FILE
+        write_rejects(report.rejects, paths["rejects"])
     paths["markdown"].write_text(to_markdown(report))
     if plots:
         for p in _plot(report, out):

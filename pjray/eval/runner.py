@@ -20,10 +20,13 @@ import json
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pjray.config import Config, ConfigError, RolloutConfig
 from pjray.types import JudgePrompt
+
+if TYPE_CHECKING:
+    from pjray.rl.placement import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +107,6 @@ class JudgeRunner:
     """A pool of judge actors plus the output cache. `generate(prompts, seed) -> texts`."""
 
     def __init__(self, cfg: Config, cache_path: Path | None):
-        from pjray.cluster import connect
-        from pjray.rl.placement import Placement, RoleResources, WorkerPool
-        from pjray.rl.rollout import RolloutWorker
-
         e = cfg.eval
         if not e.judge:
             raise ConfigError("eval.judge: required (an HF directory or hub id; `pjray eval --judge`)")
@@ -123,15 +122,28 @@ class JudgeRunner:
         self.cache = OutputCache(cache_path)
         self.cache_hits = 0
         self.judged = 0
-        connect(cfg.ray)
-        self.placement = Placement(
-            {"judge": RoleResources(e.workers, e.num_cpus_per_worker, e.num_gpus_per_worker)},
-            strategy=cfg.ray.placement_strategy,
-            timeout_s=cfg.ray.placement_timeout_s,
-        )
-        self.pool = WorkerPool(
-            self.placement, "judge", RolloutWorker, lambda i: (e.judge, cfg.model, self.rollout_cfg, i), max_retries=2
-        )
+        self.pool: WorkerPool | None = None
+
+    def start(self) -> WorkerPool:
+        """The judge actors, started on the first prompts that miss the cache: the benchmark's
+        data is read (and any bad row reported) before Ray starts, and a fully cached rerun
+        starts no cluster at all."""
+        from pjray.cluster import connect
+        from pjray.rl.placement import Placement, RoleResources, WorkerPool
+        from pjray.rl.rollout import RolloutWorker
+
+        if self.pool is None:
+            cfg, e = self.cfg, self.cfg.eval
+            connect(cfg.ray)
+            self.placement = Placement(
+                {"judge": RoleResources(e.workers, e.num_cpus_per_worker, e.num_gpus_per_worker)},
+                strategy=cfg.ray.placement_strategy,
+                timeout_s=cfg.ray.placement_timeout_s,
+            )
+            self.pool = WorkerPool(
+                self.placement, "judge", RolloutWorker, lambda i: (e.judge, cfg.model, self.rollout_cfg, i), max_retries=2
+            )
+        return self.pool
 
     def generate(self, prompts: list[JudgePrompt], seed: int) -> list[str]:
         """One response text per prompt, from the cache where present."""
@@ -140,11 +152,14 @@ class JudgeRunner:
         keys = [cache_key(p, self.fingerprint, seed, self.sampling) for p in prompts]
         todo = [i for i, k in enumerate(keys) if self.cache.get(k) is None]
         self.cache_hits += len(prompts) - len(todo)
-        round_size = self.cfg.eval.prompts_per_call * len(self.pool)
+        if not todo:
+            return [self.cache.get(k)["text"] for k in keys]  # type: ignore[index]
+        pool = self.start()
+        round_size = self.cfg.eval.prompts_per_call * len(pool)
         for start in range(0, len(todo), round_size):
             batch = todo[start : start + round_size]
             t0 = time.perf_counter()
-            completions = generate_with_pool(self.pool, [prompts[i] for i in batch], 1, seed + start).value
+            completions = generate_with_pool(pool, [prompts[i] for i in batch], 1, seed + start).value
             self.cache.put_many(
                 [
                     {"key": keys[i], "item_id": prompts[i].item_id, "seed": seed, "text": c.text, "finish_reason": c.finish_reason}
@@ -156,8 +171,9 @@ class JudgeRunner:
         return [self.cache.get(k)["text"] for k in keys]  # type: ignore[index]
 
     def shutdown(self) -> None:
-        self.pool.shutdown()
-        self.placement.shutdown()
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.placement.shutdown()
 
     def __enter__(self) -> JudgeRunner:
         return self

@@ -331,7 +331,6 @@ def build_untrained(out_dir: str, recipe: BaseJudgeRecipe) -> None:
     ip = image_processor(16, recipe.image_size)
     processor = IMAGE_ONLY_PROCESSORS["qwen3_vl"](image_processor=ip, tokenizer=tok, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(out_dir)
-    processor.image_processor.save_pretrained(out_dir)
 
 
 # Auxiliary per-token targets of the perception front-end: (name, classes); class 0 of the

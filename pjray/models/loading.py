@@ -45,10 +45,12 @@ from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
+from pjray.errors import InputError
 from pjray.types import JudgePrompt
 
 __all__ = [
     "IMAGE_ONLY_PROCESSORS",
+    "ModelError",
     "ImageOnlyQwen2VLProcessor",
     "ImageOnlyQwen2_5_VLProcessor",
     "ImageOnlyQwen3VLProcessor",
@@ -65,6 +67,12 @@ __all__ = [
 ]
 
 THINK_PREFIX = "<think>\n"
+
+
+class ModelError(InputError):
+    """A judge checkpoint pjray cannot use; the message names its path."""
+
+    what = "bad model"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,6 +98,31 @@ class _ImageOnlyMixin:
         super().__init__(  # type: ignore[call-arg]
             image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs
         )
+
+    @classmethod
+    def stock_class_name(cls) -> str:
+        """The transformers processor this one narrows (the next class in the MRO from
+        transformers): the name saved checkpoints carry."""
+        return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("transformers."))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()  # type: ignore[misc]
+        out["processor_class"] = self.stock_class_name()
+        return out
+
+    def save_pretrained(self, save_directory, **kwargs):
+        """Saved as the stock processor, so that plain `AutoProcessor` builds it where torchvision
+        imports (given an unknown class name it would silently return the bare tokenizer), plus
+        the image processor's own preprocessor_config.json, which `AutoImageProcessor` and
+        serving stacks read. pjray reloads either name (`load_processor`)."""
+        files = super().save_pretrained(save_directory, **kwargs)  # type: ignore[misc]
+        tokenizer_config = Path(save_directory) / "tokenizer_config.json"
+        if tokenizer_config.is_file():
+            config = json.loads(tokenizer_config.read_text())
+            config["processor_class"] = self.stock_class_name()
+            tokenizer_config.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        self.image_processor.save_pretrained(save_directory)  # type: ignore[attr-defined]
+        return files
 
     @classmethod
     def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
@@ -201,7 +234,7 @@ def load_processor(path: str | os.PathLike) -> ProcessorMixin:
         try:
             processor: Any = TextOnlyProcessor.from_pretrained(path)
         except (OSError, ValueError) as err:
-            raise ValueError(
+            raise ModelError(
                 f"{path}: a text-only judge (model_type {_model_type(path)!r}, no vision part) "
                 f"whose tokenizer cannot be loaded: {err}"
             ) from None
@@ -212,7 +245,7 @@ def load_processor(path: str | os.PathLike) -> ProcessorMixin:
     try:
         processor_cls = IMAGE_ONLY_PROCESSORS[model_type]
     except KeyError:
-        raise ValueError(
+        raise ModelError(
             f"{path}: model_type {model_type!r} is not a supported judge architecture; "
             f"supported: {sorted(IMAGE_ONLY_PROCESSORS)}"
         ) from None
@@ -249,7 +282,10 @@ def load_judge(
     # AutoModelForImageTextToText maps qwen2_vl, qwen2_5_vl, qwen3_vl (and _moe) to their
     # *ForConditionalGeneration classes in transformers 5.x; text-only judges are causal LMs.
     auto_cls = AutoModelForCausalLM if is_text_only(processor) else AutoModelForImageTextToText
-    model = auto_cls.from_pretrained(str(path), **kwargs)
+    try:
+        model = auto_cls.from_pretrained(str(path), **kwargs)
+    except OSError as err:  # transformers' word for missing or unreadable checkpoint files
+        raise ModelError(f"{path}: cannot load the model: {str(err).splitlines()[0]}") from err
     model.to(device)
     model.train(trainable)
     model.requires_grad_(trainable)

@@ -259,10 +259,7 @@ def build_tiny_judge(out_dir: str | os.PathLike, arch: str = "qwen2_vl", seed: i
     processor = IMAGE_ONLY_PROCESSORS[arch](
         image_processor=image_processor(patch_size), tokenizer=tok, chat_template=CHAT_TEMPLATE
     )
-    processor.save_pretrained(out)
-    # Also the standalone image-processor file that released checkpoints ship: tools that load
-    # the stock Qwen processors (where torchvision imports) build their video processor from it.
-    processor.image_processor.save_pretrained(out)
+    processor.save_pretrained(out)  # with the standalone preprocessor_config.json released checkpoints ship
     return out
 
 

@@ -50,7 +50,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pjray.cluster import connect
-from pjray.config import Config, PPJDConfig, RayConfig, to_dict
+from pjray.config import Config, ConfigError, PPJDConfig, RayConfig, to_dict
 from pjray.data.sources import items_to_table
 from pjray.ppjd import llm as llm_prompts
 from pjray.ppjd.rejects import RejectRateError, RowDataError
@@ -561,8 +561,8 @@ def _check_job(out: Path, cfg: PPJDConfig) -> None:
         previous = json.loads(job.read_text())
         if previous != fingerprint:
             diff = sorted(k for k in fingerprint if previous.get(k) != fingerprint[k])
-            raise ValueError(
-                f"{out}: holds shards of a different ppjd config (differs in {', '.join(diff)}); "
+            raise ConfigError(
+                f"ppjd.output_dir: {out}: holds shards of a different ppjd config (differs in {', '.join(diff)}); "
                 "use a new ppjd.output_dir or delete this one"
             )
     else:

@@ -9,9 +9,13 @@ it too (`pjray.ppjd.pipeline.check_reject_rates`): a bug must never pass for dat
 
 from __future__ import annotations
 
+from pjray.errors import InputError
 
-class RowDataError(ValueError):
+
+class RowDataError(InputError):
     """This row's data cannot make a PPJD item; the message is the reject reason."""
+
+    what = "bad data"
 
 
 class RejectRateError(RuntimeError):

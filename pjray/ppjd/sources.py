@@ -22,6 +22,7 @@ from typing import Any, Iterator, Sequence
 
 import pyarrow.parquet as pq
 
+from pjray.config import PathError
 from pjray.data.scenes import KINDS, sample_qa, scene_ref
 from pjray.ppjd.perturb import _scene_seed, item_id
 
@@ -113,7 +114,7 @@ def _row_from_record(record: Any, source: str, root: Path, where: str, row_id: s
 
 def _jsonl_rows(path: Path, source: str, root: Path, prefix: str) -> Iterator[RawRow]:
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: annotation file does not exist")
+        raise PathError(f"ppjd.paths: {path}: annotation file does not exist")
     with path.open() as f:
         for n, line in enumerate(f, start=1):
             if not line.strip():
@@ -132,7 +133,7 @@ def mmpr_rows(meta_path: str | Path, names: Sequence[str] = ()) -> list[RawRow]:
     """Rows of the MMPR-v1.2 annotations listed in `meta.json` (all, or only `names`)."""
     meta_path = Path(meta_path)
     if not meta_path.is_file():
-        raise FileNotFoundError(f"ppjd.paths: {meta_path} (MMPR meta.json) does not exist")
+        raise PathError(f"ppjd.paths: {meta_path}: no such file (MMPR meta.json)")
     meta = json.loads(meta_path.read_text())
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path}: expected a JSON object mapping names to {{root, annotation}}")
@@ -156,7 +157,7 @@ def file_rows(paths: Sequence[str | Path], source: str) -> list[RawRow]:
         path = Path(p)
         if path.suffix == ".parquet":
             if not path.is_file():
-                raise FileNotFoundError(f"ppjd.paths: {path} does not exist")
+                raise PathError(f"ppjd.paths: {path}: no such file")
             for n, record in enumerate(pq.read_table(path).to_pylist()):
                 rows.append(_row_from_record(record, source, path.parent, f"{path} row {n}", f"{path.stem}-{n}"))
         else:

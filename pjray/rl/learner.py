@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
+from pjray.console import quiet_actor_warnings
 from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, sft_loss, token_logprobs
 from pjray.rl.placement import split_evenly
@@ -313,6 +314,7 @@ class LearnerRank(WeightSender):
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        quiet_actor_warnings()
         self.temperature = temperature
         self.model_cfg, self.learner_cfg, self.algo_cfg = model_cfg, learner_cfg, algo_cfg
         self.rank, self.world_size = rank, world_size

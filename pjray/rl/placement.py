@@ -78,6 +78,7 @@ class Placement:
                 bundles.append(bundle)
             self.ranges[role] = range(start, len(bundles))
         self.roles = roles
+        self.actors: list[Any] = []  # every actor launched here, for shutdown
         self.pg: PlacementGroup = placement_group(bundles, strategy=strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s or None)
         if not ready:
@@ -97,11 +98,13 @@ class Placement:
     def launch(self, role: str, cls: type, index: int, *args: Any, **kwargs: Any) -> Any:
         """Start `cls` as an actor in the `index`-th bundle of `role`."""
         res = self.roles[role]
-        return (
+        actor = (
             ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus)(cls)
             .options(scheduling_strategy=self.strategy(role, index), max_concurrency=1)
             .remote(*args, **kwargs)
         )
+        self.actors.append(actor)
+        return actor
 
     def master_address(self, role: str) -> tuple[str, int]:
         """IP and a free port on the node of the role's first bundle (for torch.distributed)."""
@@ -115,7 +118,18 @@ class Placement:
         task = ray.remote(num_cpus=min(0.01, self.roles[role].num_cpus))(probe)
         return ray.get(task.options(scheduling_strategy=self.strategy(role, 0)).remote())
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Kill every actor launched here (also one still in its constructor) and wait until
+        they are gone, then free the bundles. A caller that shuts Ray down next (an interrupted
+        job) must not pull the raylet from under a live actor: the actor would die on a failed
+        check with a C++ stack dump on the console."""
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        if self.actors:
+            # A call to a killed actor resolves (with ActorDiedError) once the actor is dead.
+            calls = [a.__ray_ready__.remote() for a in self.actors]
+            ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
+        self.actors = []
         remove_placement_group(self.pg)
 
 

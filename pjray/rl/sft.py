@@ -26,6 +26,7 @@ import ray
 
 from pjray.cluster import connect
 from pjray.config import AlgoConfig, Config, ConfigError, to_dict
+from pjray.errors import InputError
 from pjray.models.loading import decode_image, load_processor, render_chat
 from pjray.rl.learner import LearnerRank
 from pjray.rl.placement import Placement, RoleResources
@@ -37,8 +38,10 @@ log = logging.getLogger(__name__)
 __all__ = ["SFTDataError", "read_chat_examples", "run_sft", "to_experience"]
 
 
-class SFTDataError(ValueError):
+class SFTDataError(InputError):
     """A chat-example row that cannot be trained on; the message names the file and row."""
+
+    what = "bad data"
 
 
 def read_chat_examples(path: str | Path, source: str) -> list[tuple[JudgePrompt, str]]:

@@ -25,6 +25,7 @@ import json
 import logging
 import random
 import shutil
+import signal
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -36,15 +37,17 @@ import torch
 
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, to_dict
+from pjray.console import PhaseClock, step_line
 from pjray.data.prompts import render_batch
 from pjray.data.sampler import ItemSampler, SamplerState
-from pjray.data.sources import read_items
+from pjray.data.sources import Rows, scan_items, write_rejects
 from pjray.models.loading import load_processor, opens_think, render_chat
 from pjray.reward.workers import RewardWorker
 from pjray.rl.grpo import group_advantages, zero_std_groups
 from pjray.rl.learner import LearnerRank
 from pjray.rl.placement import Placement, RoleResources, WorkerPool, split_evenly
 from pjray.rl.rollout import RolloutWorker, generate_with_pool
+from pjray.signals import Interrupted, StopRequest
 from pjray.tracking import Tracker
 from pjray.types import Completion, Experience, JudgeItem, JudgePrompt, RewardResult, Timed
 
@@ -53,6 +56,9 @@ log = logging.getLogger(__name__)
 # Pads a step's experiences to a whole number of micro-batches per rank: no response tokens, so
 # no loss, no gradient and no share of the token counts.
 FILLER = Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.0)
+
+# Training rows skipped as unusable, one JSON object a line, in the run directory.
+DATA_REJECTS = "data_rejects.jsonl"
 
 # Phases whose work runs in workers that time it themselves (Timed answers).
 COMPUTE_PHASES = ("gen", "reward", "ref", "old_log_prob", "update")
@@ -115,17 +121,21 @@ class Rollouts:
     groups_seen: int
 
 
-def load_items(cfg: Config) -> list[JudgeItem]:
-    """The training items: a PPJD parquet, or scenes built by the PPJD job (rules + oracle).
+def load_items(cfg: Config) -> Rows[JudgeItem]:
+    """The training items: a PPJD parquet, or scenes built by the PPJD job (rules + oracle),
+    each row checked (`scan_items`); fails when more than data.max_reject_fraction are bad.
 
     Scene data goes through the same Ray Data job as `pjray ppjd` (on the cluster we are
     connected to), into `<run_dir>/data`; a rerun or resume reuses the shards already there.
     """
     if cfg.data.source == "parquet":
-        return read_items(cfg.data.path)
+        rows = scan_items(cfg.data.path, cfg.data.num_candidates)
+        rows.check(cfg.data.max_reject_fraction)
+        return rows
     from pjray.config import PPJDConfig
     from pjray.ppjd.pipeline import run_ppjd
 
+    connect(cfg.ray)  # the job runs on the cluster of this training
     out = Path(cfg.trainer.run_dir).resolve() / "data"
     ppjd = PPJDConfig(
         source="scenes", num_items=cfg.data.num_items, image_size=cfg.data.image_size, scene_kinds=cfg.data.scene_kinds,
@@ -135,7 +145,9 @@ def load_items(cfg: Config) -> list[JudgeItem]:
     )
     manifest = run_ppjd(ppjd)
     log.info("PPJD scene data: %d kept of %d read in %s", manifest["counts"]["kept"], manifest["counts"]["read"], out)
-    return read_items(out / "ppjd")
+    rows = scan_items(out / "ppjd", cfg.data.num_candidates)
+    rows.check(cfg.data.max_reject_fraction)
+    return rows
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -155,15 +167,31 @@ class Trainer:
         self.evaluate = evaluate
         self.run_dir = Path(cfg.trainer.run_dir).resolve()
         self.step = 0
+        self.checkpointed_step = 0  # the step of the newest checkpoint, saved or resumed from
+        # SIGINT / SIGTERM: during set-up they stop at once; in the loop, after the step.
+        self.stop = StopRequest()
 
     # ----------------------------------------------------------------------------- setup
     def setup(self) -> None:
         cfg = self.cfg
+        clock = PhaseClock(log)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # A parquet is read before Ray starts: a broken file costs no cluster start-up.
+        data = load_items(cfg)
+        clock.done("data")
         connect(cfg.ray)
-        self.items = load_items(cfg)
+        clock.done("ray")
+        self.items, self.data_rejected = data.rows, len(data.rejects)
+        write_rejects(data.rejects, self.run_dir / DATA_REJECTS)
+        if data.rejects:
+            log.warning(
+                "%d of %d training rows skipped (listed in %s), e.g. %s: %s", len(data.rejects),
+                len(data.rows) + len(data.rejects), self.run_dir / DATA_REJECTS, data.rejects[0].where,
+                data.rejects[0].reason,
+            )
         self.model_path = self.resolve_model()
         self.processor = load_processor(self.model_path)
+        clock.done("judge")
 
         self.placement = Placement(
             {
@@ -178,7 +206,9 @@ class Trainer:
             strategy=cfg.ray.placement_strategy,
             timeout_s=cfg.ray.placement_timeout_s,
         )
+        clock.done("placement group")
         self.learners = self.launch_learners()
+        clock.done("learners")
         self.rollout = WorkerPool(
             self.placement, "rollout", RolloutWorker,
             lambda i: (self.model_path, cfg.model, cfg.rollout, i),
@@ -189,19 +219,23 @@ class Trainer:
             max_retries=cfg.trainer.max_step_retries,
         )
         self.init_weight_sync()
+        clock.done("rollout and reward workers")
 
         state = SamplerState()
         resume_from = self.resume_dir()
         if resume_from is not None:
             trainer_state = json.loads((resume_from / "trainer_state.json").read_text())
             ray.get([r.load_checkpoint.remote(str(resume_from / "learner")) for r in self.learners])
-            self.step = trainer_state["step"]
+            self.step = self.checkpointed_step = trainer_state["step"]
             state = SamplerState(**trainer_state["sampler"])
             self.sync_weights()
             log.info("resumed from %s at step %d", resume_from, self.step)
+            clock.done("resume")
         self.sampler = ItemSampler(self.items, cfg.trainer.seed, state)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        self.tracker = Tracker(cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None)
+        self.tracker = Tracker(
+            cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None, start_step=self.step
+        )
 
     def resolve_model(self) -> str:
         """The judge's path; with none configured, the cached base judge (built on first use)
@@ -257,21 +291,37 @@ class Trainer:
     # ----------------------------------------------------------------------------- the loop
     def run(self) -> None:
         cfg = self.cfg.trainer
-        while self.step < cfg.steps:
+        with self.stop.deferred():
+            self.loop()
+        if self.stop.requested and self.step < cfg.steps:
+            # Everything logged so far is in a checkpoint: an interrupt costs at most the step
+            # it arrived in (finished here, so none).
+            if self.checkpointed_step != self.step:
+                self.save_checkpoint()
+            signame = signal.Signals(self.stop.signum).name
+            raise Interrupted(
+                self.stop.signum,
+                f"stopped by {signame} at step {self.step}/{cfg.steps}: checkpoint "
+                f"{self.run_dir / 'checkpoints' / f'global_step_{self.step}'}; to continue, run the "
+                "same command with trainer.resume=auto",
+            )
+        if cfg.export_hf:
+            self.export_hf()
+
+    def loop(self) -> None:
+        cfg = self.cfg.trainer
+        started, first_step = time.perf_counter(), self.step
+        while self.step < cfg.steps and not self.stop.requested:
             self.step += 1
             metrics = self.train_step()
             if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
                 # Held-out metrics (eval/*), judged by the rollout pool (the hook is checked in __init__).
                 metrics.update(self.evaluate(self.cfg, self.judge_texts, self.step))
             self.tracker.log(metrics, self.step)
-            log.info(
-                "step %d/%d reward %.3f frac_zero_std %.2f step %.1fs", self.step, cfg.steps,
-                metrics["reward/mean"], metrics["rollout/frac_zero_std"], metrics["timing_s/step"],
-            )
+            seconds_per_step = (time.perf_counter() - started) / (self.step - first_step)
+            log.info(step_line(self.step, cfg.steps, metrics, seconds_per_step))
             if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:
                 self.save_checkpoint()
-        if cfg.export_hf:
-            self.export_hf()
 
     def train_step(self) -> dict[str, float]:
         timer = Timer()
@@ -515,6 +565,7 @@ class Trainer:
             "advantages/max": float(advantages.max()) if advantages.numel() else 0.0,
             "advantages/min": float(advantages.min()) if advantages.numel() else 0.0,
             "data/consumed": float(self.sampler.state.consumed),
+            "data/rejected": float(self.data_rejected),
             "data/epoch": float(self.sampler.epoch),
             "perf/total_num_tokens": float(tokens),
             "perf/throughput": tokens / timer.seconds["step"],
@@ -531,6 +582,7 @@ class Trainer:
         state = {"step": self.step, "sampler": dataclasses.asdict(self.sampler.state), "seed": cfg.seed}
         (path / "trainer_state.json").write_text(json.dumps(state))
         (path / "COMPLETE").touch()  # written last: a checkpoint without it is ignored by resume
+        self.checkpointed_step = self.step
         done = sorted(
             (p.parent for p in (self.run_dir / "checkpoints").glob("global_step_*/COMPLETE")),
             key=lambda p: int(p.name.rsplit("_", 1)[1]),
@@ -546,21 +598,17 @@ class Trainer:
     def shutdown(self) -> None:
         if hasattr(self, "tracker"):
             self.tracker.close()
-        for pool in ("rollout", "reward"):
-            if hasattr(self, pool):
-                getattr(self, pool).shutdown()
-        for rank in getattr(self, "learners", []):
-            ray.kill(rank, no_restart=True)
         if hasattr(self, "placement"):
-            self.placement.shutdown()
+            self.placement.shutdown()  # every learner, rollout and reward actor
 
 
 def train(cfg: Config, evaluate: EvalHook | None = None) -> Path:
     """Run a whole training job (with `evaluate` every eval.every_steps); returns the run directory."""
     trainer = Trainer(cfg, evaluate)
-    try:
-        trainer.setup()
-        trainer.run()
-    finally:
-        trainer.shutdown()
+    with trainer.stop:
+        try:
+            trainer.setup()
+            trainer.run()
+        finally:
+            trainer.shutdown()
     return trainer.run_dir

@@ -226,12 +226,12 @@ def test_train_builds_scene_data_with_the_pipeline(local_ray, tmp_path):
 
     cfg = load(overrides=[f"trainer.run_dir={tmp_path / 'run'}", "data.num_items=256", "data.image_size=64"])
     start = time.perf_counter()
-    items = load_items(cfg)
+    items = load_items(cfg).rows
     elapsed = time.perf_counter() - start
     assert len(items) == 256 and len({it.id for it in items}) == 256
     assert (tmp_path / "run" / "data" / "manifest.json").is_file()
     assert elapsed < 60, elapsed  # seconds, not minutes, even on a busy 2-core box
-    again = load_items(cfg)  # reused, not rebuilt
+    again = load_items(cfg).rows  # reused, not rebuilt
     assert [it.id for it in again] == [it.id for it in items]
     assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["shards"]["written_this_run"] == 0
 

@@ -1,5 +1,6 @@
 """MLLM-as-a-Judge loaders (both field-name variants), prompts, verdict reading and tables."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from pjray.eval.judge_bench import (
     resolve_score_mapping,
 )
 from pjray.eval.metrics import OVERALL
+from pjray.eval.report import write_report
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "mllm_judge"
 
@@ -107,6 +109,24 @@ def _canned(texts_by_id):
         return [texts_by_id.get(p.item_id, "unreadable") for p in prompts]
 
     return generate
+
+
+def test_a_bad_line_within_the_allowed_fraction_is_skipped_and_reported(tmp_path):
+    lines = (FIXTURES / "pair.jsonl").read_text().splitlines()
+    data = tmp_path / "pair.jsonl"
+    data.write_text("\n".join([lines[0], "{not json", lines[1], '{"instruction": "q"}', *lines[2:]]) + "\n")
+    cfg = load(overrides=["eval.bench=pair", f"eval.data={data}", f"eval.image_dir={FIXTURES}", "data.max_reject_fraction=0.5"])
+    report = evaluate_bench(cfg, _canned({}))
+    assert report.outputs == len(lines)  # every good row judged
+    assert [(r.where, r.reason[:8]) for r in report.rejects] == [(f"{data} line 2", "not JSON"), (f"{data} line 4", "none of ")]
+    assert report.flat_metrics()["eval/rejected"] == 2.0
+    paths = write_report(report, tmp_path / "out", plots=False)
+    assert f"data rows rejected: 2 (listed in rejects.jsonl), e.g. `{data} line 2`" in paths["markdown"].read_text()
+    listed = [json.loads(x) for x in paths["rejects"].read_text().splitlines()]
+    assert [r["where"] for r in listed] == [f"{data} line 2", f"{data} line 4"]
+    with pytest.raises(BenchDataError, match=r"2 of 5 rows are bad \(more than data.max_reject_fraction=0.25\)"):
+        evaluate_bench(load(overrides=["eval.bench=pair", f"eval.data={data}", f"eval.image_dir={FIXTURES}",
+                                       "data.max_reject_fraction=0.25"]), _canned({}))
 
 
 def test_evaluate_pair_with_canned_judge():

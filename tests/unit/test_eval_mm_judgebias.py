@@ -22,6 +22,7 @@ from pjray.eval.mm_judgebias import (
     parse_bias_score,
     query_keywords,
     read_records,
+    scan_records,
     scene_caption,
     visual_transform,
 )
@@ -175,6 +176,17 @@ def test_read_records_errors_name_line_and_key(tmp_path):
     f.write_text('{"bias_type": "odd", "response": "x", "unbiased_instruction": "q", "biased_instruction": "q"}\n')
     with pytest.raises(BiasDataError, match="line 1: bias_type"):
         read_records(f)
+
+
+def test_bad_published_records_are_skipped_and_named(tmp_path):
+    lines = (FIXTURES / "records.jsonl").read_text().splitlines()
+    f = tmp_path / "records.jsonl"
+    f.write_text("\n".join([lines[0], "{oops", *lines[1:]]) + "\n")
+    scanned = scan_records(f, image_dir=FIXTURES)
+    assert [r.bias_type for r in scanned.rows] == ["text_dominance", "image_dominance", "unnecessary_image"]
+    assert [(r.where, r.reason[:8]) for r in scanned.rejects] == [(f"{f} line 2", "not JSON")]
+    with pytest.raises(BiasDataError, match=r"records.jsonl: 1 of 4 rows are bad .* line 2: not JSON"):
+        read_records(f, image_dir=FIXTURES)
 
 
 def test_evaluate_bias_with_canned_judge():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -131,6 +132,43 @@ def test_save_and_reload_gives_identical_logits(tiny_dirs: dict[str, Path], arch
         assert torch.equal(inputs[key], inputs_again[key])
     with torch.no_grad():
         assert torch.equal(model(**inputs).logits, reloaded(**inputs_again).logits)
+
+
+@pytest.mark.parametrize("vision_arch", [a for a in TINY_ARCHS if a != "qwen2"])
+def test_an_export_loads_with_plain_transformers(tiny_dirs: dict[str, Path], vision_arch: str, tmp_path: Path) -> None:
+    """What `LearnerRank.save_hf` and `pjray sft` write (model + processor save_pretrained) is a
+    checkpoint plain transformers loads: the stock processor class, the image processor's own
+    config, and the model through AutoModelForImageTextToText, giving the same logits."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    model, processor = load_judge(tiny_dirs[vision_arch], trainable=False)
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    stock = processor.stock_class_name()
+    assert stock.endswith("Processor") and not stock.startswith("ImageOnly")
+    for name in ("processor_config.json", "tokenizer_config.json"):
+        assert json.loads((tmp_path / name).read_text())["processor_class"] == stock, name
+    assert (tmp_path / "preprocessor_config.json").is_file()
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        # Stock Qwen-VL processors need a torchvision video processor: AutoProcessor must get as
+        # far as the stock class and say so, never fall back to the bare tokenizer.
+        with pytest.raises(ImportError, match="[Tt]orchvision"):
+            AutoProcessor.from_pretrained(tmp_path)
+    else:
+        assert type(AutoProcessor.from_pretrained(tmp_path)).__name__ == stock
+    image_processor = AutoImageProcessor.from_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer.get_vocab() == processor.tokenizer.get_vocab()
+    ours = _inputs(processor, _png())
+    plain = image_processor(images=[decode_image(_png())], return_tensors="pt")
+    assert torch.equal(plain["pixel_values"], ours["pixel_values"])
+    assert torch.equal(plain["image_grid_thw"], ours["image_grid_thw"])
+    plain_model = AutoModelForImageTextToText.from_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(plain_model(**ours).logits, model(**ours).logits)
+    assert type(load_processor(tmp_path)) is type(processor)  # pjray reads the stock name back
 
 
 def test_same_seed_same_weights_other_seed_differs(arch: str, tmp_path: Path) -> None:

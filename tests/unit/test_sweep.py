@@ -40,10 +40,10 @@ def test_grid_expands_to_the_cartesian_product(tmp_path):
 
 
 def test_shipped_config_and_overrides_apply_to_every_trial(tmp_path):
-    plan = plan_sweep(str(REPO / "configs" / "demo.yaml"), ["algo.group_size=2,4"], ["trainer.steps=2"],
+    plan = plan_sweep(str(REPO / "configs" / "qwen3vl_4b.yaml"), ["algo.group_size=8,16"], ["trainer.steps=2"],
                       name="d", sweep_dir=tmp_path)
     assert [t.config.trainer.steps for t in plan.trials] == [2, 2]
-    assert [t.config.learner.lr for t in plan.trials] == [1e-4, 1e-4]  # from demo.yaml
+    assert [t.config.learner.lr for t in plan.trials] == [7.5e-7, 7.5e-7]  # from the shipped file
 
 
 @pytest.mark.parametrize(
@@ -132,7 +132,7 @@ def test_two_trial_sweep_on_the_tiny_judge(tmp_path, capsys):
         code = main([
             "sweep", "--config", str(REPO / "configs" / "demo.yaml"), "--name", "tiny-gs",
             "--sweep-dir", str(sweep_dir),
-            "data.num_items=16", "data.image_size=64", "rollout.max_new_tokens=8", "trainer.steps=2",
+            "model.init=tiny", "data.num_items=16", "data.image_size=64", "rollout.max_new_tokens=8", "trainer.steps=2",
             "trainer.prompts_per_step=2", "learner.micro_batch_size=2", "trainer.export_hf=false",
             "tracking.wandb=false", "ray.num_cpus=2",
             "--grid", "algo.group_size=2,4",
@@ -150,7 +150,7 @@ def test_two_trial_sweep_on_the_tiny_judge(tmp_path, capsys):
     assert "| 4 | 3 | 2 |" in (sweep_dir / "results.md").read_text()
     # A rerun finds both trials finished and only rewrites the results.
     assert main(["sweep", "--config", str(REPO / "configs" / "demo.yaml"), "--name", "tiny-gs",
-                 "--sweep-dir", str(sweep_dir), "data.num_items=16", "data.image_size=64",
+                 "--sweep-dir", str(sweep_dir), "model.init=tiny", "data.num_items=16", "data.image_size=64",
                  "rollout.max_new_tokens=8", "trainer.steps=2", "trainer.prompts_per_step=2",
                  "learner.micro_batch_size=2", "trainer.export_hf=false", "tracking.wandb=false",
                  "--grid", "algo.group_size=2,4"]) == 0

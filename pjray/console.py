@@ -1,0 +1,131 @@
+"""What a training prints on the console: one line per step, a summary at the end, and none of
+the notices of the stack below that a user can do nothing about (`--verbose` keeps them)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+# Set by `--verbose`; read here and by pjray.cluster.actor_env, so actors keep their warnings too.
+VERBOSE_ENV = "PJRAY_VERBOSE"
+
+# Warnings the actors print on every run, about choices pjray made on purpose: weight buckets
+# are sent zero-copy and only ever copied by receivers (pjray.rl.sync). PYTHONWARNINGS syntax:
+# action:message-prefix, comma separated.
+ACTOR_WARNING_FILTERS = ",".join([
+    "ignore:Zero-copy tensor serialization is enabled",
+    "ignore:The given NumPy array is not writable",
+])  # fmt: skip
+
+
+def quiet_actor_warnings() -> None:
+    """ACTOR_WARNING_FILTERS again, inside an actor that sends tensors: Ray puts its own "once"
+    filter for the zero-copy warning ahead of the PYTHONWARNINGS ones when it is imported."""
+    if not verbose():
+        for rule in ACTOR_WARNING_FILTERS.split(","):
+            warnings.filterwarnings("ignore", message=rule.removeprefix("ignore:"))
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+class _DropNotice(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def quiet_stack() -> None:
+    """Silence the driver-side notices (`--verbose` leaves them): Ray's note that a local
+    cluster uses token authentication (its default; the warning that auth is *disabled* stays),
+    Ray Data's operator-name truncation warning, and the colours of the actors' log prefixes
+    when the console is not a terminal. Actor warnings: pjray.cluster.actor_env."""
+    if verbose():
+        return
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no colour codes in the actors' log prefixes
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        _DropNotice("Token authentication is enabled")
+    )
+    logging.getLogger("ray.data._internal.progress.utils").addFilter(_DropNotice("Truncating long operator name"))
+
+
+def duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+class PhaseClock:
+    """Logs each set-up phase that took a second or more (`clock.done("learners")` after it),
+    so a slow start-up says where its time goes and a fast one stays quiet."""
+
+    def __init__(self, logger: logging.Logger, min_s: float = 1.0) -> None:
+        self.logger, self.min_s = logger, min_s
+        self.last = time.perf_counter()
+
+    def done(self, phase: str) -> None:
+        now = time.perf_counter()
+        took, self.last = now - self.last, now
+        if took >= self.min_s:
+            self.logger.info("set-up: %s %.1fs", phase, took)
+
+
+def step_line(step: int, total: int, metrics: dict[str, float], seconds_per_step: float) -> str:
+    """`step 13/20  reward 0.412  format 0.950  ranking 0.433  1.1s/step  ETA 8s`."""
+    return (
+        f"step {step}/{total}  reward {metrics['reward/mean']:.3f}  format {metrics['reward/format_mean']:.3f}  "
+        f"ranking {metrics['reward/ranking_mean']:.3f}  {metrics['timing_s/step']:.1f}s/step  "
+        f"ETA {duration(seconds_per_step * (total - step))}"
+    )
+
+
+SUMMARY_WINDOW = 5  # steps averaged at each end of the run in the summary
+
+
+def mean(rows: list[dict[str, Any]], key: str) -> float:
+    return sum(float(r[key]) for r in rows) / len(rows)
+
+
+def run_summary(run_dir: Path, wall_s: float) -> list[str]:
+    """The end of `pjray train`: steps and reward first -> last (from metrics.jsonl), wall time,
+    where the run, its HF export and its W&B run are."""
+    rows: list[dict[str, Any]] = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        rows = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = [f"pjray: run finished in {duration(wall_s)}: {run_dir}"]
+    if rows:
+        # Means over the first and last few steps: one step's reward is a noisy sample.
+        k = max(1, min(SUMMARY_WINDOW, len(rows) // 2))
+        head, tail = rows[:k], rows[-k:]
+        span = f"steps {head[0]['step']}-{head[-1]['step']} -> {tail[0]['step']}-{tail[-1]['step']}"
+        if k == 1:
+            span = f"step {head[0]['step']} -> {tail[0]['step']}"
+        learned = [
+            f"{name} {mean(head, key):.3f} -> {mean(tail, key):.3f}"
+            for name, key in (("reward", "reward/mean"), ("format", "reward/format_mean"))
+            if all(key in r for r in rows)
+        ]
+        lines.append(f"  {', '.join(learned)} (mean of {span}, {len(rows)} steps logged)")
+    if (run_dir / "hf_model" / "config.json").is_file():
+        lines.append(f"  HF export: {run_dir / 'hf_model'}")
+    run_id = run_dir / "wandb_run_id"
+    if run_id.is_file():
+        lines.append(f"  W&B run: {run_id.read_text().strip()} (files in {run_dir / 'wandb'}; offline: `wandb sync`)")
+    return lines

@@ -1,0 +1,128 @@
+"""Ctrl-C and SIGTERM stop a real `pjray train` at a checkpoint; the resumed run's metrics have
+every step once. And an error raised in a Ray worker reaches the user as its own one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import ray
+
+from pjray.cli import main
+from pjray.data.sources import DataError
+from pjray.errors import EXIT_INPUT, explain
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+TINY = [
+    "model.init=tiny", "data.num_items=16", "data.image_size=64", "rollout.max_new_tokens=8",
+    "trainer.prompts_per_step=2", "algo.group_size=2", "learner.micro_batch_size=4",
+    "tracking.wandb=false", "trainer.export_hf=false", "ray.num_cpus=2",
+]  # fmt: skip
+
+# What an interrupt must never show.
+NOISE = ("Traceback", "discovered a bug", "StackTrace", "KeyboardInterrupt")
+
+
+def steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def logged(run_dir: Path, rows: int) -> Callable[[], bool]:
+    metrics = run_dir / "metrics.jsonl"
+    return lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= rows
+
+
+def train_until(run_dir: Path, args: list[str], ready: Callable[[], bool], signum: int) -> tuple[int, str]:
+    """Run `pjray train` in its own process group (as a terminal runs it), send `signum` once
+    `ready()`, and return (exit code, output). SIGINT goes to the whole group, as Ctrl-C in a
+    terminal sends it (the local Ray cluster's processes ignore it); SIGTERM to the driver, as
+    `kill PID` and `ray job stop` send it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pjray", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=env, cwd=run_dir.parent, start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    while proc.poll() is None and time.monotonic() < deadline:
+        if ready():
+            if signum == signal.SIGINT:
+                os.killpg(proc.pid, signum)
+            else:
+                proc.send_signal(signum)
+            break
+        time.sleep(0.1)
+    out, _ = proc.communicate(timeout=120)
+    return proc.returncode, out
+
+
+def test_an_interrupt_costs_no_logged_step_and_resume_logs_each_step_once(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*TINY, f"trainer.run_dir={run_dir}", "trainer.steps=8", "trainer.save_every=4"]
+
+    code, out = train_until(run_dir, args, logged(run_dir, 2), signal.SIGINT)
+    assert code == 130, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("pjray: stopped by SIGINT at step "), out[-3000:]
+    stopped = int(last.split("at step ")[1].split("/")[0])
+    assert 2 <= stopped < 8 and last.endswith("run the same command with trainer.resume=auto")
+    assert not [n for n in NOISE if n in out], out[-3000:]
+    # The step under way when the signal came was finished and checkpointed with all before it.
+    assert steps(run_dir) == list(range(1, stopped + 1))
+    assert (run_dir / "checkpoints" / f"global_step_{stopped}" / "COMPLETE").is_file()
+    before = (run_dir / "metrics.jsonl").read_text().splitlines()
+
+    # `ray job stop` sends SIGTERM: the resumed run stops the same way, with 143.
+    code, out = train_until(run_dir, args, logged(run_dir, stopped + 1), signal.SIGTERM)
+    assert code == 143, out[-3000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'global_step_{stopped}'}" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("pjray: stopped by SIGTERM at step "), out[-3000:]
+    again = int(last.split("at step ")[1].split("/")[0])
+    assert not [n for n in NOISE if n in out], out[-3000:]
+    assert steps(run_dir) == list(range(1, again + 1))  # no step twice, none lost
+    assert (run_dir / "metrics.jsonl").read_text().splitlines()[:stopped] == before
+
+
+def test_ctrl_c_during_set_up_is_one_line(tmp_path):
+    """Ctrl-C while the actors start (the tiny judge is built just before): one line, 130, and
+    no actor dying on a failed check with a C++ stack dump as Ray goes down under it."""
+    run_dir = tmp_path / "run"
+    code, out = train_until(run_dir, [*TINY, f"trainer.run_dir={run_dir}"], (run_dir / "base_model").exists, signal.SIGINT)
+    assert code == 130, out[-3000:]
+    assert out.strip().splitlines()[-1] == "pjray: interrupted (SIGINT)"
+    assert not [n for n in NOISE if n in out], out[-3000:]
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_an_error_in_a_ray_worker_is_its_own_line(ray_local):
+    @ray.remote
+    def read_shard() -> None:
+        raise DataError("shard-00003.parquet row 7: could not decode image")
+
+    with pytest.raises(DataError) as err:
+        ray.get(read_shard.remote())
+    assert explain(err.value) == (EXIT_INPUT, "pjray: bad data: shard-00003.parquet row 7: could not decode image")
+
+
+def test_an_error_in_an_actor_constructor_is_its_own_line(ray_local, tmp_path, capsys):
+    """A judge directory without weights fails in the judge actor's constructor; the user sees
+    pjray's line about the checkpoint, not Ray's account of a dead actor."""
+    judge = tmp_path / "judge"
+    judge.mkdir()
+    (judge / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    code = main(["eval", "--judge", str(judge), "--bench", "perceptual_bias", "--output-dir", str(tmp_path / "out"),
+                 "eval.num_items=2"])  # fmt: skip
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"pjray: bad model: {judge}: cannot load the model: "), last
+

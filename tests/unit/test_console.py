@@ -1,0 +1,77 @@
+"""The console of a training: a line per step, the end-of-run summary, quiet notices."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from pjray.cluster import actor_env
+from pjray.console import ACTOR_WARNING_FILTERS, VERBOSE_ENV, PhaseClock, duration, quiet_stack, run_summary, step_line
+
+METRICS = {"reward/mean": 0.4123, "reward/format_mean": 0.95, "reward/ranking_mean": 0.4333, "timing_s/step": 1.14}
+
+
+def test_step_line_has_progress_rewards_time_and_eta():
+    assert step_line(13, 20, METRICS, seconds_per_step=1.2) == (
+        "step 13/20  reward 0.412  format 0.950  ranking 0.433  1.1s/step  ETA 8s"
+    )
+    assert step_line(20, 20, METRICS, 1.2).endswith("ETA 0s")
+
+
+def test_durations_read_at_a_glance():
+    assert [duration(s) for s in (0.4, 59, 61, 3599, 3600, 7322)] == ["0s", "59s", "1m01s", "59m59s", "1h00m", "2h02m"]
+
+
+def test_run_summary_names_the_reward_run_dir_export_and_wandb_run(tmp_path):
+    rows = [{"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.25}, {"step": 3, "reward/mean": 0.5}]
+    long = [{"step": s, "reward/mean": s / 10, "reward/format_mean": 0.5 + s / 40} for s in range(1, 13)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "hf_model").mkdir()
+    (tmp_path / "hf_model" / "config.json").write_text("{}")
+    (tmp_path / "wandb_run_id").write_text("abc123\n")
+    assert run_summary(tmp_path, 125.0) == [
+        f"pjray: run finished in 2m05s: {tmp_path}",
+        "  reward 0.100 -> 0.500 (mean of step 1 -> 3, 3 steps logged)",
+        f"  HF export: {tmp_path / 'hf_model'}",
+        f"  W&B run: abc123 (files in {tmp_path / 'wandb'}; offline: `wandb sync`)",
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in long))
+    assert run_summary(tmp_path, 60.0)[1] == (
+        "  reward 0.300 -> 1.000, format 0.575 -> 0.750 (mean of steps 1-5 -> 8-12, 12 steps logged)"
+    )
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert run_summary(bare, 3) == [f"pjray: run finished in 3s: {bare}"]
+
+
+def test_stack_notices_are_dropped_unless_verbose(monkeypatch, caplog):
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    monkeypatch.delenv("PYTHONWARNINGS", raising=False)
+    auth = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    monkeypatch.setattr(auth, "filters", [])
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "")
+    monkeypatch.delenv("RAY_COLOR_PREFIX")  # restored to what it was after the test
+    quiet_stack()
+    assert os.environ["RAY_COLOR_PREFIX"] == "0"  # the captured stderr is no terminal
+    with caplog.at_level(logging.WARNING):
+        auth.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
+        auth.warning("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
+    assert [r.getMessage()[:40] for r in caplog.records] == ["Token authentication is disabled for thi"]
+    assert actor_env()["PYTHONWARNINGS"] == ACTOR_WARNING_FILTERS
+    monkeypatch.setenv(VERBOSE_ENV, "1")
+    assert "PYTHONWARNINGS" not in actor_env()
+    monkeypatch.setenv("PYTHONWARNINGS", "default")
+    monkeypatch.delenv(VERBOSE_ENV)
+    assert actor_env()["PYTHONWARNINGS"] == "default"  # the user's own setting wins
+
+
+def test_set_up_phases_of_a_second_or_more_are_logged(monkeypatch, caplog):
+    ticks = iter([0.0, 0.3, 2.5, 2.9])
+    monkeypatch.setattr("pjray.console.time.perf_counter", lambda: next(ticks))
+    clock = PhaseClock(logging.getLogger("test"))
+    with caplog.at_level(logging.INFO):
+        clock.done("data")  # 0.3 s: quiet
+        clock.done("learners")  # 2.2 s
+        clock.done("workers")  # 0.4 s: quiet
+    assert [r.getMessage() for r in caplog.records] == ["set-up: learners 2.2s"]
