@@ -4,8 +4,9 @@
 
 `pjray eval --judge DIR_OR_HUB_ID --bench NAME [--data PATH]` evaluates a judge (pjray.eval).
 
-With no arguments `pjray train` runs the embedded CPU default: a tiny random judge trained with
-GRPO on ranked candidate tuples built from synthetic scenes, on a local Ray cluster.
+With no arguments `pjray train` runs the embedded CPU default: the cached base judge
+(`pjray.models.base_judge`, built on first use) trained with GRPO on ranked candidate tuples
+built from synthetic scenes, on a local Ray cluster.
 
 Every path a command names is checked before Ray starts. A failed command prints one line,
 `pjray: <what>: <where>: <why>`, and exits 2 for bad input (config, paths, data) or 1 for a bug
