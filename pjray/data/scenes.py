@@ -438,11 +438,20 @@ def scene_ref(qa: SceneQA) -> dict[str, object]:
     return {"seed": s.seed, "image_size": s.width, "objects": list(s.object_range), "kind": qa.kind}
 
 
-def qa_from_ref(ref: Mapping[str, object]) -> SceneQA:
-    """The question and scene of a `scene_ref` (references without "objects" predate object
-    ranges and used the default 2-5)."""
+def _object_range(ref: Mapping[str, object]) -> tuple[int, int]:
+    # References without "objects" predate object ranges and used the default 2-5.
     low, high = ref.get("objects", (2, 5))  # type: ignore[misc]
-    return sample_qa(int(ref["seed"]), int(ref["image_size"]), str(ref["kind"]), int(low), int(high))  # type: ignore[arg-type]
+    return int(low), int(high)
+
+
+def scene_from_ref(ref: Mapping[str, object]) -> Scene:
+    """The scene of a `scene_ref` (its "kind" is not needed)."""
+    return generate_scene(int(ref["seed"]), int(ref["image_size"]), *_object_range(ref))  # type: ignore[arg-type]
+
+
+def qa_from_ref(ref: Mapping[str, object]) -> SceneQA:
+    """The question and scene of a `scene_ref`."""
+    return sample_qa(int(ref["seed"]), int(ref["image_size"]), str(ref["kind"]), *_object_range(ref))  # type: ignore[arg-type]
 
 
 def scene_questions(scene: Scene, rng: random.Random) -> list[SceneQA]:

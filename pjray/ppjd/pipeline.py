@@ -275,11 +275,11 @@ def vqa_oracle(row: dict[str, Any]) -> str | None:
     """Probes answered from the scene's facts (regenerated from the seed, not from the rewrite)."""
     if not row["scene"]:
         return "the oracle answers from scene facts; this row has none (use ppjd.vqa_backend=vlm)"
-    from pjray.data.scenes import qa_from_ref
+    from pjray.data.scenes import scene_from_ref
 
     ref = json.loads(row["scene"])
     # Regenerated from the seed (not taken from the rewrite's records) so the check is independent.
-    scene = qa_from_ref(ref).scene
+    scene = scene_from_ref(ref)
     answers = []
     for p in json.loads(row["probes"]):
         truth = {"value": getattr(scene.objects[p["obj"]], p["attribute"])} if "attribute" in p else None

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from PIL import Image
 
-from pjray.data.scenes import COLORS, LOCATIONS, SHAPES, SIZES, qa_from_ref
+from pjray.data.scenes import COLORS, LOCATIONS, SHAPES, SIZES, scene_from_ref
 from pjray.ppjd.perturb import final_answer, normalize_answer
 
 # --------------------------------------------------------------------------- final answers
@@ -102,7 +102,7 @@ def oracle_answer(scene_ref: dict[str, Any], probe: ProbeRecord, truth: dict[str
     """
     if truth is not None:
         return truth["value"]
-    scene = qa_from_ref(scene_ref).scene
+    scene = scene_from_ref(scene_ref)
     present = {w for o in scene.objects for v in (o.color, o.shape, o.size, o.location) for w in v.split()}
 
     def supported(span: str) -> bool:

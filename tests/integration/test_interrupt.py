@@ -42,6 +42,12 @@ def logged(run_dir: Path, rows: int) -> Callable[[], bool]:
     return lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= rows
 
 
+def last_pjray_line(out: str) -> str:
+    """pjray's closing line: actors' log lines, streamed by Ray's log monitor, may still arrive
+    after it on the same console."""
+    return [line for line in out.strip().splitlines() if line.startswith("pjray:")][-1]
+
+
 def train_until(run_dir: Path, args: list[str], ready: Callable[[], bool], signum: int) -> tuple[int, str]:
     """Run `pjray train` in its own process group (as a terminal runs it), send `signum` once
     `ready()`, and return (exit code, output). SIGINT goes to the whole group, as Ctrl-C in a
@@ -72,7 +78,7 @@ def test_an_interrupt_costs_no_logged_step_and_resume_logs_each_step_once(tmp_pa
 
     code, out = train_until(run_dir, args, logged(run_dir, 2), signal.SIGINT)
     assert code == 130, out[-3000:]
-    last = out.strip().splitlines()[-1]
+    last = last_pjray_line(out)
     assert last.startswith("pjray: stopped by SIGINT at step "), out[-3000:]
     stopped = int(last.split("at step ")[1].split("/")[0])
     assert 2 <= stopped < 8 and last.endswith("run the same command with trainer.resume=auto")
@@ -86,7 +92,7 @@ def test_an_interrupt_costs_no_logged_step_and_resume_logs_each_step_once(tmp_pa
     code, out = train_until(run_dir, args, logged(run_dir, stopped + 1), signal.SIGTERM)
     assert code == 143, out[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'global_step_{stopped}'}" in out
-    last = out.strip().splitlines()[-1]
+    last = last_pjray_line(out)
     assert last.startswith("pjray: stopped by SIGTERM at step "), out[-3000:]
     again = int(last.split("at step ")[1].split("/")[0])
     assert not [n for n in NOISE if n in out], out[-3000:]
@@ -100,7 +106,7 @@ def test_ctrl_c_during_set_up_is_one_line(tmp_path):
     run_dir = tmp_path / "run"
     code, out = train_until(run_dir, [*TINY, f"trainer.run_dir={run_dir}"], (run_dir / "base_model").exists, signal.SIGINT)
     assert code == 130, out[-3000:]
-    assert out.strip().splitlines()[-1] == "pjray: interrupted (SIGINT)"
+    assert last_pjray_line(out) == "pjray: interrupted (SIGINT)"
     assert not [n for n in NOISE if n in out], out[-3000:]
     assert not (run_dir / "metrics.jsonl").exists()
 
