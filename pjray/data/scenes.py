@@ -1,6 +1,7 @@
 """Deterministic synthetic scenes with ground-truth facts, and grounded question/answer pairs.
 
-A scene is a plain background with 1-9 (by default 2-5) flat-coloured shapes, each in its own cell of a 3x3 grid.
+A scene is a plain background with 1-9 (by default 2-5) flat-coloured shapes, each in its own
+cell of a 3x3 grid.
 One object per cell makes every object nameable by its position ("the shape at the top left"),
 keeps shapes apart by a margin, and makes left/right and above/below unambiguous for any two
 objects in different columns (rows): their pixel extents do not even overlap on that axis.
