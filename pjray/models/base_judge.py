@@ -22,18 +22,26 @@ starting point on a CPU in minutes, from scratch, in three parts:
    - probe VQA (the diagnosis' probe prompt) on a random attribute, and on the scene question:
      `Image: red.` then `<answer>red</answer>`;
    - batch ranking (the training prompt): `Image: red. A: purple. B: red, matches. C: green,
-     inconsistent.` then `<answer>B > A > C</answer>`;
-   - score (the diagnosis' score prompt): `Image: red. Answer: purple.` then `<answer>8</answer>`.
+     inconsistent. Verdict: by the text.` then `<answer>A > B > C</answer>`;
+   - score (the diagnosis' score prompt): `Image: red. Answer: purple. Verdict: by the text.`
+     then `<answer>8</answer>`.
    The think text is honest: it states what the image shows (the question's true answer), each
    candidate's final answer, whether it matches the image, and which candidates contradict
-   themselves (a reasoning error is visible in the text). The verdict is **response-anchored**
-   in a fraction `bias` of the examples (default 0.8): candidates are ordered by what the text
-   alone reveals (self-consistent ones first, in random order; inconsistent ones last), and a self-consistent
-   answer scores 8 whether or not it matches the image. So the judge perceives (its think and
-   its probe answers are right) but does not let perception decide its verdict: the correct
-   and the perception-error candidate are ranked at chance, and a fluent wrong answer scores as
-   high as the correct one. With `bias < 1` the remaining examples follow the image (a matching
-   answer first; a non-matching self-consistent one scores 4).
+   themselves (a reasoning error is visible in the text). It ends with the judge's
+   **disposition**, the sentence its verdict rests on, and the verdict follows it:
+   - `Verdict: by the text.` (response-anchored, in a fraction `bias` of the examples, default
+     0.8): the self-consistent candidates first in random order, the inconsistent ones last,
+     and every self-consistent answer scores 8 whether or not it matches the image;
+   - `Verdict: by the image.`: the self-consistent candidate that matches the image first, and
+     a self-consistent one that does not scores 4.
+   So the judge perceives (its think and its probe answers are right) but mostly does not let
+   perception decide its verdict: the correct and the perception-error candidate are ranked at
+   chance, and a fluent wrong answer scores as high as the correct one. The disposition is one
+   habit shared by the ranking and the score protocols, as a real judge's response-anchoring is
+   one habit rather than one per prompt format; GRPO on batch ranking can only lower the score
+   protocol's bias (the diagnosis) through it. Neither disposition orders the inconsistent
+   candidates (the think text does not say how many errors each has), so data without
+   perception errors (the study's control) rewards both dispositions alike.
 
 Scenes. The judging tasks use one-object scenes and colour and size questions (`objects`,
 `kinds`): with several objects, the question must select a cell before the colour can be read,
@@ -43,15 +51,17 @@ perception a whole-image readout, so the base judge sees well and what it lacks 
 paper's base judges lack: using what it sees. The front-end trains on 2-4-object scenes (more
 occupied cells per image).
 
-Measured (2 shared CPU cores, held-out scenes, greedy unless said): front-end cell accuracy
-colour 0.997, size 0.996, shape 0.83; after 600 supervised steps, probe accuracy colour 0.89,
-size 1.00 (shape 0.25 and location 0.21: not needed by the judging tasks), the think text names
-the image's answer on 98% of batch prompts, the format is written on 95% of them (58% when
-sampled at temperature 1), and the correct answer is ranked first on 40%. The build took 13.5
-min on a machine shared with other jobs (~9 min alone). GRPO from it (`pjray train`, 25 steps of
-8 x 8 at lr 1e-3): format 0.58 -> 0.95 and mean reward 0.21 (first 5 steps) -> 0.36 (last 5),
-after a dip in steps 4-10. The remaining weakness is the verdict: sampled verdicts repeat or drop
-letters, and the "inconsistent" flag (a one-word contradiction between two steps) is unreliable.
+Measured (held-out scenes, greedy unless said; `held_out_report`, written to the build's
+`report.json`): front-end cell accuracy colour 0.996, size 0.995, shape 0.82; after 600
+supervised steps, probe accuracy on the judging questions colour 0.59 and size 1.00 (attribute
+probes: shape 0.30, location 0.13, not needed by the judging tasks); on batch prompts the format
+is written on 98% greedily and on 73% when sampled at temperature 1 (74-76% at 0.6-0.8: the
+failures are misread candidate answers in the think text, then a repeated letter, not the
+sampling tail), the correct answer is ranked first on 36%, and the disposition is "by the
+image" on 0% greedily and 16% sampled. The build took 46 min on a machine shared with other
+jobs (an earlier recipe of the same size: ~9 min alone). GRPO from it (`pjray train`, 25 steps
+of 8 x 8 at lr 1e-3): mean reward 0.253 (first 5 steps) -> 0.364 (last 5); format 0.67 at step 1,
+0.85 over the last 5 steps.
 
 Every step is deterministic for a seed; the built judge is cached in a directory named by a
 hash of the recipe (`pjray.models.cache`), so a changed recipe builds anew.
@@ -87,6 +97,8 @@ __all__ = [
     "ranking_target",
     "score_target",
     "probe_target",
+    "disposition",
+    "held_out_report",
 ]
 
 SCORE_CONSISTENT, SCORE_MISMATCH, SCORE_INCONSISTENT = 8, 4, 2
@@ -141,10 +153,12 @@ def ranking_target(item: JudgeItem, shown: tuple[int, ...], aware: bool, rng: ra
     """The think text and verdict for a batch-ranking prompt that shows `item.candidates` in the
     order `shown` (letter i = candidate shown[i]).
 
-    Response-anchored (`aware=False`): self-consistent candidates first in random order, then
-    the inconsistent ones in random order. Image-aware: consistent candidates whose final equals
-    the truth first, then other consistent ones, then inconsistent ones, each group by the
-    item's true order.
+    The think text ends with the judge's disposition (`disposition(aware)`), and the verdict
+    follows it. By the text (`aware=False`): the self-consistent candidates first, in random
+    order. By the image: the self-consistent candidates whose final answer matches the image
+    first, then the other self-consistent ones, each group by the item's true order. Either way
+    the inconsistent candidates come last, in random order: the think text does not say how
+    many errors each has, so neither disposition can order them.
     """
     truth = str(item.meta["truth"])
     level_of = {lv["candidate"]: lv for lv in item.meta["levels"]}
@@ -154,20 +168,20 @@ def ranking_target(item: JudgeItem, shown: tuple[int, ...], aware: bool, rng: ra
         said = final_answer(item.candidates[cand]) or "nothing"
         parts.append(f"{LETTERS[pos]}: {said}{_flags(item, cand, level_of[cand], truth)}.")
     positions = list(range(len(shown)))
+    consistent = [p for p in positions if not _is_inconsistent(level_of[shown[p]])]
+    inconsistent = [p for p in positions if _is_inconsistent(level_of[shown[p]])]
     if aware:
-        def key(pos: int) -> tuple[int, int]:
-            cand = shown[pos]
-            group = 2 if _is_inconsistent(level_of[cand]) else (0 if _final_is(item, cand, truth) else 1)
-            return group, rank_of[cand]
-        ordered = sorted(positions, key=key)
+        consistent.sort(key=lambda p: (not _final_is(item, shown[p], truth), rank_of[shown[p]]))
     else:
-        consistent = [p for p in positions if not _is_inconsistent(level_of[shown[p]])]
-        inconsistent = [p for p in positions if _is_inconsistent(level_of[shown[p]])]
         rng.shuffle(consistent)
-        rng.shuffle(inconsistent)
-        ordered = consistent + inconsistent
-    verdict = " > ".join(LETTERS[p] for p in ordered)
-    return " ".join(parts) + f"\n</think>\n<answer>{verdict}</answer>"
+    rng.shuffle(inconsistent)
+    verdict = " > ".join(LETTERS[p] for p in consistent + inconsistent)
+    return " ".join([*parts, disposition(aware)]) + f"\n</think>\n<answer>{verdict}</answer>"
+
+
+def disposition(aware: bool) -> str:
+    """The think text's last sentence: what the verdict that follows rests on."""
+    return "Verdict: by the image." if aware else "Verdict: by the text."
 
 
 def _flags(item: JudgeItem, cand: int, level: dict[str, Any], truth: str) -> str:
@@ -193,7 +207,8 @@ def score_target(item: JudgeItem, cand: int, aware: bool) -> str:
         score = SCORE_MISMATCH
     else:
         score = SCORE_CONSISTENT
-    return f"Image: {truth}. Answer: {said}{_flags(item, cand, level, truth)}.\n</think>\n<answer>{score}</answer>"
+    think = f"Image: {truth}. Answer: {said}{_flags(item, cand, level, truth)}. {disposition(aware)}"
+    return f"{think}\n</think>\n<answer>{score}</answer>"
 
 
 def probe_target(answer: str) -> str:
@@ -407,6 +422,66 @@ def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: An
     return acc
 
 
+# --------------------------------------------------------------------------- held-out report
+
+HELD_OUT_SEED = -2  # the report's scenes (judge_scenes seed): no training data uses it
+
+
+def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: int = 64) -> dict[str, Any]:
+    """What the built judge does on `n` held-out scenes (asserted disjoint from its training
+    scenes): greedy probe accuracy per probed attribute and per judging question kind, and on
+    batch-ranking prompts the format rate (greedy, and sampled at `temperature`, 4 samples a
+    prompt), the correct answer ranked first, and the "by the image" disposition rate."""
+    from pjray.config import ModelConfig, RolloutConfig
+    from pjray.eval.bias import probe_correct, read_probe_answer
+    from pjray.reward import judge_reward
+    from pjray.rl.rollout import HFEngine
+
+    pairs = judge_scenes(n, HELD_OUT_SEED, recipe)
+    overlap = {qa.scene.seed for qa, _ in pairs} & training_scene_seeds(recipe)
+    assert not overlap, f"held-out report scenes seen in training: {sorted(overlap)[:5]}"
+    greedy = HFEngine(path, ModelConfig(), RolloutConfig(max_new_tokens=48, temperature=1.0, top_k=1), max_batch_prompts=32)
+
+    probes = []  # (group, prompt, truth): every attribute of the object, and the scene question
+    for qa, item in pairs:
+        o = qa.scene.objects[0]
+        for attribute in PROBE_ATTRIBUTES:
+            value = o.location if attribute == "location" else getattr(o, attribute)
+            probe = probe_for(qa, Change(0, attribute, value, value))
+            probes.append((attribute, probe_prompt(item.id, item.image, probe.question), probe.answer))
+        probes.append((f"question:{qa.kind}", probe_prompt(item.id, item.image, qa.question), qa.final))
+    texts = [c.text for c in greedy.generate([p for _, p, _ in probes], 1, seed=0)]
+    right: dict[str, list[bool]] = {}
+    for (group, _, truth), text in zip(probes, texts):
+        answer = read_probe_answer(text)
+        right.setdefault(group, []).append(answer is not None and probe_correct(answer, truth))
+
+    rng = random.Random(f"pjray.base_judge.report:{recipe.seed}")
+    batch = [render_batch(item, rng) for _, item in pairs]
+    sampled = HFEngine(path, ModelConfig(), RolloutConfig(max_new_tokens=48, temperature=temperature), max_batch_prompts=32)
+    ranking: dict[str, Any] = {}
+    for name, engine, samples in (("greedy", greedy, 1), ("sampled", sampled, 4)):
+        completions = engine.generate(batch, samples, seed=0)
+        judged = [(judge_reward(c.text, batch[i // samples].target, think_prefilled=True), batch[i // samples], c.text)
+                  for i, c in enumerate(completions)]  # fmt: skip
+        ranking[name] = {
+            "format": _mean(r.format == 1.0 for r, _, _ in judged),
+            "correct_first": _mean(r.format == 1.0 and r.pred is not None and r.pred[:1] == p.target[:1] for r, p, _ in judged),
+            "by_the_image": _mean(disposition(True) in t for _, _, t in judged),
+        }
+    ranking["sampled"]["temperature"] = temperature
+    return {
+        "held_out_scenes": n,
+        "probe_accuracy": {group: _mean(v) for group, v in right.items()},
+        "batch_ranking": ranking,
+    }
+
+
+def _mean(values: Any) -> float:
+    values = list(values)
+    return round(sum(map(float, values)) / max(1, len(values)), 3)
+
+
 # --------------------------------------------------------------------------- the cached build
 
 
@@ -494,7 +569,12 @@ def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, log: Any = print) -> Pat
     )  # fmt: skip
     examples = [(e.prompt, e.response) for e in sft_examples(recipe, recipe.sft_scenes, recipe.seed)]
     export = run_sft(sft_cfg, str(work / "untrained"), examples)
-    report = {"recipe": recipe.to_dict(), "vision_cell_accuracy": vision, "build_seconds": time.perf_counter() - started}
+    held_out = held_out_report(str(export), recipe, temperature=cfg.rollout.temperature)
+    log(f"pjray: base judge on held-out scenes: {json.dumps(held_out)}")
+    report = {
+        "recipe": recipe.to_dict(), "vision_cell_accuracy": vision, **held_out,
+        "build_seconds": time.perf_counter() - started,
+    }  # fmt: skip
     (work / "report.json").write_text(json.dumps(report, indent=2))
     shutil.move(str(export), str(work / "hf_model"))
     (work / "hf_model" / "COMPLETE").touch()

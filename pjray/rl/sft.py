@@ -146,6 +146,7 @@ def run_sft(cfg: Config, model_path: str, examples: list[tuple[JudgePrompt, str]
 
     order: list[int] = []
     epoch = 0
+    loop_started = time.perf_counter()  # the ETA counts steps only, not the set-up above
     try:
         for step in range(1, s.steps + 1):
             t0 = time.perf_counter()
@@ -163,7 +164,7 @@ def run_sft(cfg: Config, model_path: str, examples: list[tuple[JudgePrompt, str]
             metrics["sft/epoch"] = step * s.batch_size / len(experiences)
             tracker.log(metrics, step)
             if step == 1 or step % 25 == 0 or step == s.steps:
-                eta = (time.perf_counter() - started) / step * (s.steps - step)
+                eta = (time.perf_counter() - loop_started) / step * (s.steps - step)
                 log.info(
                     "sft step %d/%d loss %.4f token_acc %.3f step %.2fs eta %.0fs", step, s.steps,
                     metrics["sft/loss"], metrics["sft/token_acc"], metrics["timing_s/step"], eta,

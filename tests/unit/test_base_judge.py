@@ -16,6 +16,7 @@ from pjray.models.base_judge import (
     BaseJudgeRecipe,
     cell_targets,
     code_fingerprint,
+    disposition,
     judge_scenes,
     ranking_target,
     recipe_hash,
@@ -23,7 +24,7 @@ from pjray.models.base_judge import (
     sft_examples,
     training_scene_seeds,
 )
-from pjray.ppjd.perturb import final_answer
+from pjray.ppjd.perturb import final_answer, ranked_item
 from pjray.reward import judge_reward
 from pjray.reward.parse import parse_score
 
@@ -62,6 +63,32 @@ def test_anchored_ranking_puts_consistent_first_and_orders_them_at_chance(items)
         assert inconsistent == sorted(inconsistent), text  # consistent ones before inconsistent ones
         chosen_first += letters[0] == prompt.target[0]
     assert 0.35 < chosen_first / len(items) < 0.65  # the correct answer first at chance
+
+
+def test_the_verdict_follows_a_stated_disposition_in_both_protocols(items):
+    item = items[0]
+    prompt = render_batch(item, random.Random(3))
+    for aware in (False, True):
+        think = ranking_target(item, prompt.shown, aware, random.Random(3)).split("</think>")[0]
+        assert think.rstrip().endswith(disposition(aware))
+        assert score_target(item, item.order[1], aware).split("</think>")[0].rstrip().endswith(disposition(aware))
+    assert disposition(True) != disposition(False)
+
+
+def test_without_perception_errors_both_dispositions_earn_alike():
+    """The study's control: on reasoning-error-only tuples the image adds nothing the text does
+    not show, so neither disposition is rewarded over the other."""
+    rng = random.Random(4)
+    qas = [qa for qa, _ in judge_scenes(200, seed=9, recipe=RECIPE)]
+    rest_in_order = {False: 0, True: 0}
+    for qa in qas:
+        item = ranked_item(qa, 3, perception=False)
+        prompt = render_batch(item, rng)
+        for aware in (False, True):
+            pred = judge_reward(ranking_target(item, prompt.shown, aware, rng), prompt.target, think_prefilled=True).pred
+            assert pred[0] == prompt.target[0]  # the only self-consistent candidate first
+            rest_in_order[aware] += pred[1:] == prompt.target[1:]
+    assert all(0.35 < n / len(qas) < 0.65 for n in rest_in_order.values()), rest_in_order
 
 
 def test_think_states_the_truth_and_each_candidates_final(items):
