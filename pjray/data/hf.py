@@ -159,9 +159,10 @@ def map_columns(columns: list[str], mapping: Mapping[str, str], label: str) -> C
     needed = ["image", "question", *(("chosen", "rejected") if pairs else ("candidates", "order"))]
     missing = [name for name in needed if name not in fields]
     if missing:
+        pairs_hint = " (a pair dataset: chosen and rejected)" if "candidates" in missing else ""
         raise DataError(
             f"{label}: no column for {', '.join(missing)} (columns: {', '.join(columns)}); name yours with "
-            f"data.columns.{missing[0]}=COLUMN (a pair dataset: chosen and rejected)"
+            f"data.columns.{missing[0]}=COLUMN{pairs_hint}"
         )
     return ColumnMap(fields, pairs)
 
@@ -241,7 +242,7 @@ def eval_source(e: EvalConfig) -> str | OpenDataset:
 
 
 def scan_judge_items(source: str | OpenDataset) -> Rows[JudgeItem]:
-    """PPJD items of any K from a parquet file (or folder of them), or from a dataset by column name."""
+    """PPJD items of any K from a parquet file, or from a dataset by column name."""
     if isinstance(source, OpenDataset):
         return DatasetItems(source, {}, 0, source.label).scan()
     return scan_items(source)

@@ -201,8 +201,8 @@ def training_eval(cfg: Any, generate: Generate, step: int) -> dict[str, float]:
 
 def load_diagnosis_items(cfg: Any) -> tuple[list[DiagnosisItem], int, list[RowReject]]:
     """The items of `cfg.eval`: PPJD rows (`eval.data`: a parquet or a dataset) or scene items
-    of `eval.scene_seed`. Returns (items, how many rows had no usable perturbation metadata, the rows rejected as
-    unusable, within data.max_reject_fraction)."""
+    of `eval.scene_seed`. Returns (items, how many rows had no usable perturbation metadata, the
+    rows rejected as unusable, within data.max_reject_fraction)."""
     e = cfg.eval
     rejects: list[RowReject] = []
     if e.data:

@@ -198,7 +198,7 @@ def test_train_on_a_dataset_without_the_ppjd_columns(tmp_path, monkeypatch, caps
                          f"trainer.run_dir={tmp_path / 'run'}"], capsys)
     assert (code, err) == (2, [
         "pjray: bad data: pairs [train]: no column for image, question (columns: prompt, img, chosen, rejected); name "
-        "yours with data.columns.image=COLUMN (a pair dataset: chosen and rejected)"])
+        "yours with data.columns.image=COLUMN"])
     code, err = run_cli(["train", "model.init=tiny", "data.source=hf", "data.path=pairs", "data.split=test",
                          f"trainer.run_dir={tmp_path / 'run'}"], capsys)
     assert (code, err) == (2, ["pjray: data.split: test: no such split of pairs (splits: train)"])

@@ -88,7 +88,7 @@ def test_a_missing_column_names_what_exists_and_the_key_to_set():
     with pytest.raises(DataError, match=r"^org/x \[train\]: no column for question \(columns: prompt, image, "
                                         r"chosen, rejected\); name yours with data.columns.question=COLUMN"):
         map_columns(["prompt", "image", "chosen", "rejected"], {}, "org/x [train]")
-    with pytest.raises(DataError, match=r"no column for candidates, order"):
+    with pytest.raises(DataError, match=r"no column for candidates, order .*=COLUMN \(a pair dataset: chosen and rejected\)$"):
         map_columns(["question", "image", "answers"], {}, "d")
     with pytest.raises(DataError, match=r"^d: data.columns.question=prompt: no such column \(columns: q, image\)"):
         map_columns(["q", "image"], {"question": "prompt"}, "d")
