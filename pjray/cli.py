@@ -51,12 +51,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.steps=200 model.path=DIR")
     ppjd = add("ppjd", "build the PPJD dataset with Ray Data")
     ppjd.add_argument("--config", help="YAML file merged onto the defaults, e.g. configs/ppjd_scenes.yaml")
+    ppjd.add_argument("--push-to-hub", metavar="OWNER/NAME", help="publish the dataset and its card to this hub dataset (ppjd.push_to_hub)")
     ppjd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppjd.num_items=64")
     evaluate = add("eval", "evaluate a judge on a benchmark and write a report")
     evaluate.add_argument("--config", help="YAML file merged onto the defaults, e.g. configs/eval_scenes.yaml")
     evaluate.add_argument("--judge", help="HF directory or hub id of the judge (eval.judge)")
     evaluate.add_argument("--bench", help="score | pair | batch | perceptual_bias | mm_judgebias (eval.bench)")
-    evaluate.add_argument("--data", help="benchmark or PPJD file; empty: synthetic scenes (eval.data)")
+    evaluate.add_argument("--data", help="benchmark or PPJD file, or a dataset (hub id or folder); empty: synthetic scenes (eval.data)")
     evaluate.add_argument("--image-dir", help="folder the data file's image paths are relative to")
     evaluate.add_argument("--output-dir", help="where the report and the output cache go")
     evaluate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.tie_rule=downstream")
@@ -77,6 +78,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         flags = {"judge": args.judge, "bench": args.bench, "data": args.data,
                  "image_dir": args.image_dir, "output_dir": args.output_dir}  # fmt: skip
         args.overrides = list(args.overrides) + [f"eval.{k}={v}" for k, v in flags.items() if v is not None]
+    if args.command == "ppjd" and args.push_to_hub is not None:
+        args.overrides = [*args.overrides, f"ppjd.push_to_hub={args.push_to_hub}"]
     return args
 
 
@@ -134,7 +137,10 @@ def run_command(args: argparse.Namespace) -> int:
 
         manifest = run_ppjd(cfg)
         print(summary(manifest))
-        print(f"pjray: PPJD rows in {manifest['output']['ppjd']}, rejects in {manifest['output']['rejects']}")
+        out = manifest["output"]
+        print(f"pjray: PPJD rows in {out['ppjd']}, rejects in {out['rejects']}, dataset card {out['card']}")
+        if cfg.ppjd.push_to_hub:
+            print(f"pjray: published to https://huggingface.co/datasets/{cfg.ppjd.push_to_hub}")
     elif args.command == "eval":
         from pjray.eval.runner import run_eval
 

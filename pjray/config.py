@@ -7,6 +7,7 @@ combinations raise `ConfigError` naming the key; nothing here rewrites what the 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -22,6 +23,13 @@ from pjray.errors import InputError
 # few enough facts (pjray.ppjd.perturb.MAX_CANDIDATES), free-text answers are held to the same
 # bound. Kept here so loading a config never imports torch.
 SCENE_MAX_CANDIDATES = 6
+
+# The hub's repo ids: one owner, one name, of letters, digits and - _ . (no "..").
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+# The fields `data.columns` may map to a dataset's columns (pjray.data.hf): the PPJD columns, or
+# chosen/rejected for a preference-pair dataset (K = 2 tuples).
+DATA_COLUMNS = ("id", "image", "question", "candidates", "order", "source", "meta", "chosen", "rejected")
 
 
 class ConfigError(InputError):
@@ -54,8 +62,23 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "scenes"  # scenes | parquet
-    path: str = ""  # parquet file or directory of PPJD rows (source=parquet)
+    source: str = "scenes"  # scenes | parquet | hf (Hugging Face `datasets`)
+    # parquet: a file or directory of PPJD rows. hf: a hub id (owner/name), a folder written by
+    # `save_to_disk`, or a folder of data files (parquet, JSONL, ...) that `load_dataset` reads.
+    path: str = ""
+    # hf only: the split, the subset (the dataset's config name; empty: its default) and the hub
+    # revision (a branch, tag or commit; empty: main).
+    split: str = "train"
+    subset: str = ""
+    revision: str = ""
+    # hf only: PPJD field -> the dataset's column, for columns named otherwise (fields:
+    # DATA_COLUMNS); unmapped fields are read from the column of their own name. A dataset with
+    # chosen/rejected columns and no candidates gives K = 2 tuples (data.num_candidates=2).
+    columns: dict[str, str] = field(default_factory=dict)
+    # hf only: read rows as they are needed (`datasets.IterableDataset`), for datasets larger
+    # than memory, in the dataset's order (no shuffle buffer: a resume could not restore it);
+    # checkpoints hold the stream's position.
+    streaming: bool = False
     num_items: int = 256  # scenes: how many ranked tuples to build
     num_candidates: int = 3  # K
     image_size: int = 96  # scenes: square image side in pixels
@@ -222,6 +245,12 @@ class PPJDConfig:
     decontam_files: list[str] = field(default_factory=list)  # evaluation JSON/JSONL files
     phash_max_distance: int = 4  # bits; both dHash and pHash must be this close to match
     max_chosen_chars: int = 1600  # the released filter on chosen answers
+    # The dataset card (README.md in output_dir): the license of the rows, a hub license id
+    # (apache-2.0, mit, cc-by-4.0, other, ...); the source's terms decide it.
+    license: str = "unknown"
+    # A hub dataset id (owner/name) to publish the finished dataset to (`--push-to-hub`); needs a
+    # Hugging Face token (HF_TOKEN or `hf auth login`). Empty: not published.
+    push_to_hub: str = ""
     # The job fails when one stage rejects more than this fraction of the rows of a shard that
     # reach it (at least 10): a broken stage must not pass for bad data. 1 disables the check.
     max_reject_fraction: float = 0.9
@@ -237,8 +266,13 @@ class EvalConfig:
     # score | pair | batch (MLLM-as-a-Judge) | perceptual_bias (Mode a/b) | mm_judgebias
     bench: str = "perceptual_bias"
     # score/pair/batch: the published JSONL; mm_judgebias: published records (JSONL, JSON,
-    # parquet) or a PPJD parquet to perturb; perceptual_bias: a PPJD parquet. Empty: scenes.
+    # parquet) or a PPJD parquet to perturb; perceptual_bias: a PPJD parquet. Each may also be a
+    # dataset: a hub id (owner/name), a `save_to_disk` folder or a folder of data files. Empty: scenes.
     data: str = ""
+    # A dataset's split (empty: its only split), subset (config name) and hub revision.
+    split: str = ""
+    subset: str = ""
+    revision: str = ""
     image_dir: str = ""  # images named by the data file; empty: the data file's folder
     limit: int = 0  # judge at most this many rows / items; 0: all
     seeds: list[int] = field(default_factory=lambda: [0])
@@ -325,7 +359,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.init": ("base_judge", "tiny"),
     "model.tiny_arch": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2"),
     "model.dtype": ("float32", "bfloat16"),
-    "data.source": ("scenes", "parquet"),
+    "data.source": ("scenes", "parquet", "hf"),
     "rollout.backend": ("hf", "vllm"),
     "rollout.device": ("auto", "cuda", "cpu"),
     "trainer.sync_backend": ("object_store", "gloo", "nccl", "ipc"),
@@ -394,8 +428,9 @@ def validate(cfg: Config) -> Config:
         )
     if not 0 <= cfg.data.max_reject_fraction <= 1:
         raise ConfigError(f"data.max_reject_fraction={cfg.data.max_reject_fraction}: must be in [0, 1]")
-    if cfg.data.source == "parquet" and not cfg.data.path:
-        raise ConfigError("data.path: required when data.source=parquet")
+    if cfg.data.source in ("parquet", "hf") and not cfg.data.path:
+        raise ConfigError(f"data.path: required when data.source={cfg.data.source}")
+    _validate_hf_data(cfg.data)
     _validate_scenes("data", cfg.data.scene_kinds, cfg.data.scene_objects)
     _validate_scenes("eval", cfg.eval.scene_kinds, cfg.eval.scene_objects)
     if cfg.data.source == "scenes" and cfg.data.num_candidates > SCENE_MAX_CANDIDATES:
@@ -404,7 +439,7 @@ def validate(cfg: Config) -> Config:
             f"{SCENE_MAX_CANDIDATES} error levels"
         )
     if cfg.data.source == "scenes" and cfg.data.path:
-        raise ConfigError("data.path: only read when data.source=parquet (got source=scenes)")
+        raise ConfigError("data.path: only read when data.source is parquet or hf (got source=scenes)")
     if cfg.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature: GRPO samples, so it must be > 0")
     if not 0 < cfg.rollout.top_p <= 1:
@@ -444,6 +479,23 @@ def validate(cfg: Config) -> Config:
     _validate_eval(cfg)
     _validate_sft(cfg)
     return cfg
+
+
+def _validate_hf_data(d: DataConfig) -> None:
+    """The keys only data.source=hf reads are left at their defaults otherwise."""
+    if d.source != "hf":
+        defaults = DataConfig()
+        for key in ("split", "subset", "revision", "columns", "streaming"):
+            if getattr(d, key) != getattr(defaults, key):
+                raise ConfigError(f"data.{key}: only read when data.source=hf (got source={d.source})")
+    unknown = sorted(set(d.columns) - set(DATA_COLUMNS))
+    if unknown:
+        raise ConfigError(f"data.columns.{unknown[0]}: not a field; expected one of {', '.join(DATA_COLUMNS)}")
+    empty = [f for f, column in d.columns.items() if not column]
+    if empty:
+        raise ConfigError(f"data.columns.{empty[0]}: empty column name")
+    if not d.split:
+        raise ConfigError("data.split: empty; name the split to train on (e.g. train)")
 
 
 def _validate_sft(cfg: Config) -> None:
@@ -561,6 +613,10 @@ def _validate_ppjd(p: PPJDConfig) -> None:
         raise ConfigError("ppjd.num_cpus_per_actor: an actor needs CPUs or GPUs (> 0)")
     if not 0 < p.max_reject_fraction <= 1:
         raise ConfigError(f"ppjd.max_reject_fraction={p.max_reject_fraction}: must be in (0, 1]")
+    if not p.license:
+        raise ConfigError("ppjd.license: empty; a hub license id (apache-2.0, mit, ...), or unknown")
+    if p.push_to_hub and (not HUB_ID.fullmatch(p.push_to_hub) or ".." in p.push_to_hub):
+        raise ConfigError(f"ppjd.push_to_hub={p.push_to_hub!r}: not a hub dataset id owner/name")
 
 
 _EVAL_CHOICES: dict[str, tuple[str, ...]] = {

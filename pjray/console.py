@@ -48,12 +48,16 @@ class _DropNotice(logging.Filter):
 def quiet_stack() -> None:
     """Silence the driver-side notices (`--verbose` leaves them): Ray's note that a local
     cluster uses token authentication (its default; the warning that auth is *disabled* stays),
-    Ray Data's operator-name truncation warning, and the colours of the actors' log prefixes
-    when the console is not a terminal. Actor warnings: pjray.cluster.actor_env."""
+    Ray Data's operator-name truncation warning, and, when the console is not a terminal, the
+    colours of the actors' log prefixes and `datasets`' progress bars (preparing and reading a
+    dataset). Actor warnings: pjray.cluster.actor_env."""
     if verbose():
         return
     if not sys.stderr.isatty():
+        import datasets
+
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # no colour codes in the actors' log prefixes
+        datasets.disable_progress_bars()
     logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
         _DropNotice("Token authentication is enabled")
     )

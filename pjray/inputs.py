@@ -4,26 +4,24 @@ A missing file should cost the user a second, not a Ray start-up and a worker's 
 check raises `PathError` (`<key>: <path>: <why>`). A model is a local directory with a
 config.json, or a hub id: `owner/name`, used as one only when no such local path exists and
 `owner` is not a local folder either, and then only when the hub cache or the hub has it. Anything
-else that does not exist is a typo'd local path, and is reported as one, not as a hub lookup.
+else that does not exist is a typo'd local path, and is reported as one, not as a hub lookup. A
+dataset (`data.source=hf`, `eval.data`) is a local folder or a hub id the same way; whether the
+hub has it, its subset and split is asked when it is opened (pjray.data.hf), still before Ray.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
-from pjray.config import Config, PathError
+from pjray.config import HUB_ID, Config, PathError
 
 __all__ = ["check_inputs", "is_hub_id"]
-
-# The hub's repo ids: one owner, one name, of letters, digits and - _ . (no "..").
-_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 def is_hub_id(value: str) -> bool:
     """Whether `value` names a hub repo rather than a local path: `owner/name`, with no such
     path here and no local folder `owner` (`runs/hf_modle` is a typo, not a repo of "runs")."""
-    if not _HUB_ID.fullmatch(value) or ".." in value or Path(value).exists():
+    if not HUB_ID.fullmatch(value) or ".." in value or Path(value).exists():
         return False
     return not Path(value.split("/")[0]).exists()
 
@@ -80,6 +78,24 @@ def check_exists(key: str, value: str) -> None:
         raise PathError(f"{key}: {value}: no such file or directory")
 
 
+def check_dataset(key: str, value: str, files: bool = False) -> None:
+    """A dataset: a local folder or a hub id (asked for when it is loaded, still before Ray
+    starts: pjray.data.hf.open_dataset); with `files`, also a local data file."""
+    path = Path(value)
+    if path.is_file() and not files:
+        raise PathError(f"{key}: {value}: a file; a dataset is a folder or a hub id owner/name")
+    if not path.exists() and not is_hub_id(value):
+        raise PathError(f"{key}: {value}: no such file or directory (and not a hub id owner/name)")
+
+
+def check_hub_token(key: str, repo: str) -> None:
+    """Publishing needs a token; without one the job would fail only after building the dataset."""
+    import huggingface_hub
+
+    if huggingface_hub.get_token() is None:
+        raise PathError(f"{key}: {repo}: no Hugging Face token to publish with (set HF_TOKEN or run `hf auth login`)")
+
+
 def check_inputs(cfg: Config, command: str) -> None:
     """Every path `command` (train | sft | ppjd | eval) will read; raises `PathError` for the
     first that is missing."""
@@ -87,6 +103,8 @@ def check_inputs(cfg: Config, command: str) -> None:
         check_model("model.path", cfg.model.path)
     if command == "train" and cfg.data.source == "parquet":
         check_exists("data.path", cfg.data.path)
+    if command == "train" and cfg.data.source == "hf":
+        check_dataset("data.path", cfg.data.path)
     if command == "sft" and cfg.sft.path:
         check_file("sft.path", cfg.sft.path)
     if command == "ppjd":
@@ -101,11 +119,13 @@ def check_inputs(cfg: Config, command: str) -> None:
             check_model("ppjd.vlm_model", p.vlm_model)
         for path in p.decontam_files:
             check_file("ppjd.decontam_files", path)
+        if p.push_to_hub:
+            check_hub_token("ppjd.push_to_hub", p.push_to_hub)
     if command == "eval":
         e = cfg.eval
         if e.judge:  # required: pjray.eval.runner.JudgeRunner says so
             check_model("eval.judge", e.judge)
         if e.data:
-            check_exists("eval.data", e.data)
+            check_dataset("eval.data", e.data, files=True)
         if e.image_dir:
             check_dir("eval.image_dir", e.image_dir)

@@ -1,7 +1,9 @@
 """The PPJD row schema on disk (parquet) and reading/writing `JudgeItem`s.
 
-One row per ranked tuple:
-    id: string, image: binary (encoded PNG/JPEG), question: string,
+One row per ranked tuple, as Hugging Face `datasets` features (`PPJD_FEATURES`; the parquet
+files carry them in their schema metadata, so `datasets.load_dataset("parquet", ...)` reads the
+image column as an `Image` feature):
+    id: string, image: Image (encoded PNG/JPEG bytes), question: string,
     candidates: list<string> (K answers), order: list<int32> (candidate indices, best -> worst),
     source: string, meta: string (JSON object: perturbation metadata)
 """
@@ -12,25 +14,27 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pjray.errors import InputError
 from pjray.types import JudgeItem
 
-PPJD_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("image", pa.binary()),
-        ("question", pa.string()),
-        ("candidates", pa.list_(pa.string())),
-        ("order", pa.list_(pa.int32())),
-        ("source", pa.string()),
-        ("meta", pa.string()),
-    ]
+PPJD_FEATURES = datasets.Features(
+    {
+        "id": datasets.Value("string"),
+        "image": datasets.Image(),
+        "question": datasets.Value("string"),
+        "candidates": datasets.List(datasets.Value("string")),
+        "order": datasets.List(datasets.Value("int32")),
+        "source": datasets.Value("string"),
+        "meta": datasets.Value("string"),
+    }
 )
+PPJD_SCHEMA = PPJD_FEATURES.arrow_schema
 
 
 T = TypeVar("T")
@@ -47,7 +51,7 @@ def items_to_table(items: list[JudgeItem]) -> pa.Table:
         [
             {
                 "id": it.id,
-                "image": it.image,
+                "image": {"bytes": it.image, "path": None},
                 "question": it.question,
                 "candidates": list(it.candidates),
                 "order": list(it.order),
@@ -67,18 +71,43 @@ def write_items(items: list[JudgeItem], path: str | Path) -> Path:
     return path
 
 
-def row_to_item(row: dict, where: str) -> JudgeItem:
-    """Validate one PPJD row; `where` ("file.parquet row 7") goes into every error."""
+def image_bytes(value: Any, root: Path, where: str, key: str = "image") -> bytes | None:
+    """An image as encoded bytes, from what a data row's field `key` holds: bytes, an undecoded
+    `datasets.Image` value {bytes, path}, a list of one image, or a path (relative to `root`).
+    None when the row has none."""
+    if isinstance(value, list):
+        if len(value) > 1:
+            raise DataError(f"{where}: {key} holds {len(value)} images; a judge prompt shows one")
+        value = value[0] if value else None
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if not value:
+        return None
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    file = root / str(value)
+    if not file.is_file():
+        raise DataError(f"{where}: {key} {value!r} not found under {root}")
+    return file.read_bytes()
+
+
+def row_to_item(row: dict, where: str, root: Path = Path(".")) -> JudgeItem:
+    """Validate one PPJD row; `where` ("file.parquet row 7") goes into every error, and an image
+    path is relative to `root`."""
     missing = [name for name in PPJD_SCHEMA.names if row.get(name) is None and name != "meta"]
     if missing:
         raise DataError(f"{where}: missing field(s) {', '.join(missing)}")
     candidates = tuple(row["candidates"])
+    if not all(isinstance(c, str) for c in candidates):
+        kinds = sorted({type(c).__name__ for c in candidates if not isinstance(c, str)})
+        raise DataError(f"{where}: a candidate is {', '.join(kinds)}, expected a string")
     order = tuple(int(i) for i in row["order"])
     if not 2 <= len(candidates) <= 26:
         raise DataError(f"{where}: {len(candidates)} candidates (need 2..26)")
     if sorted(order) != list(range(len(candidates))):
         raise DataError(f"{where}: order {list(order)} is not a permutation of the candidates")
-    if not row["image"]:
+    image = image_bytes(row["image"], root, where)
+    if not image:
         raise DataError(f"{where}: empty image")
     try:
         meta = json.loads(row["meta"]) if row.get("meta") else {}
@@ -86,7 +115,7 @@ def row_to_item(row: dict, where: str) -> JudgeItem:
         raise DataError(f"{where}: meta is not JSON ({err})") from None
     return JudgeItem(
         id=str(row["id"]),
-        image=bytes(row["image"]),
+        image=image,
         question=str(row["question"]),
         candidates=candidates,
         order=order,

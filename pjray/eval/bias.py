@@ -200,15 +200,15 @@ def training_eval(cfg: Any, generate: Generate, step: int) -> dict[str, float]:
 
 
 def load_diagnosis_items(cfg: Any) -> tuple[list[DiagnosisItem], int, list[RowReject]]:
-    """The items of `cfg.eval`: a PPJD parquet (`eval.data`) or scene items of `eval.scene_seed`.
-    Returns (items, how many rows had no usable perturbation metadata, the rows rejected as
-    unusable, within data.max_reject_fraction)."""
+    """The items of `cfg.eval`: PPJD rows (`eval.data`: a parquet or a dataset) or scene items
+    of `eval.scene_seed`. Returns (items, how many rows had no usable perturbation metadata, the
+    rows rejected as unusable, within data.max_reject_fraction)."""
     e = cfg.eval
     rejects: list[RowReject] = []
     if e.data:
-        from pjray.data.sources import scan_items
+        from pjray.data.hf import eval_source, scan_judge_items
 
-        scanned = scan_items(e.data)
+        scanned = scan_judge_items(eval_source(e))
         scanned.check(cfg.data.max_reject_fraction)
         raw, rejects = scanned.rows, scanned.rejects
     else:

@@ -10,6 +10,8 @@ The published `score`, `pair` and `batch` JSONL files (repo Dongping-Chen/MLLM-J
 
 Both are read; the variant is detected per row, and a row with neither spelling fails with the
 file, line and the keys it has. Images are read from `image_dir` (the JSONL's folder if empty).
+The same rows may come from a dataset (`eval.data` a hub id or a folder, `pjray.data.hf`), where
+an image may also be an `Image` feature or bytes.
 
 Two prompt formats (`eval.prompt_format`):
 - `paper` (default): the Perception-Judge release's think/answer prompts (`pjray.data.prompts`);
@@ -39,11 +41,11 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Iterator
 
 from pjray.data.prompts import LETTERS, order_from_ranking, render_batch, render_pair, render_score
-from pjray.data.sources import RowReject, Rows
-from pjray.errors import InputError
+from pjray.data.hf import OpenDataset, eval_source
+from pjray.data.sources import DataError, RowReject, Rows, image_bytes
 from pjray.eval.metrics import BatchRecord, PairRecord, ScoreRecord, map_score
 from pjray.reward.parse import parse_judgment, parse_pair, parse_score, ranking_from_scores
 from pjray.types import JudgeItem, JudgePrompt
@@ -56,7 +58,7 @@ PROMPT_FORMATS = ("paper", "original")
 CONVENTIONS = ("strict", "perception_judge", "flex_judge")  # eval.convention
 
 
-class BenchDataError(InputError):
+class BenchDataError(DataError):
     """A bad benchmark row: the message names the file, line and key."""
 
     what = "bad data"
@@ -126,34 +128,46 @@ def _score_truth(value, where: str) -> str:
         raise BenchDataError(f"{where}: score truth {value!r} is not a number") from None
 
 
-def scan_rows(path: str | Path, protocol: str, image_dir: str | Path | None = None, limit: int = 0) -> Rows[BenchRow]:
-    """The rows of a published MLLM-as-a-Judge JSONL file of `protocol` (score | pair | batch),
-    up to `limit` good ones (0: all); a line that is not JSON or lacks a key or its image is a
-    reject naming the file and line, not an error."""
-    if protocol not in PROTOCOLS:
-        raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
-    path = Path(path)
-    if not path.is_file():
-        raise BenchDataError(f"{path}: no such file")
-    root = Path(image_dir) if image_dir else path.parent
-    out: Rows[BenchRow] = Rows(str(path))
+def _jsonl_rows(path: Path, out: Rows) -> Iterator[tuple[str, Any]]:
+    """(where, parsed line) of a JSONL file; a line that is not JSON becomes a reject in `out`."""
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path} line {lineno}"
             try:
-                raw = json.loads(line)
+                yield where, json.loads(line)
             except json.JSONDecodeError as err:
                 out.rejects.append(RowReject(where, "", f"not JSON ({err})"))
-                continue
-            try:
-                out.rows.append(_row(raw, protocol, root, where))
-            except BenchDataError as err:
-                row_id = str(raw.get("id", "")) if isinstance(raw, dict) else ""
-                out.rejects.append(RowReject(where, row_id, str(err).removeprefix(f"{where}: ")))
-            if limit and len(out.rows) >= limit:
-                break
+
+
+def scan_rows(
+    source: str | Path | OpenDataset, protocol: str, image_dir: str | Path | None = None, limit: int = 0
+) -> Rows[BenchRow]:
+    """The rows of `protocol` (score | pair | batch) from a published MLLM-as-a-Judge JSONL file or
+    a dataset (`pjray.data.hf.open_dataset`), up to `limit` good ones (0: all); a line that is not
+    JSON or lacks a key or its image is a reject naming the file (or dataset) and line, not an error."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
+    if isinstance(source, OpenDataset):
+        root = Path(image_dir) if image_dir else source.root
+        out: Rows[BenchRow] = Rows(source.label)
+        raws = source.named_rows()
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise BenchDataError(f"{path}: no such file")
+        root = Path(image_dir) if image_dir else path.parent
+        out = Rows(str(path))
+        raws = _jsonl_rows(path, out)
+    for where, raw in raws:
+        try:
+            out.rows.append(_row(raw, protocol, root, where))
+        except DataError as err:
+            row_id = str(raw.get("id", "")) if isinstance(raw, dict) else ""
+            out.rejects.append(RowReject(where, row_id, str(err).removeprefix(f"{where}: ")))
+        if limit and len(out.rows) >= limit:
+            break
     return out
 
 
@@ -167,13 +181,7 @@ def read_rows(path: str | Path, protocol: str, image_dir: str | Path | None = No
 def _row(raw: dict, protocol: str, root: Path, where: str) -> BenchRow:
     instruction = str(_first(raw, ("instruction", "question"), where))
     dataset = str(_first(raw, ("original_dataset", "dataset"), where))
-    image_ref = _first(raw, ("image_path", "image"), where, required=False)
-    image = None
-    if image_ref:
-        image_file = root / str(image_ref)
-        if not image_file.is_file():
-            raise BenchDataError(f"{where}: image {image_ref!r} not found under {root}")
-        image = image_file.read_bytes()
+    image = image_bytes(_first(raw, ("image_path", "image"), where, required=False), root, where)
     truth_raw = _first(raw, _TRUTH_KEYS[protocol], where)
     if protocol == "score":
         answers = (_answer_text(_first(raw, ("answer",), where), where),)
@@ -446,7 +454,7 @@ def evaluate_bench(cfg, generate) -> "EvalReport":
 
     e = cfg.eval
     mapping = resolve_score_mapping(e.prompt_format, e.score_mapping)
-    scanned = scan_rows(e.data, e.bench, e.image_dir or None, e.limit)
+    scanned = scan_rows(eval_source(e), e.bench, e.image_dir or None, e.limit)
     scanned.check(cfg.data.max_reject_fraction, BenchDataError)
     rows = scanned.rows
     prompts = [build_prompt(r, e.prompt_format, e.batch_style) for r in rows]

@@ -41,12 +41,12 @@ import random
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter, ImageFont
 
-from pjray.data.sources import RowReject, Rows
-from pjray.errors import InputError
+from pjray.data.hf import OpenDataset, eval_source, scan_judge_items
+from pjray.data.sources import DataError, RowReject, Rows, image_bytes
 from pjray.eval.metrics import BC_TYPES, BD_TYPES, BIAS_TYPES, CATEGORIES
 from pjray.types import JudgeItem, JudgePrompt
 
@@ -55,7 +55,7 @@ TRANSFORM_FAMILIES = ("geometric", "photometric", "quality", "spatial")
 CATEGORY_OF: dict[str, str] = {t: c for c, types in CATEGORIES.items() for t in types}
 
 
-class BiasDataError(InputError):
+class BiasDataError(DataError):
     """A bad MM-JudgeBias row: the message names the file, row and key."""
 
     what = "bad data"
@@ -95,50 +95,46 @@ def canonical_bias_type(name: str) -> str:
 # --------------------------------------------------------------------------- loading
 
 
-def _image_field(value, root: Path, where: str, key: str) -> bytes | None:
-    """A path (relative to `root`), an HF Image dict {bytes, path}, raw bytes, or empty/None."""
-    if value is None or value == "" or value == {}:
-        return None
-    if isinstance(value, (bytes, bytearray)):
-        return bytes(value)
-    if isinstance(value, dict):
-        if value.get("bytes"):
-            return bytes(value["bytes"])
-        value = value.get("path")
-        if not value:
-            return None
-    file = root / str(value)
-    if not file.is_file():
-        raise BiasDataError(f"{where}: {key} {value!r} not found under {root}")
-    return file.read_bytes()
-
-
-def scan_records(path: str | Path, image_dir: str | Path | None = None, limit: int = 0) -> Rows[BiasRecord]:
-    """Published MM-JudgeBias records from JSONL, a JSON list, or parquet, up to `limit` good
-    ones (0: all); a row that is not JSON or lacks a key or an image is a reject naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise BiasDataError(f"{path}: no such file")
-    root = Path(image_dir) if image_dir else path.parent
-    out: Rows[BiasRecord] = Rows(str(path))
+def _file_rows(path: Path, out: Rows) -> list[tuple[str, Any]]:
+    """(where, raw record) of a parquet, JSON list or JSONL file; a JSONL line that is not JSON
+    becomes a reject in `out`."""
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        raws: list[tuple[str, Any]] = [(f"{path} row {i}", raw) for i, raw in enumerate(pq.read_table(path).to_pylist())]
-    elif path.suffix == ".json":
-        raws = [(f"{path} row {i}", raw) for i, raw in enumerate(json.loads(path.read_text(encoding="utf-8")))]
+        return [(f"{path} row {i}", raw) for i, raw in enumerate(pq.read_table(path).to_pylist())]
+    if path.suffix == ".json":
+        return [(f"{path} row {i}", raw) for i, raw in enumerate(json.loads(path.read_text(encoding="utf-8")))]
+    raws = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                raws.append((f"{path} line {lineno}", json.loads(line)))
+            except json.JSONDecodeError as err:
+                out.rejects.append(RowReject(f"{path} line {lineno}", "", f"not JSON ({err})"))
+    return raws
+
+
+def scan_records(
+    source: str | Path | OpenDataset, image_dir: str | Path | None = None, limit: int = 0
+) -> Rows[BiasRecord]:
+    """Published MM-JudgeBias records from JSONL, a JSON list, parquet or a dataset
+    (`pjray.data.hf.open_dataset`), up to `limit` good ones (0: all); a row that is not JSON or
+    lacks a key or an image is a reject naming it."""
+    if isinstance(source, OpenDataset):
+        root = Path(image_dir) if image_dir else source.root
+        out: Rows[BiasRecord] = Rows(source.label)
+        raws: Iterable[tuple[str, Any]] = source.named_rows()
     else:
-        raws = []
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    raws.append((f"{path} line {lineno}", json.loads(line)))
-                except json.JSONDecodeError as err:
-                    out.rejects.append(RowReject(f"{path} line {lineno}", "", f"not JSON ({err})"))
+        path = Path(source)
+        if not path.is_file():
+            raise BiasDataError(f"{path}: no such file")
+        root = Path(image_dir) if image_dir else path.parent
+        out = Rows(str(path))
+        raws = _file_rows(path, out)
     for where, raw in raws:
         try:
             out.rows.append(_record(raw, root, where))
-        except BiasDataError as err:
+        except DataError as err:
             row_id = str(raw.get("id", "")) if isinstance(raw, dict) else ""
             out.rejects.append(RowReject(where, row_id, str(err).removeprefix(f"{where}: ")))
         if limit and len(out.rows) >= limit:
@@ -170,8 +166,8 @@ def _record(raw: Any, root: Path, where: str) -> BiasRecord:
         response=str(raw["response"]),
         unbiased_instruction=str(raw["unbiased_instruction"] or ""),
         biased_instruction=str(raw["biased_instruction"] or ""),
-        unbiased_image=_image_field(raw.get("unbiased_image"), root, where, "unbiased_image"),
-        biased_image=_image_field(raw.get("biased_image"), root, where, "biased_image"),
+        unbiased_image=image_bytes(raw.get("unbiased_image"), root, where, "unbiased_image"),
+        biased_image=image_bytes(raw.get("biased_image"), root, where, "biased_image"),
         task_type=str(raw.get("task_type") or ""),
         domain_type=str(raw.get("domain_type") or ""),
         difficulty=str(raw.get("difficulty") or ""),
@@ -495,9 +491,11 @@ def read_caption(text: str) -> str | None:
     return caption or None
 
 
-def _is_published(path: str) -> bool:
-    """A published MM-JudgeBias file (rows with bias_type), as opposed to a PPJD parquet."""
-    p = Path(path)
+def _is_published(source: str | OpenDataset) -> bool:
+    """Published MM-JudgeBias records (rows with bias_type), as opposed to PPJD rows."""
+    if isinstance(source, OpenDataset):
+        return "bias_type" in source.columns
+    p = Path(source)
     if p.suffix != ".parquet":
         return True
     import pyarrow.parquet as pq
@@ -507,18 +505,18 @@ def _is_published(path: str) -> bool:
 
 def load_records(cfg, generate) -> tuple[list[BiasRecord], list[str], list[RowReject]]:
     """The records of `cfg.eval`: published rows, or the nine perturbations of PPJD / scene items;
-    and the data rows rejected as unusable (within data.max_reject_fraction). Items without a
-    caption get one from the judge itself as the captioning engine."""
+    and the data rows rejected as unusable (within data.max_reject_fraction). `eval.data` is a
+    file or a dataset (`pjray.data.hf.eval_source`). Items without a caption get one from the
+    judge itself as the captioning engine."""
     e = cfg.eval
-    if e.data and _is_published(e.data):
-        published = scan_records(e.data, e.image_dir or None, e.limit)
+    source = eval_source(e) if e.data else None
+    if source is not None and _is_published(source):
+        published = scan_records(source, e.image_dir or None, e.limit)
         published.check(cfg.data.max_reject_fraction, BiasDataError)
         return published.rows, [f"published records: {e.data}"], published.rejects
     rejects: list[RowReject] = []
-    if e.data:
-        from pjray.data.sources import scan_items
-
-        scanned = scan_items(e.data)
+    if source is not None:
+        scanned = scan_judge_items(source)
         scanned.check(cfg.data.max_reject_fraction)
         items, rejects = scanned.rows, scanned.rejects
     else:

@@ -28,6 +28,10 @@ Output (`ppjd.output_dir`):
     rejects/shard-XXXXX.parquet  id, source, where, reject_stage, reject_reason, question
     stats/shard-XXXXX.json       per-shard counts and stage seconds
     manifest.json                counts per stage, per-stage throughput, the config
+    README.md                    the dataset card (pjray.ppjd.card): `datasets.load_dataset(output_dir)`
+                                 or `load_dataset("parquet", data_dir=output_dir/ppjd)` reads the rows
+
+With `ppjd.push_to_hub` the finished dataset and its card are published to that hub dataset.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from pjray.cluster import connect
 from pjray.config import Config, ConfigError, PPJDConfig, RayConfig, to_dict
 from pjray.data.sources import items_to_table
 from pjray.ppjd import llm as llm_prompts
+from pjray.ppjd.card import dataset_card, push_to_hub
 from pjray.ppjd.rejects import RejectRateError, RowDataError
 from pjray.ppjd.sources import RawRow, read_source
 from pjray.ppjd.verify import (
@@ -549,8 +554,8 @@ def job_fingerprint(cfg: PPJDConfig) -> dict[str, Any]:
     """The settings that decide which rows land in which shard and what they hold."""
     d = asdict(cfg)
     for key in ("llm_workers", "vlm_workers", "num_cpus_per_actor", "num_gpus_per_actor", "output_dir",
-                "max_reject_fraction"):
-        d.pop(key)  # scaling knobs and the guard: changing them must not invalidate finished shards
+                "max_reject_fraction", "license", "push_to_hub"):
+        d.pop(key)  # scaling knobs, the guard and publishing: changing them must not invalidate finished shards
     return d
 
 
@@ -650,6 +655,9 @@ def run_ppjd(cfg: Config | PPJDConfig, config_dict: dict[str, Any] | None = None
     processed = sum(len(shards[i]) for i in pending)
     manifest = build_manifest(out, len(shards), len(pending), processed, wall, config_dict)
     _atomic_write(out / "manifest.json", lambda f: f.write_text(json.dumps(manifest, indent=2)))
+    _atomic_write(out / "README.md", lambda f: dataset_card(out, manifest).save(f))
+    if p.push_to_hub:
+        push_to_hub(out, p.push_to_hub)
     return manifest
 
 
@@ -684,7 +692,7 @@ def build_manifest(
         "stages": per_stage,
         "wall_seconds": round(wall, 3),
         "rows_per_s": round(processed / wall, 2) if processed and wall > 0 else None,  # this run, end to end
-        "output": {"ppjd": str(out / "ppjd"), "rejects": str(out / "rejects")},
+        "output": {"ppjd": str(out / "ppjd"), "rejects": str(out / "rejects"), "card": str(out / "README.md")},
         "config": config,
         "config_hash": hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12],
     }

@@ -39,6 +39,7 @@ from pjray.cluster import connect
 from pjray.config import Config, ConfigError, to_dict
 from pjray.console import PhaseClock, step_line
 from pjray.data.prompts import render_batch
+from pjray.data.hf import DatasetItems, StreamSampler, StreamState, open_dataset, train_ref
 from pjray.data.sampler import ItemSampler, SamplerState
 from pjray.data.sources import Rows, scan_items, write_rejects
 from pjray.models.loading import load_processor, opens_think, render_chat
@@ -121,13 +122,24 @@ class Rollouts:
     groups_seen: int
 
 
-def load_items(cfg: Config) -> Rows[JudgeItem]:
-    """The training items: a PPJD parquet, or scenes built by the PPJD job (rules + oracle),
-    each row checked (`scan_items`); fails when more than data.max_reject_fraction are bad.
+def load_items(cfg: Config) -> Rows[JudgeItem] | DatasetItems:
+    """The training items: a PPJD parquet, a dataset (data.source=hf), or scenes built by the
+    PPJD job (rules + oracle), each row checked; fails when more than data.max_reject_fraction
+    are bad. A streamed dataset (data.streaming) comes back unread, as `DatasetItems`: its rows
+    are checked as the sampler reads them.
 
     Scene data goes through the same Ray Data job as `pjray ppjd` (on the cluster we are
     connected to), into `<run_dir>/data`; a rerun or resume reuses the shards already there.
     """
+    if cfg.data.source == "hf":
+        items = DatasetItems(
+            open_dataset(train_ref(cfg.data), cfg.data.streaming), cfg.data.columns, cfg.data.num_candidates, cfg.data.path
+        )
+        if cfg.data.streaming:
+            return items
+        rows = items.scan()
+        rows.check(cfg.data.max_reject_fraction)
+        return rows
     if cfg.data.source == "parquet":
         rows = scan_items(cfg.data.path, cfg.data.num_candidates)
         rows.check(cfg.data.max_reject_fraction)
@@ -176,19 +188,21 @@ class Trainer:
         cfg = self.cfg
         clock = PhaseClock(log)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        # A parquet is read before Ray starts: a broken file costs no cluster start-up.
+        # A parquet or dataset is read (a stream opened) before Ray starts: a broken file costs
+        # no cluster start-up.
         data = load_items(cfg)
         clock.done("data")
         connect(cfg.ray)
         clock.done("ray")
-        self.items, self.data_rejected = data.rows, len(data.rejects)
-        write_rejects(data.rejects, self.run_dir / DATA_REJECTS)
-        if data.rejects:
-            log.warning(
-                "%d of %d training rows skipped (listed in %s), e.g. %s: %s", len(data.rejects),
-                len(data.rows) + len(data.rejects), self.run_dir / DATA_REJECTS, data.rejects[0].where,
-                data.rejects[0].reason,
-            )
+        self.data = data
+        if isinstance(data, Rows):  # a stream lists its bad rows as it reads them (StreamSampler)
+            write_rejects(data.rejects, self.run_dir / DATA_REJECTS)
+            if data.rejects:
+                log.warning(
+                    "%d of %d training rows skipped (listed in %s), e.g. %s: %s", len(data.rejects),
+                    len(data.rows) + len(data.rejects), self.run_dir / DATA_REJECTS, data.rejects[0].where,
+                    data.rejects[0].reason,
+                )
         self.model_path = self.resolve_model()
         self.processor = load_processor(self.model_path)
         clock.done("judge")
@@ -221,17 +235,20 @@ class Trainer:
         self.init_weight_sync()
         clock.done("rollout and reward workers")
 
-        state = SamplerState()
+        saved: dict = {}
         resume_from = self.resume_dir()
         if resume_from is not None:
             trainer_state = json.loads((resume_from / "trainer_state.json").read_text())
             ray.get([r.load_checkpoint.remote(str(resume_from / "learner")) for r in self.learners])
             self.step = self.checkpointed_step = trainer_state["step"]
-            state = SamplerState(**trainer_state["sampler"])
+            saved = trainer_state["sampler"]
             self.sync_weights()
             log.info("resumed from %s at step %d", resume_from, self.step)
             clock.done("resume")
-        self.sampler = ItemSampler(self.items, cfg.trainer.seed, state)
+        if isinstance(data, Rows):
+            self.sampler = ItemSampler(data.rows, cfg.trainer.seed, SamplerState(**saved))
+        else:
+            self.sampler = StreamSampler(data, StreamState(**saved), self.run_dir / DATA_REJECTS, cfg.data.max_reject_fraction)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         self.tracker = Tracker(
             cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None, start_step=self.step
@@ -565,7 +582,7 @@ class Trainer:
             "advantages/max": float(advantages.max()) if advantages.numel() else 0.0,
             "advantages/min": float(advantages.min()) if advantages.numel() else 0.0,
             "data/consumed": float(self.sampler.state.consumed),
-            "data/rejected": float(self.data_rejected),
+            "data/rejected": float(self.rejected_rows()),
             "data/epoch": float(self.sampler.epoch),
             "perf/total_num_tokens": float(tokens),
             "perf/throughput": tokens / timer.seconds["step"],
@@ -574,6 +591,10 @@ class Trainer:
         metrics.update(actor)
         metrics.update(timer.metrics())
         return metrics
+
+    def rejected_rows(self) -> int:
+        """Training rows skipped as unusable: all of them, or those a stream has read so far."""
+        return len(self.data.rejects) if isinstance(self.data, Rows) else self.sampler.state.rejected
 
     def save_checkpoint(self) -> None:
         cfg = self.cfg.trainer

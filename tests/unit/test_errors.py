@@ -127,6 +127,8 @@ def test_a_hub_id_the_hub_cannot_confirm_is_an_input_error(tmp_path, monkeypatch
         ("ppjd", ["ppjd.source=jsonl", "ppjd.paths=[rows.jsonl]", "ppjd.vqa_backend=vlm", "ppjd.vlm_model=./judge"], "ppjd.paths: rows.jsonl: no such file"),
         ("ppjd", ["ppjd.decontam_files=[bench/pair.jsonl]"], "ppjd.decontam_files: bench/pair.jsonl: no such file"),
         ("eval", ["eval.judge=./judge", "eval.image_dir=imgs"], "eval.image_dir: imgs: no such directory"),
+        ("train", ["data.source=hf", "data.path=runs/x/ppjd"], "data.path: runs/x/ppjd: no such file or directory (and not a hub id"),
+        ("eval", ["eval.judge=./judge", "eval.data=bench/x/pair"], "eval.data: bench/x/pair: no such file or directory (and not a hub id"),
     ],
 )
 def test_every_path_a_command_names_is_checked(command, overrides, message, tmp_path, monkeypatch):
@@ -185,6 +187,44 @@ def test_train_on_a_parquet_with_too_many_bad_rows(tmp_path, monkeypatch, capsys
         "pjray: bad data: rows.parquet: 1 of 3 rows are bad (more than data.max_reject_fraction=0.01): "
         "rows.parquet row 1: could not decode image"
     )
+
+
+def test_train_on_a_dataset_without_the_ppjd_columns(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path / "hf_cache")
+    (tmp_path / "pairs").mkdir()
+    (tmp_path / "pairs" / "train.jsonl").write_text(json.dumps({"prompt": "q?", "img": "a.png", "chosen": "a", "rejected": "b"}) + "\n")
+    code, err = run_cli(["train", "model.init=tiny", "data.source=hf", "data.path=pairs", "data.num_candidates=2",
+                         f"trainer.run_dir={tmp_path / 'run'}"], capsys)
+    assert (code, err) == (2, [
+        "pjray: bad data: pairs [train]: no column for image, question (columns: prompt, img, chosen, rejected); name "
+        "yours with data.columns.image=COLUMN"])
+    code, err = run_cli(["train", "model.init=tiny", "data.source=hf", "data.path=pairs", "data.split=test",
+                         f"trainer.run_dir={tmp_path / 'run'}"], capsys)
+    assert (code, err) == (2, ["pjray: data.split: test: no such split of pairs (splits: train)"])
+
+
+def test_eval_on_a_hub_dataset_the_hub_cannot_confirm(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    fake_judge(tmp_path / "judge")
+    code, err = run_cli(["eval", "--judge", "judge", "--bench", "pair", "--data", "pjray-no-such-owner/mllm-judge"], capsys)
+    assert code == 2 and len(err) == 1
+    assert err[0].startswith("pjray: eval.data: pjray-no-such-owner/mllm-judge: no such folder, and not in the datasets "
+                             "cache; the hub could not be asked")
+
+
+def test_publishing_without_a_token_fails_before_the_job(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_STORED_TOKENS_PATH", str(tmp_path / "no-tokens"))
+    code, err = run_cli(["ppjd", "--push-to-hub", "me/ppjd", f"ppjd.output_dir={tmp_path / 'out'}"], capsys)
+    assert (code, err) == (2, ["pjray: ppjd.push_to_hub: me/ppjd: no Hugging Face token to publish with (set HF_TOKEN "
+                               "or run `hf auth login`)"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_config_errors_keep_their_line(tmp_path, monkeypatch, capsys):

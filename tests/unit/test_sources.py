@@ -20,6 +20,8 @@ def test_round_trip_keeps_every_field(tmp_path):
 
 
 def write_rows(path, rows):
+    """PPJD rows as the job writes them: the image as a `datasets.Image` value {bytes, path}."""
+    rows = [{**row, "image": {"bytes": row["image"], "path": None}} for row in rows]
     pq.write_table(pa.Table.from_pylist(rows, schema=PPJD_SCHEMA), path)
 
 
@@ -52,6 +54,13 @@ def test_bad_rows_are_named(tmp_path, row, message):
     write_rows(path, [good_row(), row])
     with pytest.raises(DataError, match=f"bad.parquet {message}"):
         read_items(path)
+
+
+def test_a_binary_image_column_reads_too(tmp_path):
+    """PPJD files from before the Image feature held the encoded image as plain binary."""
+    schema = PPJD_SCHEMA.set(PPJD_SCHEMA.get_field_index("image"), pa.field("image", pa.binary())).remove_metadata()
+    pq.write_table(pa.Table.from_pylist([good_row()], schema=schema), tmp_path / "old.parquet")
+    assert read_items(tmp_path / "old.parquet")[0].image == png()
 
 
 def test_missing_paths_and_columns(tmp_path):
