@@ -1,7 +1,7 @@
 """Does GRPO on PPJD reduce a judge's perceptual judgment bias? The miniature study.
 
-    python benchmarks/study_bias.py            # the full study (~30 min on 2 cores)
-    python benchmarks/study_bias.py --quick    # a smaller one (~10 min)
+    python benchmarks/study_bias.py            # the full study: 2 seeds, 240 items
+    python benchmarks/study_bias.py --quick    # 1 seed, 120 items (53 min on 2 shared cores)
 
 Judges: the base judge (`pjray.models.base_judge`, built once and cached) and the base judge
 after GRPO at an equal budget (steps x prompts x group size) for each variant:
