@@ -38,8 +38,8 @@ import torch
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, to_dict
 from pjray.console import PhaseClock, step_line
-from pjray.data.prompts import render_batch
 from pjray.data.hf import DatasetItems, StreamSampler, StreamState, open_dataset, train_ref
+from pjray.data.prompts import render_batch
 from pjray.data.sampler import ItemSampler, SamplerState
 from pjray.data.sources import Rows, scan_items, write_rejects
 from pjray.models.loading import load_processor, opens_think, render_chat
