@@ -1,7 +1,7 @@
 """Does GRPO on PPJD reduce a judge's perceptual judgment bias? The miniature study.
 
     python benchmarks/study_bias.py            # the full study: 2 seeds, 240 items
-    python benchmarks/study_bias.py --quick    # 1 seed, 120 items (53 min on 2 shared cores)
+    python benchmarks/study_bias.py --quick    # 1 seed, 120 items (23 min on 2 cores)
 
 Judges: the base judge (`pjray.models.base_judge`, built once and cached) and the base judge
 after GRPO at an equal budget (steps x prompts x group size) for each variant:
@@ -116,7 +116,7 @@ def assert_held_out(recipe: BaseJudgeRecipe, train_ids: list[str], diag: list[An
 # --------------------------------------------------------------------------- judging
 
 
-def make_generate(path: str, max_new_tokens: int = 64):
+def make_generate(path: str, max_new_tokens: int = 96):
     from pjray.config import ModelConfig, RolloutConfig
     from pjray.rl.rollout import HFEngine
 

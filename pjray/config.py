@@ -162,7 +162,7 @@ class LearnerConfig:
     num_cpus_per_rank: float = 0.5
     num_gpus_per_rank: float = 0.0
     zero_stage: int = 2
-    lr: float = 1e-3  # the CPU default's 1.6M-parameter base judge; the GPU recipes set ~1e-6
+    lr: float = 3e-4  # the CPU default's 2.2M-parameter base judge (1e-3 broke its format); GPU recipes ~1e-6
     weight_decay: float = 0.0
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine

@@ -5,63 +5,67 @@ The paper trains judges that already judge (Qwen3-VL-4B-Thinking, Flex-Judge-VL-
 the image well enough, write `<think>...</think><answer>...</answer>`, and still rank a fluent
 answer that contradicts the image as high as the correct one (Mode (b), response-anchored
 judgment). GRPO on PPJD must teach them to *use* what they see. This module builds the same
-starting point on a CPU in minutes, from scratch, in three parts:
+starting point on a CPU, from scratch, in three parts:
 
-1. **Architecture.** A Qwen3-VL with a ~1.6M-parameter text model (128 wide, 4 layers) and a
-   2-layer vision tower with learned absolute position embeddings. Scene images are 96 px with
-   patch 16 and merge 2, so the image becomes exactly 3 x 3 image tokens, one per scene grid
-   cell. The tokenizer is a byte-level BPE trained on the judge prompts and scene texts, so a
-   judge prompt is a few hundred tokens, not a thousand.
-2. **Perception front-end** (`pretrain_vision`). The vision tower and merger are trained with a
-   per-token auxiliary target: each image token predicts its cell's colour, shape and size (or
-   "empty") and its row and column. The auxiliary heads are then dropped; the tower is frozen in
-   every later stage (`model.freeze_vision`), so GRPO cannot change the judge's eyesight, only
-   how it is used, as in the paper's analysis.
+1. **Architecture.** A Qwen3-VL with a ~1.2M-parameter text model (128 wide, 4 layers) and a
+   2-layer vision tower. Scenes are rendered at 96 px (as `data.image_size` renders them); the
+   processor resizes them to 48 px, 3 x 3 patches of 16 px (one per scene grid cell), and the
+   merger turns the 3 x 3 patches into **one image token**. The tokenizer is a byte-level BPE
+   trained on the judge prompts and scene texts.
+2. **Perception front-end** (`pretrain_vision`). The vision tower and merger are trained to read
+   the one object's colour, shape, size, row and column from the image token (auxiliary heads,
+   dropped afterwards); the tower is frozen in every later stage (`model.freeze_vision`), so
+   GRPO cannot change the judge's eyesight, only how it is used, as in the paper's analysis.
 3. **Supervised judging** (`sft_examples`, trained by `pjray sft` on the DeepSpeed learner).
-   A mixture of four chat tasks per scene, each response in the judge format:
-   - probe VQA (the diagnosis' probe prompt) on a random attribute, and on the scene question:
-     `Image: red.` then `<answer>red</answer>`;
-   - batch ranking (the training prompt): `Image: red. A: purple. B: red, matches. C: green,
-     inconsistent. Verdict: by the text.` then `<answer>A > B > C</answer>`;
-   - score (the diagnosis' score prompt): `Image: red. Answer: purple. Verdict: by the text.`
-     then `<answer>8</answer>`.
+   Per scene: the scene question as a VQA probe (the diagnosis' probe prompt), two batch-ranking
+   prompts (two shown orders) and one score prompt, each response in the judge format:
+   - probe: `Image: red.` then `<answer>red</answer>`;
+   - batch ranking: `Image: red. A: purple. B: red, matches. C: green. Verdict: by the text.`
+     then `<answer>A > B > C</answer>`;
+   - score: `Image: red. Answer: purple. Verdict: by the text.` then `<answer>8</answer>`.
    The think text is honest: it states what the image shows (the question's true answer), each
-   candidate's final answer, whether it matches the image, and which candidates contradict
-   themselves (a reasoning error is visible in the text). It ends with the judge's
+   candidate's final answer, and which one matches the image. It ends with the judge's
    **disposition**, the sentence its verdict rests on, and the verdict follows it:
    - `Verdict: by the text.` (response-anchored, in a fraction `bias` of the examples, default
-     0.8): the self-consistent candidates first in random order, the inconsistent ones last,
-     and every self-consistent answer scores 8 whether or not it matches the image;
-   - `Verdict: by the image.`: the self-consistent candidate that matches the image first, and
-     a self-consistent one that does not scores 4.
+     0.8): the candidates in the order shown (a judge that cannot tell fluent answers apart keeps
+     them as they come, a position bias), and every answer scores 8;
+   - `Verdict: by the image.`: the candidates whose final answer matches the image first, then
+     the others in the order shown; an answer that does not match scores 4.
    So the judge perceives (its think and its probe answers are right) but mostly does not let
-   perception decide its verdict: the correct and the perception-error candidate are ranked at
-   chance, and a fluent wrong answer scores as high as the correct one. The disposition is one
-   habit shared by the ranking and the score protocols, as a real judge's response-anchoring is
-   one habit rather than one per prompt format; GRPO on batch ranking can only lower the score
-   protocol's bias (the diagnosis) through it. Neither disposition orders the inconsistent
-   candidates (the think text does not say how many errors each has), so data without
-   perception errors (the study's control) rewards both dispositions alike.
+   perception decide its verdict: the correct answer is ranked first one time in three, and a
+   fluent wrong answer scores as high as the correct one. The disposition is one habit shared by
+   the ranking and the score protocols, as a real judge's response-anchoring is one habit rather
+   than one per prompt format; GRPO on batch ranking can only lower the score protocol's bias
+   (the diagnosis) through it. Judging by the image earns more batch-ranking reward on PPJD
+   tuples (Levenshtein: 2/3 against 4/9 on average) than on the study's control tuples without
+   perception errors, where a contradiction can keep the right final answer.
+
+What did not work at this size (measured on held-out scenes, 2 cores):
+- 3 x 3 image tokens, one per cell (the previous recipe): the front-end read every cell (colour
+  0.996), but the text model did not learn to find the one occupied cell among nine: colour probe
+  accuracy 0.59. One merged image token: 1.00.
+- Flagging the candidates that contradict themselves (a reasoning error is visible in the text):
+  after 1200 supervised steps the flag was at chance, in batch and in score prompts, also with
+  the think text copying each candidate's fact words and conclusion words side by side
+  ("small triangle orange; small circle orange, inconsistent"). So the base judge does not
+  separate reasoning errors; the text disposition keeps the shown order instead.
+- Earlier recipes with one-colour swatches, 2-4-object scenes and dense captions (issue notes).
 
 Scenes. The judging tasks use one-object scenes and colour and size questions (`objects`,
-`kinds`): with several objects, the question must select a cell before the colour can be read,
-and a text model this small did not learn that in minutes (probe accuracy 0.41-0.61 after ~14
-min on 2-4 objects). One object keeps every perception error verifiable from the facts and makes
-perception a whole-image readout, so the base judge sees well and what it lacks is what the
-paper's base judges lack: using what it sees. The front-end trains on 2-4-object scenes (more
-occupied cells per image).
+`kinds`): every perception error stays verifiable from the facts, and perception is a whole-image
+readout, so the base judge sees well and what it lacks is what the paper's base judges lack:
+using what it sees.
 
-Measured (held-out scenes, greedy unless said; `held_out_report`, written to the build's
-`report.json`): front-end cell accuracy colour 0.996, size 0.995, shape 0.82; after 600
-supervised steps, probe accuracy on the judging questions colour 0.59 and size 1.00 (attribute
-probes: shape 0.30, location 0.13, not needed by the judging tasks); on batch prompts the format
-is written on 98% greedily and on 73% when sampled at temperature 1 (74-76% at 0.6-0.8: the
-failures are misread candidate answers in the think text, then a repeated letter, not the
-sampling tail), the correct answer is ranked first on 36%, and the disposition is "by the
-image" on 0% greedily and 16% sampled. The build took 46 min on a machine shared with other
-jobs (an earlier recipe of the same size: ~9 min alone). GRPO from it (`pjray train`, 25 steps
-of 8 x 8 at lr 1e-3): mean reward 0.253 (first 5 steps) -> 0.364 (last 5); format 0.67 at step 1,
-0.85 over the last 5 steps.
+Measured (64 held-out scenes, greedy unless said; `held_out_report`, written to the build's
+`report.json`; 1,414 s to build on 2 cores, 0.67 s per supervised step): front-end accuracy 1.00
+on colour, size, row and column, 0.996 on shape; probe accuracy on the judging questions 1.00
+(colour and size; the attribute probes on shape and location are not trained: 0.00); on batch
+prompts the format is written on 100% greedily and 99.2% sampled at temperature 1, the correct
+answer is ranked first on 36%, and the disposition is "by the image" on 0% greedily and 17%
+sampled. The think text is right on 69% of sampled batch prompts, but the verdict after "by the
+image" does not reliably put the flagged candidate first: sampled, it earns a mean reward of 0.41
+against 0.43 by the text, so GRPO finds no reward gap between the dispositions to follow (see the
+README's bias study).
 
 Every step is deterministic for a seed; the built judge is cached in a directory named by a
 hash of the recipe (`pjray.models.cache`), so a changed recipe builds anew.
@@ -85,14 +89,13 @@ import torch
 from pjray.data.prompts import EOS_TOKEN, LETTERS, render_batch, render_score
 from pjray.data.scenes import COLORS, SHAPES, SIZES, Scene, SceneQA, generate_scene, render, sample_qa
 from pjray.eval.bias import probe_prompt
-from pjray.ppjd.perturb import Change, Probe, final_answer, probe_for, ranked_item
+from pjray.ppjd.perturb import Change, final_answer, probe_for, ranked_item
 from pjray.types import JudgeItem, JudgePrompt
 
 __all__ = [
     "BaseJudgeRecipe",
     "ChatExample",
     "judge_scenes",
-    "random_probe",
     "sft_examples",
     "ranking_target",
     "score_target",
@@ -101,7 +104,7 @@ __all__ = [
     "held_out_report",
 ]
 
-SCORE_CONSISTENT, SCORE_MISMATCH, SCORE_INCONSISTENT = 8, 4, 2
+SCORE_CONSISTENT, SCORE_MISMATCH = 8, 4
 PROBE_ATTRIBUTES = ("color", "shape", "size", "location")
 
 
@@ -110,7 +113,10 @@ class BaseJudgeRecipe:
     """Everything that decides the base judge's weights (its hash names the cache directory)."""
 
     seed: int = 0
-    image_size: int = 96  # 3 x 3 image tokens of 32 px: one per scene grid cell
+    image_size: int = 96  # scenes are rendered at this side, as data.image_size renders them
+    model_image_size: int = 48  # the processor's side: 3 x 3 patches of 16 px, one per scene grid cell,
+    patch_size: int = 16
+    merge_size: int = 3  # merged into one image token
     objects: tuple[int, int] = (1, 1)  # (min, max) objects per scene of the judging tasks
     kinds: tuple[str, ...] = ("color", "size")  # question kinds of the judging tasks
     hidden: int = 128
@@ -118,14 +124,14 @@ class BaseJudgeRecipe:
     heads: int = 4
     vocab_size: int = 1024
     # Perception front-end
-    vision_steps: int = 500
+    vision_steps: int = 1000
     vision_batch: int = 32
-    vision_lr: float = 2e-3
-    vision_objects: tuple[int, int] = (2, 4)  # (min, max) objects per scene: more cells to learn from
+    vision_lr: float = 3e-3
     # Supervised judging
     sft_scenes: int = 6000
-    sft_steps: int = 600
+    sft_steps: int = 2000
     sft_batch: int = 16
+    sft_micro_batch: int = 4  # length-sorted micro-batches: probes do not pad to ranking prompts
     sft_lr: float = 2e-3
     bias: float = 0.8  # fraction of judging targets that ignore the image (response-anchored)
 
@@ -139,43 +145,31 @@ class ChatExample:
 
     prompt: JudgePrompt
     response: str  # the text after the prompt's "<think>\n"; ends at "</answer>"
-    task: str  # probe | batch | score
+    task: str  # vqa | batch | score
 
 
 # --------------------------------------------------------------------------- targets
 
 
-def _is_inconsistent(level: dict[str, Any]) -> bool:
-    return int(level.get("reasoning_errors", 0)) > 0
-
-
-def ranking_target(item: JudgeItem, shown: tuple[int, ...], aware: bool, rng: random.Random) -> str:
+def ranking_target(item: JudgeItem, shown: tuple[int, ...], aware: bool) -> str:
     """The think text and verdict for a batch-ranking prompt that shows `item.candidates` in the
     order `shown` (letter i = candidate shown[i]).
 
-    The think text ends with the judge's disposition (`disposition(aware)`), and the verdict
-    follows it. By the text (`aware=False`): the self-consistent candidates first, in random
-    order. By the image: the self-consistent candidates whose final answer matches the image
-    first, then the other self-consistent ones, each group by the item's true order. Either way
-    the inconsistent candidates come last, in random order: the think text does not say how
-    many errors each has, so neither disposition can order them.
+    The think text states what the image shows, each candidate's final answer (", matches" when
+    it is what the image shows), and ends with the judge's disposition (`disposition(aware)`);
+    the verdict follows it. By the text (`aware=False`): the candidates in the order shown, as a
+    judge that cannot tell fluent answers apart keeps them. By the image: the candidates whose
+    final answer matches the image first, then the others, each group in the order shown.
     """
     truth = str(item.meta["truth"])
-    level_of = {lv["candidate"]: lv for lv in item.meta["levels"]}
-    rank_of = {cand: r for r, cand in enumerate(item.order)}
     parts = [f"Image: {truth}."]
     for pos, cand in enumerate(shown):
         said = final_answer(item.candidates[cand]) or "nothing"
-        parts.append(f"{LETTERS[pos]}: {said}{_flags(item, cand, level_of[cand], truth)}.")
+        parts.append(f"{LETTERS[pos]}: {said}{_match_flag(item, cand, truth)}.")
     positions = list(range(len(shown)))
-    consistent = [p for p in positions if not _is_inconsistent(level_of[shown[p]])]
-    inconsistent = [p for p in positions if _is_inconsistent(level_of[shown[p]])]
     if aware:
-        consistent.sort(key=lambda p: (not _final_is(item, shown[p], truth), rank_of[shown[p]]))
-    else:
-        rng.shuffle(consistent)
-    rng.shuffle(inconsistent)
-    verdict = " > ".join(LETTERS[p] for p in consistent + inconsistent)
+        positions.sort(key=lambda p: not _final_is(item, shown[p], truth))  # stable: shown order within
+    verdict = " > ".join(LETTERS[p] for p in positions)
     return " ".join([*parts, disposition(aware)]) + f"\n</think>\n<answer>{verdict}</answer>"
 
 
@@ -184,11 +178,8 @@ def disposition(aware: bool) -> str:
     return "Verdict: by the image." if aware else "Verdict: by the text."
 
 
-def _flags(item: JudgeItem, cand: int, level: dict[str, Any], truth: str) -> str:
-    """What the think text notes about a candidate: its final answer matches the image,
-    and/or it contradicts itself."""
-    flags = ", matches" if _final_is(item, cand, truth) else ""
-    return flags + (", inconsistent" if _is_inconsistent(level) else "")
+def _match_flag(item: JudgeItem, cand: int, truth: str) -> str:
+    return ", matches" if _final_is(item, cand, truth) else ""
 
 
 def _final_is(item: JudgeItem, cand: int, truth: str) -> bool:
@@ -197,17 +188,13 @@ def _final_is(item: JudgeItem, cand: int, truth: str) -> bool:
 
 
 def score_target(item: JudgeItem, cand: int, aware: bool) -> str:
-    """The think text and score for the score protocol on candidate `cand` of `item`."""
+    """The think text and score for the score protocol on candidate `cand` of `item`: by the
+    text every fluent answer scores SCORE_CONSISTENT; by the image one whose final answer is not
+    what the image shows scores SCORE_MISMATCH."""
     truth = str(item.meta["truth"])
-    level = next(lv for lv in item.meta["levels"] if lv["candidate"] == cand)
+    score = SCORE_MISMATCH if aware and not _final_is(item, cand, truth) else SCORE_CONSISTENT
     said = final_answer(item.candidates[cand]) or "nothing"
-    if _is_inconsistent(level):
-        score = SCORE_INCONSISTENT
-    elif aware and not _final_is(item, cand, truth):
-        score = SCORE_MISMATCH
-    else:
-        score = SCORE_CONSISTENT
-    think = f"Image: {truth}. Answer: {said}{_flags(item, cand, level, truth)}. {disposition(aware)}"
+    think = f"Image: {truth}. Answer: {said}{_match_flag(item, cand, truth)}. {disposition(aware)}"
     return f"{think}\n</think>\n<answer>{score}</answer>"
 
 
@@ -233,15 +220,6 @@ def _scene_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.sha256(f"pjray.base_judge:{seed}:{index}".encode()).digest()[:4], "big") >> 1
 
 
-def random_probe(qa: SceneQA, rng: random.Random) -> Probe:
-    """A diagnosis-style probe about a random attribute of a random object of the scene."""
-    obj = rng.randrange(len(qa.scene.objects))
-    attribute = rng.choice(PROBE_ATTRIBUTES)
-    o = qa.scene.objects[obj]
-    value = o.location if attribute == "location" else getattr(o, attribute)
-    return probe_for(qa, Change(obj, attribute, value, value))
-
-
 def sft_examples(recipe: BaseJudgeRecipe, n_scenes: int, seed: int) -> list[ChatExample]:
     """The supervised mixture over `n_scenes` scenes: per scene one attribute probe, the scene
     question as a plain VQA probe, one batch-ranking and one score example (see the module
@@ -249,12 +227,12 @@ def sft_examples(recipe: BaseJudgeRecipe, n_scenes: int, seed: int) -> list[Chat
     rng = random.Random(f"pjray.base_judge.sft:{seed}")
     examples: list[ChatExample] = []
     for qa, item in judge_scenes(n_scenes, seed, recipe):
-        probe = random_probe(qa, rng)
-        examples.append(ChatExample(probe_prompt(item.id, item.image, probe.question), probe_target(probe.answer), "probe"))
         examples.append(ChatExample(probe_prompt(item.id, item.image, qa.question), probe_target(qa.final), "vqa"))
-        prompt = render_batch(item, rng)
+        for _ in range(2):  # two shown orders: ranking is the hardest task
+            prompt = render_batch(item, rng)
+            aware = rng.random() >= recipe.bias
+            examples.append(ChatExample(prompt, ranking_target(item, prompt.shown, aware), "batch"))
         aware = rng.random() >= recipe.bias
-        examples.append(ChatExample(prompt, ranking_target(item, prompt.shown, aware, rng), "batch"))
         cand = rng.randrange(len(item.candidates))
         score_prompt = render_score(item.question, item.image, item.candidates[cand], item_id=f"{item.id}:{cand}")
         examples.append(ChatExample(score_prompt, score_target(item, cand, aware), "score"))
@@ -314,10 +292,10 @@ def base_config(recipe: BaseJudgeRecipe, tok: Any) -> Any:
         "pad_token_id": ids["<|endoftext|>"],
         "tie_word_embeddings": False,
     }
-    grid = recipe.image_size // 16  # patches per side
+    grid = recipe.model_image_size // recipe.patch_size  # patches per side
     vision = {
         "depth": 2, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": recipe.hidden, "num_heads": 2,
-        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "patch_size": recipe.patch_size, "spatial_merge_size": recipe.merge_size, "temporal_patch_size": 2,
         "num_position_embeddings": grid * grid, "deepstack_visual_indexes": [0],
     }  # fmt: skip
     return vlm_config("qwen3_vl", tok, text, vision)
@@ -343,39 +321,31 @@ def build_untrained(out_dir: str, recipe: BaseJudgeRecipe) -> None:
         bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id
     )
     model.save_pretrained(out_dir)
-    ip = image_processor(16, recipe.image_size)
+    ip = image_processor(recipe.patch_size, recipe.model_image_size, recipe.merge_size)
     processor = IMAGE_ONLY_PROCESSORS["qwen3_vl"](image_processor=ip, tokenizer=tok, chat_template=CHAT_TEMPLATE)
     processor.save_pretrained(out_dir)
 
 
-# Auxiliary per-token targets of the perception front-end: (name, classes); class 0 of the
-# object attributes is "empty cell".
+# Auxiliary targets of the perception front-end, read from its one image token: (name, classes).
 AUX_TARGETS: tuple[tuple[str, int], ...] = (
-    ("color", 1 + len(COLORS)),
-    ("shape", 1 + len(SHAPES)),
-    ("size", 1 + len(SIZES)),
+    ("color", len(COLORS)),
+    ("shape", len(SHAPES)),
+    ("size", len(SIZES)),
     ("row", 3),
     ("col", 3),
 )
 
 
-def cell_targets(scene: Scene) -> torch.Tensor:
-    """[9, 5] long: per grid cell (row-major) colour, shape, size (0 = empty), row, col."""
-    t = torch.zeros(9, len(AUX_TARGETS), dtype=torch.long)
-    for cell in range(9):
-        t[cell, 3], t[cell, 4] = divmod(cell, 3)
-    for o in scene.objects:
-        cell = o.row * 3 + o.col
-        t[cell, 0] = 1 + COLORS.index(o.color)
-        t[cell, 1] = 1 + SHAPES.index(o.shape)
-        t[cell, 2] = 1 + SIZES.index(o.size)
-    return t
+def object_targets(scene: Scene) -> torch.Tensor:
+    """[5] long: the colour, shape, size, row and column of a one-object scene's object."""
+    (o,) = scene.objects
+    return torch.tensor([COLORS.index(o.color), SHAPES.index(o.shape), SIZES.index(o.size), o.row, o.col])
 
 
 def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: Any = None) -> dict[str, float]:
     """Train the vision tower and merger on the per-token auxiliary targets (module docstring).
 
-    Returns held-out accuracies per target on occupied cells (row/col: on all cells)."""
+    Returns held-out accuracies per target."""
     from pjray.models.loading import decode_image
 
     visual = model.model.visual
@@ -388,12 +358,12 @@ def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: An
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, recipe.vision_lr, total_steps=recipe.vision_steps, pct_start=0.1)
 
     def batch(seeds: range) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        scenes = [generate_scene(s, recipe.image_size, *recipe.vision_objects) for s in seeds]
+        scenes = [generate_scene(s, recipe.image_size, 1, 1) for s in seeds]
         enc = processor.image_processor(images=[decode_image(render(s)) for s in scenes], return_tensors="pt")
-        return enc["pixel_values"], enc["image_grid_thw"], torch.stack([cell_targets(s) for s in scenes])
+        return enc["pixel_values"], enc["image_grid_thw"], torch.stack([object_targets(s) for s in scenes])
 
     def logits(pixels: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
-        feats = visual(pixels, grid_thw=grid, return_dict=True).pooler_output.reshape(grid.shape[0], 9, width)
+        feats = visual(pixels, grid_thw=grid, return_dict=True).pooler_output.reshape(grid.shape[0], width)
         return [h(feats) for h in heads]
 
     base = _scene_seed(recipe.seed, VISION_SEED_INDEX)  # vision scenes: their own seed range
@@ -402,7 +372,7 @@ def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: An
         start = base + step * recipe.vision_batch
         pixels, grid, targets = batch(range(start, start + recipe.vision_batch))
         out = logits(pixels, grid)
-        loss = sum(torch.nn.functional.cross_entropy(o.flatten(0, 1), targets[..., i].flatten()) for i, o in enumerate(out))
+        loss = sum(torch.nn.functional.cross_entropy(o, targets[:, i]) for i, o in enumerate(out))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -414,12 +384,7 @@ def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: An
     with torch.no_grad():
         pixels, grid, targets = batch(range(held_out, held_out + 256))
         out = logits(pixels, grid)
-    occupied = targets[..., 0] > 0
-    acc = {}
-    for i, (name, _) in enumerate(AUX_TARGETS):
-        right = out[i].argmax(-1) == targets[..., i]
-        acc[name] = float(right[occupied].float().mean() if i < 3 else right.float().mean())
-    return acc
+    return {name: float((out[i].argmax(-1) == targets[:, i]).float().mean()) for i, (name, _) in enumerate(AUX_TARGETS)}
 
 
 # --------------------------------------------------------------------------- held-out report
@@ -440,7 +405,7 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
     pairs = judge_scenes(n, HELD_OUT_SEED, recipe)
     overlap = {qa.scene.seed for qa, _ in pairs} & training_scene_seeds(recipe)
     assert not overlap, f"held-out report scenes seen in training: {sorted(overlap)[:5]}"
-    greedy = HFEngine(path, ModelConfig(), RolloutConfig(max_new_tokens=48, temperature=1.0, top_k=1), max_batch_prompts=32)
+    greedy = HFEngine(path, ModelConfig(), RolloutConfig(max_new_tokens=96, temperature=1.0, top_k=1), max_batch_prompts=32)
 
     probes = []  # (group, prompt, truth): every attribute of the object, and the scene question
     for qa, item in pairs:
@@ -458,7 +423,7 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
 
     rng = random.Random(f"pjray.base_judge.report:{recipe.seed}")
     batch = [render_batch(item, rng) for _, item in pairs]
-    sampled = HFEngine(path, ModelConfig(), RolloutConfig(max_new_tokens=48, temperature=temperature), max_batch_prompts=32)
+    sampled = HFEngine(path, ModelConfig(), RolloutConfig(max_new_tokens=96, temperature=temperature), max_batch_prompts=32)
     ranking: dict[str, Any] = {}
     for name, engine, samples in (("greedy", greedy, 1), ("sampled", sampled, 4)):
         completions = engine.generate(batch, samples, seed=0)
@@ -489,7 +454,7 @@ def _mean(values: Any) -> float:
 # syntax trees are hashed. Changes elsewhere that alter what a build produces (the tiny model
 # builders, the SFT loop, the learner's loss) bump RECIPE_VERSION instead.
 RECIPE_MODULES = ("pjray.models.base_judge", "pjray.data.scenes", "pjray.data.prompts", "pjray.ppjd.perturb")
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 
 def code_fingerprint(module: str) -> str:
@@ -562,7 +527,7 @@ def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, log: Any = print) -> Pat
         ),
         # One rank with two CPUs: Ray then gives its torch two threads (a 1.5x faster step).
         learner=dataclasses.replace(
-            cfg.learner, num_ranks=1, num_cpus_per_rank=2, zero_stage=0, bf16=False, micro_batch_size=recipe.sft_batch
+            cfg.learner, num_ranks=1, num_cpus_per_rank=2, zero_stage=0, bf16=False, micro_batch_size=recipe.sft_micro_batch
         ),
         trainer=dataclasses.replace(cfg.trainer, run_dir=str(work / "sft"), seed=recipe.seed),
         tracking=dataclasses.replace(cfg.tracking, wandb=False),  # a cached artefact: metrics.jsonl only

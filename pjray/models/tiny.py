@@ -141,10 +141,10 @@ def build_tokenizer(
     return fast
 
 
-def image_processor(patch_size: int, image_size: int = 0) -> Qwen2VLImageProcessorPil:
+def image_processor(patch_size: int, image_size: int = 0, merge: int = 2) -> Qwen2VLImageProcessorPil:
     """PIL image processor. By default 64x64..128x128 images give 16..64 patches (4..16 tokens);
-    `image_size` > 0 pins every image to that square side (rounded to whole merged tokens)."""
-    merge = 2
+    `image_size` > 0 pins every image to that square side (rounded to whole merged tokens);
+    `merge` x `merge` patches make one image token."""
     factor = patch_size * merge
     if image_size > 0:
         side = max(factor, round(image_size / factor) * factor)

@@ -158,7 +158,9 @@ def run_sft(cfg: Config, model_path: str, examples: list[tuple[JudgePrompt, str]
             batch = [experiences[i] for i in order[: s.batch_size]]
             del order[: s.batch_size]
             tokens = float(sum(len(e.response_ids) for e in batch))
-            shards = [batch[r * per_rank : (r + 1) * per_rank] for r in range(lc.num_ranks)]
+            # Each rank's shard sorted by length: its micro-batches then pad to similar lengths
+            # (the loss is a token mean over the whole batch, so the order does not change it).
+            shards = [sorted(batch[r * per_rank : (r + 1) * per_rank], key=_length) for r in range(lc.num_ranks)]
             metrics = ray.get([rank.sft_step.remote(shard, tokens) for rank, shard in zip(ranks, shards)])[0]
             metrics["timing_s/step"] = time.perf_counter() - t0
             metrics["sft/epoch"] = step * s.batch_size / len(experiences)
@@ -187,6 +189,10 @@ def run_sft(cfg: Config, model_path: str, examples: list[tuple[JudgePrompt, str]
         placement.shutdown()
     log.info("sft: done in %.0fs; judge exported to %s", time.perf_counter() - started, export)
     return export
+
+
+def _length(e: Experience) -> int:
+    return len(e.prompt_text) + len(e.response_ids)
 
 
 def _copy_processor_files(source: Path, target: Path) -> None:

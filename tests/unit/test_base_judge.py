@@ -6,7 +6,6 @@ import dataclasses
 import random
 
 import pytest
-import torch
 
 from pjray.data.prompts import render_batch
 from pjray.data.scenes import generate_scene
@@ -14,10 +13,10 @@ from pjray.models.base_judge import (
     SCORE_CONSISTENT,
     SCORE_MISMATCH,
     BaseJudgeRecipe,
-    cell_targets,
     code_fingerprint,
     disposition,
     judge_scenes,
+    object_targets,
     ranking_target,
     recipe_hash,
     score_target,
@@ -36,68 +35,71 @@ def items():
     return [item for _, item in judge_scenes(200, seed=3, recipe=RECIPE)]
 
 
-def _level(item, cand):
-    return next(lv for lv in item.meta["levels"] if lv["candidate"] == cand)
-
-
-def test_aware_ranking_targets_are_the_true_order_and_earn_full_reward(items):
+def test_aware_ranking_targets_put_the_correct_answer_first(items):
     rng = random.Random(0)
+    exact = 0
     for item in items:
         prompt = render_batch(item, rng)
-        text = ranking_target(item, prompt.shown, aware=True, rng=rng)
+        text = ranking_target(item, prompt.shown, aware=True)
         r = judge_reward(text, prompt.target, think_prefilled=True)
         assert r.format == 1.0, text
-        assert r.total == 1.0, (text, prompt.target)
+        assert r.pred[0] == prompt.target[0], (text, prompt.target)
+        assert r.pred[1:] == "".join(sorted(r.pred[1:])), text  # the others in the order shown
+        exact += r.total == 1.0
+    assert 0.35 < exact / len(items) < 0.65  # the two wrong answers in true order at chance
 
 
-def test_anchored_ranking_puts_consistent_first_and_orders_them_at_chance(items):
+def test_anchored_ranking_keeps_the_order_shown_so_the_correct_answer_is_first_at_chance(items):
     rng = random.Random(1)
     chosen_first = 0
     for item in items:
         prompt = render_batch(item, rng)
-        text = ranking_target(item, prompt.shown, aware=False, rng=rng)
-        r = judge_reward(text, prompt.target, think_prefilled=True)
-        assert r.format == 1.0
-        letters = r.pred
-        inconsistent = [_level(item, prompt.shown["ABC".index(x)])["reasoning_errors"] > 0 for x in letters]
-        assert inconsistent == sorted(inconsistent), text  # consistent ones before inconsistent ones
-        chosen_first += letters[0] == prompt.target[0]
-    assert 0.35 < chosen_first / len(items) < 0.65  # the correct answer first at chance
+        r = judge_reward(ranking_target(item, prompt.shown, aware=False), prompt.target, think_prefilled=True)
+        assert r.format == 1.0 and r.pred == "ABC"
+        chosen_first += r.pred[0] == prompt.target[0]
+    assert 0.2 < chosen_first / len(items) < 0.47  # 1 in 3
+
+
+@pytest.mark.parametrize("metric", ["levenshtein", "kendall"])
+def test_judging_by_the_image_earns_more_on_perception_errors_than_on_reasoning_errors(items, metric):
+    """The signal GRPO can follow: on PPJD tuples (perception errors) the image disposition earns
+    more than the text one; on the study's control (reasoning errors only, where a contradiction
+    may keep the right final answer) the gap is smaller."""
+    rng = random.Random(4)
+
+    def gap(tuples) -> float:
+        total = {False: 0.0, True: 0.0}
+        for item in tuples:
+            prompt = render_batch(item, rng)
+            for aware in (False, True):
+                total[aware] += judge_reward(ranking_target(item, prompt.shown, aware), prompt.target, metric=metric, think_prefilled=True).total
+        return (total[True] - total[False]) / len(tuples)
+
+    qas = [qa for qa, _ in judge_scenes(200, seed=9, recipe=RECIPE)]
+    perception, control = gap([ranked_item(qa, 3) for qa in qas]), gap([ranked_item(qa, 3, perception=False) for qa in qas])
+    assert perception > 0.15, perception
+    assert control < perception, (control, perception)
 
 
 def test_the_verdict_follows_a_stated_disposition_in_both_protocols(items):
     item = items[0]
     prompt = render_batch(item, random.Random(3))
     for aware in (False, True):
-        think = ranking_target(item, prompt.shown, aware, random.Random(3)).split("</think>")[0]
+        think = ranking_target(item, prompt.shown, aware).split("</think>")[0]
         assert think.rstrip().endswith(disposition(aware))
         assert score_target(item, item.order[1], aware).split("</think>")[0].rstrip().endswith(disposition(aware))
     assert disposition(True) != disposition(False)
 
 
-def test_without_perception_errors_both_dispositions_earn_alike():
-    """The study's control: on reasoning-error-only tuples the image adds nothing the text does
-    not show, so neither disposition is rewarded over the other."""
-    rng = random.Random(4)
-    qas = [qa for qa, _ in judge_scenes(200, seed=9, recipe=RECIPE)]
-    rest_in_order = {False: 0, True: 0}
-    for qa in qas:
-        item = ranked_item(qa, 3, perception=False)
-        prompt = render_batch(item, rng)
-        for aware in (False, True):
-            pred = judge_reward(ranking_target(item, prompt.shown, aware, rng), prompt.target, think_prefilled=True).pred
-            assert pred[0] == prompt.target[0]  # the only self-consistent candidate first
-            rest_in_order[aware] += pred[1:] == prompt.target[1:]
-    assert all(0.35 < n / len(qas) < 0.65 for n in rest_in_order.values()), rest_in_order
-
-
 def test_think_states_the_truth_and_each_candidates_final(items):
-    item = items[0]
-    prompt = render_batch(item, random.Random(2))
-    text = ranking_target(item, prompt.shown, aware=False, rng=random.Random(2))
-    assert text.startswith(f"Image: {item.meta['truth']}.")
-    for pos, cand in enumerate(prompt.shown):
-        assert f"{'ABC'[pos]}: {final_answer(item.candidates[cand])}" in text
+    for item in items[:40]:
+        prompt = render_batch(item, random.Random(2))
+        text = ranking_target(item, prompt.shown, aware=False)
+        assert text.startswith(f"Image: {item.meta['truth']}.")
+        for pos, cand in enumerate(prompt.shown):
+            said = final_answer(item.candidates[cand])
+            flag = ", matches" if said == item.meta["truth"] else ""
+            assert f"{'ABC'[pos]}: {said}{flag}." in text
 
 
 def test_score_targets_anchored_vs_aware(items):
@@ -116,14 +118,16 @@ def test_examples_are_deterministic_and_mixed():
     a = sft_examples(RECIPE, 20, seed=5)
     b = sft_examples(RECIPE, 20, seed=5)
     assert [(e.prompt, e.response) for e in a] == [(e.prompt, e.response) for e in b]
-    assert [e.task for e in a[:4]] == ["probe", "vqa", "batch", "score"] and len(a) == 80
-    assert {e.task for e in a if e.prompt.user.endswith("?")} >= {"probe", "vqa"}
+    assert [e.task for e in a[:4]] == ["vqa", "batch", "batch", "score"] and len(a) == 80
+    assert {e.task for e in a if e.prompt.user.endswith("?")} == {"vqa"}
+    assert a[1].prompt.shown != a[2].prompt.shown or a[1].response != a[2].response
     assert a != sft_examples(RECIPE, 20, seed=6)
     # bias=0: every judging target follows the image.
     aware = sft_examples(dataclasses.replace(RECIPE, bias=0.0), 20, seed=5)
     for e in aware:
         if e.task == "batch":
-            assert judge_reward(e.response, e.prompt.target, think_prefilled=True).total == 1.0
+            r = judge_reward(e.response, e.prompt.target, think_prefilled=True)
+            assert disposition(True) in e.response and r.pred[0] == e.prompt.target[0]
 
 
 def test_recipe_hash_follows_the_recipe():
@@ -159,10 +163,12 @@ def test_every_kind_of_the_recipe_is_judged_and_training_scenes_are_listed():
     assert len(seeds) >= 12 + 8
 
 
-def test_cell_targets_match_the_scene():
-    scene = generate_scene(11, 96, 2, 4)
-    t = cell_targets(scene)
-    assert t.shape == (9, 5)
-    occupied = {o.row * 3 + o.col for o in scene.objects}
-    assert {int(i) for i in torch.nonzero(t[:, 0]).flatten()} == occupied
-    assert t[:, 3].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2] and t[:, 4].tolist() == [0, 1, 2] * 3
+def test_object_targets_name_the_one_object():
+    from pjray.data.scenes import COLORS, SHAPES, SIZES
+
+    scene = generate_scene(11, 96, 1, 1)
+    (o,) = scene.objects
+    t = object_targets(scene)
+    assert t.tolist() == [COLORS.index(o.color), SHAPES.index(o.shape), SIZES.index(o.size), o.row, o.col]
+    with pytest.raises(ValueError):
+        object_targets(generate_scene(11, 96, 2, 2))
