@@ -7,7 +7,7 @@ answer that contradicts the image as high as the correct one (Mode (b), response
 judgment). GRPO on PPJD must teach them to *use* what they see. This module builds the same
 starting point on a CPU, from scratch, in three parts:
 
-1. **Architecture.** A Qwen3-VL with a ~1.2M-parameter text model (128 wide, 4 layers) and a
+1. **Architecture.** A Qwen3-VL with a ~1.3M-parameter text model (128 wide, 4 layers) and a
    2-layer vision tower. Scenes are rendered at 96 px (as `data.image_size` renders them); the
    processor resizes them to 48 px, 3 x 3 patches of 16 px (one per scene grid cell), and the
    merger turns the 3 x 3 patches into **one image token**. The tokenizer is a byte-level BPE
@@ -405,7 +405,7 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
     pairs = judge_scenes(n, HELD_OUT_SEED, recipe)
     overlap = {qa.scene.seed for qa, _ in pairs} & training_scene_seeds(recipe)
     assert not overlap, f"held-out report scenes seen in training: {sorted(overlap)[:5]}"
-    greedy = HFEngine(path, ModelConfig(), RolloutConfig(max_new_tokens=96, temperature=1.0, top_k=1), max_batch_prompts=32)
+    greedy = HFEngine(path, ModelConfig(), RolloutConfig(max_new_tokens=48, temperature=1.0, top_k=1), max_batch_prompts=32)
 
     probes = []  # (group, prompt, truth): every attribute of the object, and the scene question
     for qa, item in pairs:
@@ -423,7 +423,7 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
 
     rng = random.Random(f"pjray.base_judge.report:{recipe.seed}")
     batch = [render_batch(item, rng) for _, item in pairs]
-    sampled = HFEngine(path, ModelConfig(), RolloutConfig(max_new_tokens=96, temperature=temperature), max_batch_prompts=32)
+    sampled = HFEngine(path, ModelConfig(), RolloutConfig(max_new_tokens=48, temperature=temperature), max_batch_prompts=32)
     ranking: dict[str, Any] = {}
     for name, engine, samples in (("greedy", greedy, 1), ("sampled", sampled, 4)):
         completions = engine.generate(batch, samples, seed=0)
