@@ -507,7 +507,7 @@ def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, log: Any = print) -> Pat
     if (target / "hf_model" / "COMPLETE").exists():
         return target / "hf_model"
     started = time.perf_counter()
-    log(f"pjray: building the base judge once into {target} (a few minutes on 2 cores; cached)")
+    log(f"pjray: building the base judge once into {target} (about 25 min on 2 cores; then cached)")
     work = target.with_name(target.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     (work / "untrained").mkdir(parents=True)
