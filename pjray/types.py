@@ -53,6 +53,18 @@ class JudgePrompt:
 
 
 @dataclass(frozen=True)
+class ChatExample:
+    """One supervised example: a judge prompt and the response the judge should write."""
+
+    prompt: JudgePrompt
+    response: str  # the text after the chat's opening "<think>\n" (when it opens one), to the answer's end
+    task: str = "chat"  # what the example teaches (the base judge's mixture: vqa | batch | score)
+    # A character span [start, end) of `response` whose tokens the loss skips (the tokens still
+    # condition what follows); None: every response token is trained.
+    untrained: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
 class Completion:
     """One sampled response to one prompt."""
 
@@ -123,6 +135,9 @@ class Experience:
     # [L]; the rollout engine's own log-probs (Completion.logprobs), to measure how far the
     # learner's differ; None: not measured in this update.
     rollout_logprobs: tuple[float, ...] | None = None
+    # [L]; False on response tokens the loss skips (a supervised target's untrained span); None:
+    # every response token is trained.
+    loss_mask: tuple[bool, ...] | None = None
 
 
 @dataclass

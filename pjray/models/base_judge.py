@@ -26,11 +26,17 @@ starting point on a CPU, from scratch, in three parts:
    The think text is honest: it states what the image shows (the question's true answer), each
    candidate's final answer, and which one matches the image. It ends with the judge's
    **disposition**, the sentence its verdict rests on, and the verdict follows it:
-   - `Verdict: by the text.` (response-anchored, in a fraction `bias` of the examples, default
-     0.8): the candidates in the order shown (a judge that cannot tell fluent answers apart keeps
-     them as they come, a position bias), and every answer scores 8;
+   - `Verdict: by the text.` (response-anchored): the candidates in the order shown (a judge
+     that cannot tell fluent answers apart keeps them as they come, a position bias), and every
+     answer scores 8;
    - `Verdict: by the image.`: the candidates whose final answer matches the image first, then
      the others in the order shown; an answer that does not match scores 4.
+   Half of the judging targets (`image_verdicts`) follow the image, so the verdict after "by the
+   image" is learned as well as the one after "by the text"; but the disposition word itself is
+   trained on only enough of them that the trained dispositions are by the text in a fraction
+   `bias` (0.8) of the targets (`disposition_keep_rate`; the loss skips the word "image" in the
+   others, `ChatExample.untrained`). So the judge's prior is response-anchored while it knows
+   how to judge by the image once it decides to.
    So the judge perceives (its think and its probe answers are right) but mostly does not let
    perception decide its verdict: the correct answer is ranked first one time in three, and a
    fluent wrong answer scores as high as the correct one. The disposition is one habit shared by
@@ -41,6 +47,11 @@ starting point on a CPU, from scratch, in three parts:
    perception errors, where a contradiction can keep the right final answer.
 
 What did not work at this size (measured on held-out scenes, 2 cores):
+- Image verdicts only as often as the disposition (20% of the targets, the previous recipe):
+  teacher-forced with a right think text and "by the image", the first-ranked letter was the
+  matching candidate on 36.5% of held-out prompts (chance: 1/3); the judge had learned "the order
+  shown" for both dispositions, so judging by the image earned no more reward and GRPO had
+  nothing to follow. 300 further steps at half image verdicts: 100%.
 - 3 x 3 image tokens, one per cell (the previous recipe): the front-end read every cell (colour
   0.996), but the text model did not learn to find the one occupied cell among nine: colour probe
   accuracy 0.59. One merged image token: 1.00.
@@ -57,15 +68,16 @@ readout, so the base judge sees well and what it lacks is what the paper's base 
 using what it sees.
 
 Measured (64 held-out scenes, greedy unless said; `held_out_report`, written to the build's
-`report.json`; 1,414 s to build on 2 cores, 0.67 s per supervised step): front-end accuracy 1.00
-on colour, size, row and column, 0.996 on shape; probe accuracy on the judging questions 1.00
-(colour and size; the attribute probes on shape and location are not trained: 0.00); on batch
-prompts the format is written on 100% greedily and 99.2% sampled at temperature 1, the correct
-answer is ranked first on 36%, and the disposition is "by the image" on 0% greedily and 17%
-sampled. The think text is right on 69% of sampled batch prompts, but the verdict after "by the
-image" does not reliably put the flagged candidate first: sampled, it earns a mean reward of 0.41
-against 0.43 by the text, so GRPO finds no reward gap between the dispositions to follow (see the
-README's bias study).
+`report.json`; about 1,800 s to build on 2 cores, 0.86 s per supervised step): front-end
+accuracy 1.00 on colour, size, row and column, 0.996 on shape; probe accuracy on the judging
+questions 1.00 (colour and size; the attribute probes on shape and location are not trained:
+0.00); on batch prompts the format is written on 100% greedily and 99.2% sampled at temperature
+1, the correct answer is ranked first on 36% greedily (43% sampled), and the disposition is "by
+the image" on 0% greedily and 19% sampled. Sampled, judging by the image earns a mean reward of
+0.667 against 0.442 by the text: the gap GRPO can follow. Teacher-forced with a right think text,
+the verdict after "by the image" puts the matching candidate first on 100% of held-out prompts.
+What limits it is the think text: it names each candidate's final answer and the match right on
+about 75% of prompts greedily (71% sampled); the rest misread a candidate.
 
 Every step is deterministic for a seed; the built judge is cached in a directory named by a
 hash of the recipe (`pjray.models.cache`), so a changed recipe builds anew.
@@ -80,8 +92,10 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from functools import partial
 from typing import Any
 
 import torch
@@ -90,11 +104,10 @@ from pjray.data.prompts import EOS_TOKEN, LETTERS, render_batch, render_score
 from pjray.data.scenes import COLORS, SHAPES, SIZES, Scene, SceneQA, generate_scene, render, sample_qa
 from pjray.eval.bias import probe_prompt
 from pjray.ppjd.perturb import Change, final_answer, probe_for, ranked_item
-from pjray.types import JudgeItem, JudgePrompt
+from pjray.types import ChatExample, JudgeItem, JudgePrompt
 
 __all__ = [
     "BaseJudgeRecipe",
-    "ChatExample",
     "judge_scenes",
     "sft_examples",
     "ranking_target",
@@ -133,19 +146,13 @@ class BaseJudgeRecipe:
     sft_batch: int = 16
     sft_micro_batch: int = 4  # length-sorted micro-batches: probes do not pad to ranking prompts
     sft_lr: float = 2e-3
-    bias: float = 0.8  # fraction of judging targets that ignore the image (response-anchored)
+    bias: float = 0.8  # the disposition's prior: by the text (response-anchored) on this fraction
+    # The fraction of judging targets whose verdict follows the image: more than 1 - bias, so the
+    # verdict after "by the image" is learned; the disposition of the extra ones is not trained.
+    image_verdicts: float = 0.5
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class ChatExample:
-    """One supervised example: a judge prompt and the response the judge should write."""
-
-    prompt: JudgePrompt
-    response: str  # the text after the prompt's "<think>\n"; ends at "</answer>"
-    task: str  # vqa | batch | score
 
 
 # --------------------------------------------------------------------------- targets
@@ -225,18 +232,38 @@ def sft_examples(recipe: BaseJudgeRecipe, n_scenes: int, seed: int) -> list[Chat
     question as a plain VQA probe, one batch-ranking and one score example (see the module
     docstring); deterministic for (recipe, seed)."""
     rng = random.Random(f"pjray.base_judge.sft:{seed}")
+    keep = disposition_keep_rate(recipe.bias, recipe.image_verdicts)
+
+    def judged(prompt: JudgePrompt, target: Callable[[bool], str], task: str) -> ChatExample:
+        aware = rng.random() < recipe.image_verdicts
+        response = target(aware)
+        untrained = None
+        if aware and rng.random() >= keep:  # the verdict is trained, the disposition is not
+            start = response.rindex(disposition(True)) + len(disposition(False).removesuffix("text."))
+            untrained = (start, start + len("image"))
+        return ChatExample(prompt, response, task, untrained)
+
     examples: list[ChatExample] = []
     for qa, item in judge_scenes(n_scenes, seed, recipe):
         examples.append(ChatExample(probe_prompt(item.id, item.image, qa.question), probe_target(qa.final), "vqa"))
         for _ in range(2):  # two shown orders: ranking is the hardest task
             prompt = render_batch(item, rng)
-            aware = rng.random() >= recipe.bias
-            examples.append(ChatExample(prompt, ranking_target(item, prompt.shown, aware), "batch"))
-        aware = rng.random() >= recipe.bias
+            examples.append(judged(prompt, partial(ranking_target, item, prompt.shown), "batch"))
         cand = rng.randrange(len(item.candidates))
         score_prompt = render_score(item.question, item.image, item.candidates[cand], item_id=f"{item.id}:{cand}")
-        examples.append(ChatExample(score_prompt, score_target(item, cand, aware), "score"))
+        examples.append(judged(score_prompt, partial(score_target, item, cand), "score"))
     return examples
+
+
+def disposition_keep_rate(bias: float, image_verdicts: float) -> float:
+    """The fraction of image-verdict targets whose disposition is trained, so that the trained
+    dispositions are by the text on a fraction `bias` of the judging targets while a fraction
+    `image_verdicts` (>= 1 - bias) of the verdicts follows the image."""
+    if not (0.0 <= bias <= 1.0 and 1.0 - bias <= image_verdicts <= 1.0):
+        raise ValueError(f"need 0 <= bias <= 1 and 1 - bias <= image_verdicts <= 1; got {bias}, {image_verdicts}")
+    if bias == 0.0 or image_verdicts == 0.0:
+        return 1.0
+    return (1.0 - bias) * (1.0 - image_verdicts) / (bias * image_verdicts)
 
 
 def training_scene_seeds(recipe: BaseJudgeRecipe) -> set[int]:
@@ -396,7 +423,8 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
     """What the built judge does on `n` held-out scenes (asserted disjoint from its training
     scenes): greedy probe accuracy per probed attribute and per judging question kind, and on
     batch-ranking prompts the format rate (greedy, and sampled at `temperature`, 4 samples a
-    prompt), the correct answer ranked first, and the "by the image" disposition rate."""
+    prompt), the correct answer ranked first, the "by the image" disposition rate, and the mean
+    reward of each disposition."""
     from pjray.config import ModelConfig, RolloutConfig
     from pjray.eval.bias import probe_correct, read_probe_answer
     from pjray.reward import judge_reward
@@ -429,10 +457,14 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
         completions = engine.generate(batch, samples, seed=0)
         judged = [(judge_reward(c.text, batch[i // samples].target, think_prefilled=True), batch[i // samples], c.text)
                   for i, c in enumerate(completions)]  # fmt: skip
+        by_image = [disposition(True) in t for _, _, t in judged]
         ranking[name] = {
             "format": _mean(r.format == 1.0 for r, _, _ in judged),
             "correct_first": _mean(r.format == 1.0 and r.pred is not None and r.pred[:1] == p.target[:1] for r, p, _ in judged),
-            "by_the_image": _mean(disposition(True) in t for _, _, t in judged),
+            "by_the_image": _mean(by_image),
+            # The mean reward of each disposition: what GRPO can follow.
+            "reward_by_the_image": _mean(r.total for (r, _, _), b in zip(judged, by_image) if b),
+            "reward_by_the_text": _mean(r.total for (r, _, _), b in zip(judged, by_image) if not b),
         }
     ranking["sampled"]["temperature"] = temperature
     return {
@@ -454,7 +486,7 @@ def _mean(values: Any) -> float:
 # syntax trees are hashed. Changes elsewhere that alter what a build produces (the tiny model
 # builders, the SFT loop, the learner's loss) bump RECIPE_VERSION instead.
 RECIPE_MODULES = ("pjray.models.base_judge", "pjray.data.scenes", "pjray.data.prompts", "pjray.ppjd.perturb")
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 
 
 def code_fingerprint(module: str) -> str:
@@ -532,8 +564,7 @@ def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, log: Any = print) -> Pat
         trainer=dataclasses.replace(cfg.trainer, run_dir=str(work / "sft"), seed=recipe.seed),
         tracking=dataclasses.replace(cfg.tracking, wandb=False),  # a cached artefact: metrics.jsonl only
     )  # fmt: skip
-    examples = [(e.prompt, e.response) for e in sft_examples(recipe, recipe.sft_scenes, recipe.seed)]
-    export = run_sft(sft_cfg, str(work / "untrained"), examples)
+    export = run_sft(sft_cfg, str(work / "untrained"), sft_examples(recipe, recipe.sft_scenes, recipe.seed))
     held_out = held_out_report(str(export), recipe, temperature=cfg.rollout.temperature)
     log(f"pjray: base judge on held-out scenes: {json.dumps(held_out)}")
     report = {

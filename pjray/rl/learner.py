@@ -76,9 +76,9 @@ def collate(
 
     Returns:
         TrainBatch with input_ids / attention_mask / response_mask / old_logprobs [B, T]
-        (response_mask is 1 on every response token; old_logprobs holds the given values on
-        response positions, NaN where an experience has none, meaning "use the current
-        policy"), advantages [B], per-row pixel_values [P_b, D] and image_grid_thw [n_b, 3]
+        (response_mask is 1 on the response tokens that `loss_mask` keeps; old_logprobs holds
+        the given values on response positions, NaN where an experience has none, meaning "use
+        the current policy"), advantages [B], per-row pixel_values [P_b, D] and image_grid_thw [n_b, 3]
         (empty for rows without an image), and ref_logprobs / rollout_logprobs [B, T] when any
         experience has them (NaN on the response positions of those that do not).
     """
@@ -86,7 +86,7 @@ def collate(
         raise ValueError("collate: no experiences")
     for i, e in enumerate(experiences):
         n = len(e.response_ids)
-        for field_name in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
+        for field_name in ("old_logprobs", "ref_logprobs", "rollout_logprobs", "loss_mask"):
             values = getattr(e, field_name)
             if values is not None and len(values) != n:
                 raise ValueError(
@@ -152,7 +152,7 @@ def collate(
         input_ids[i, : row.numel()] = row
         attention_mask[i, : row.numel()] = 1
         end = start + len(e.response_ids)
-        response_mask[i, start:end] = 1.0
+        response_mask[i, start:end] = 1.0 if e.loss_mask is None else torch.tensor(e.loss_mask, dtype=torch.float32)
         for name, values in [("old_logprobs", old_logprobs), *optional.items()]:
             given = getattr(e, name)
             values[i, start:end] = torch.tensor(given, dtype=torch.float32) if given is not None else math.nan

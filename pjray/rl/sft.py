@@ -31,7 +31,7 @@ from pjray.models.loading import decode_image, load_processor, render_chat
 from pjray.rl.learner import LearnerRank
 from pjray.rl.placement import Placement, RoleResources
 from pjray.tracking import Tracker
-from pjray.types import Experience, JudgePrompt
+from pjray.types import ChatExample, Experience, JudgePrompt
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ class SFTDataError(InputError):
     what = "bad data"
 
 
-def read_chat_examples(path: str | Path, source: str) -> list[tuple[JudgePrompt, str]]:
-    """(prompt, response) pairs from a JSONL or parquet file of chat rows (module docstring)."""
+def read_chat_examples(path: str | Path, source: str) -> list[ChatExample]:
+    """The chat examples of a JSONL or parquet file of chat rows (module docstring)."""
     path = Path(path)
     if not path.is_file():
         raise SFTDataError(f"{path}: no such file")
@@ -83,39 +83,47 @@ def read_chat_examples(path: str | Path, source: str) -> list[tuple[JudgePrompt,
             item_id=str(row.get("id", n)), system=str(row.get("system") or ""), user=row["user"], image=image,
             protocol="chat", style="answer", num_candidates=0, shown=(), target="",
         )  # fmt: skip
-        out.append((prompt, row["response"]))
+        out.append(ChatExample(prompt, row["response"]))
     if not out:
         raise SFTDataError(f"{path}: no chat examples")
     return out
 
 
-def to_experience(processor: Any, prompt: JudgePrompt, response: str, think_prefix: bool) -> Experience:
+def to_experience(processor: Any, example: ChatExample, think_prefix: bool) -> Experience:
     """The learner's input for one example: the rendered prompt and the response's token ids,
-    closed with the end-of-turn token (the judge learns to stop)."""
-    text = render_chat(processor, prompt, think_prefix=think_prefix)
+    closed with the end-of-turn token (the judge learns to stop); the tokens that overlap the
+    example's untrained span carry no loss."""
+    text = render_chat(processor, example.prompt, think_prefix=think_prefix)
     tok = processor.tokenizer
-    ids = tok(response + tok.eos_token, add_special_tokens=False).input_ids
-    return Experience(prompt_text=text, image=prompt.image, response_ids=tuple(ids), advantage=0.0)
+    untrained = example.untrained
+    enc = tok(example.response + tok.eos_token, add_special_tokens=False, return_offsets_mapping=untrained is not None)
+    mask = None
+    if untrained is not None:
+        start, end = untrained
+        if not 0 <= start < end <= len(example.response):
+            raise SFTDataError(f"example {example.prompt.item_id}: untrained span {untrained} is not inside the response")
+        mask = tuple(not (a < end and b > start) for a, b in enc.offset_mapping)
+    return Experience(text, example.prompt.image, tuple(enc.input_ids), advantage=0.0, loss_mask=mask)
 
 
-def _examples(cfg: Config) -> list[tuple[JudgePrompt, str]]:
+def _examples(cfg: Config) -> list[ChatExample]:
     if cfg.sft.source == "base_judge":
         from pjray.models.base_judge import BaseJudgeRecipe, sft_examples
 
         recipe = BaseJudgeRecipe(seed=cfg.trainer.seed)
-        return [(e.prompt, e.response) for e in sft_examples(recipe, cfg.sft.num_scenes, recipe.seed)]
+        return sft_examples(recipe, cfg.sft.num_scenes, recipe.seed)
     return read_chat_examples(cfg.sft.path, cfg.sft.source)
 
 
-def run_sft(cfg: Config, model_path: str, examples: list[tuple[JudgePrompt, str]] | None = None) -> Path:
+def run_sft(cfg: Config, model_path: str, examples: list[ChatExample] | None = None) -> Path:
     """Fine-tune the judge at `model_path` as `cfg.sft` says, on `examples` when given (else
     those `cfg.sft` names); returns the HF export's path."""
     run_dir = Path(cfg.trainer.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    pairs = examples if examples is not None else _examples(cfg)
+    chosen = examples if examples is not None else _examples(cfg)
     processor = load_processor(model_path)
-    experiences = [to_experience(processor, p, r, cfg.model.think_prefix) for p, r in pairs]
+    experiences = [to_experience(processor, e, cfg.model.think_prefix) for e in chosen]
     log.info("sft: %d examples", len(experiences))
     connect(cfg.ray)
 
@@ -157,7 +165,7 @@ def run_sft(cfg: Config, model_path: str, examples: list[tuple[JudgePrompt, str]
                 epoch += 1
             batch = [experiences[i] for i in order[: s.batch_size]]
             del order[: s.batch_size]
-            tokens = float(sum(len(e.response_ids) for e in batch))
+            tokens = float(sum(_trained_tokens(e) for e in batch))
             # Each rank's shard sorted by length: its micro-batches then pad to similar lengths
             # (the loss is a token mean over the whole batch, so the order does not change it).
             shards = [sorted(batch[r * per_rank : (r + 1) * per_rank], key=_length) for r in range(lc.num_ranks)]
@@ -189,6 +197,10 @@ def run_sft(cfg: Config, model_path: str, examples: list[tuple[JudgePrompt, str]
         placement.shutdown()
     log.info("sft: done in %.0fs; judge exported to %s", time.perf_counter() - started, export)
     return export
+
+
+def _trained_tokens(e: Experience) -> int:
+    return len(e.response_ids) if e.loss_mask is None else sum(e.loss_mask)
 
 
 def _length(e: Experience) -> int:

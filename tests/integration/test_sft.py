@@ -11,7 +11,9 @@ from pjray.config import load
 from pjray.data.scenes import generate_scene, render
 from pjray.models.loading import load_judge
 from pjray.models.tiny import build_tiny_judge
-from pjray.rl.sft import SFTDataError, read_chat_examples, run_sft
+from pjray.rl.learner import collate
+from pjray.rl.sft import SFTDataError, read_chat_examples, run_sft, to_experience
+from pjray.types import ChatExample, JudgePrompt
 
 pytestmark = pytest.mark.slow
 
@@ -45,6 +47,23 @@ def test_sft_learns_the_target_and_exports_a_loadable_judge(tmp_path: Path, ray_
     model, processor = load_judge(export)
     assert (export / "preprocessor_config.json").is_file()
     assert processor.image_token_id is not None and model.config.model_type == "qwen2_vl"
+
+
+def test_an_untrained_span_carries_no_loss(tmp_path: Path):
+    _, processor = load_judge(build_tiny_judge(tmp_path / "judge", seed=0), trainable=False)
+    prompt = JudgePrompt("p", "Judge.", "Which is right?", render(generate_scene(0, 64)), "chat", "answer", 0, (), "")
+    response = "Verdict: by the image.\n</think>\n<answer>A</answer>"
+    start = response.index("image")
+    whole = to_experience(processor, ChatExample(prompt, response), think_prefix=True)
+    masked = to_experience(processor, ChatExample(prompt, response, untrained=(start, start + 5)), think_prefix=True)
+    assert whole.loss_mask is None and masked.response_ids == whole.response_ids
+    skipped = [t for t, keep in zip(masked.response_ids, masked.loss_mask) if not keep]
+    assert skipped and "image" in processor.tokenizer.decode(skipped) and "answer" not in processor.tokenizer.decode(skipped)
+    batch = collate(processor, [whole, masked])
+    assert batch.response_mask[0].sum() == len(whole.response_ids)
+    assert batch.response_mask[1].sum() == len(whole.response_ids) - len(skipped)
+    with pytest.raises(SFTDataError, match="untrained span"):
+        to_experience(processor, ChatExample(prompt, response, untrained=(0, len(response) + 1)), think_prefix=True)
 
 
 def test_bad_chat_rows_name_file_and_row(tmp_path: Path):

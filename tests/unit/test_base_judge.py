@@ -15,6 +15,7 @@ from pjray.models.base_judge import (
     BaseJudgeRecipe,
     code_fingerprint,
     disposition,
+    disposition_keep_rate,
     judge_scenes,
     object_targets,
     ranking_target,
@@ -123,11 +124,29 @@ def test_examples_are_deterministic_and_mixed():
     assert a[1].prompt.shown != a[2].prompt.shown or a[1].response != a[2].response
     assert a != sft_examples(RECIPE, 20, seed=6)
     # bias=0: every judging target follows the image.
-    aware = sft_examples(dataclasses.replace(RECIPE, bias=0.0), 20, seed=5)
+    aware = sft_examples(dataclasses.replace(RECIPE, bias=0.0, image_verdicts=1.0), 20, seed=5)
     for e in aware:
         if e.task == "batch":
             r = judge_reward(e.response, e.prompt.target, think_prefilled=True)
             assert disposition(True) in e.response and r.pred[0] == e.prompt.target[0]
+
+
+def test_image_verdicts_are_balanced_but_the_trained_disposition_keeps_the_bias():
+    examples = [e for e in sft_examples(RECIPE, 1500, seed=0) if e.task in ("batch", "score")]
+    by_image = [e for e in examples if disposition(True) in e.response]
+    assert abs(len(by_image) / len(examples) - RECIPE.image_verdicts) < 0.03
+    trained = [e for e in examples if e.untrained is None]
+    trained_image = sum(disposition(True) in e.response for e in trained)
+    assert abs(trained_image / len(trained) - (1 - RECIPE.bias)) < 0.03
+    for e in examples:
+        if e.untrained is not None:  # only the word that decides the disposition is untrained
+            start, end = e.untrained
+            assert e.response[start:end] == "image" and e.response[:end].endswith(disposition(True)[:-1])
+    assert disposition_keep_rate(0.8, 0.2) == pytest.approx(1.0)
+    assert disposition_keep_rate(0.8, 0.5) == pytest.approx(0.25)
+    assert disposition_keep_rate(1.0, 0.5) == 0.0
+    with pytest.raises(ValueError, match="image_verdicts"):
+        disposition_keep_rate(0.8, 0.1)  # fewer image verdicts than the disposition's prior asks
 
 
 def test_recipe_hash_follows_the_recipe():
