@@ -1,13 +1,20 @@
-"""Weight sync learner -> rollout through the Ray object store, against a plain memory copy.
+"""Weight sync learner -> rollout on one node, against a plain memory copy.
 
-One sender actor (standing in for learner rank 0) loads the judge, plans 64 MB buckets, packs
-them and `ray.put`s each; one `RolloutWorker` (the HF engine) fetches them one at a time with
-`ray.get`, unpacks and copies into its parameters: exactly the trainer's sync path. Each
-configuration is timed `--reps` times (the median is shown) and checked with checksums once.
+One sender actor (standing in for learner rank 0) loads the judge and plans 64 MB buckets; one
+`RolloutWorker` (the HF engine) receives them and copies them into its parameters, through
+the trainer's own code for each transport (`trainer.sync_backend`):
 
-Two serialisations of the flat tensors are compared: Ray's default (torch's pickle, which
-copies the bytes on put and again on get) and `RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1` (the
-tensor travels as an out-of-band uint8 buffer and is mapped read-only on get).
+- `pickle` / `zero-copy` (object_store): the sender packs each bucket into a fresh buffer and
+  `ray.put`s it; the worker fetches one at a time with `ray.get`. Ray's default serialisation
+  (torch's pickle, which copies the bytes on put and again on get) against
+  `RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1` (an out-of-band buffer mapped read-only on get; the
+  trainer sets it for its actors).
+- `shm`: the sender packs each bucket in place into its shared-memory buffer
+  (`pjray.rl.sync.SharedBuckets`), the worker copies from its mapping of the same file
+  (`RolloutWorker.load_shared`): one copy in, one copy out.
+
+Each configuration syncs once untimed (buffers and mappings are made; the trainer pays that
+once per run), then `--reps` times (the median is shown), and is checked with checksums.
 
 The baseline is one `copy_` of the same number of bytes in one process, one thread (the
 actors run with one intra-op thread too): the floor for any transfer on this machine.
@@ -34,6 +41,7 @@ from pjray.config import ModelConfig, RolloutConfig
 from pjray.models.loading import load_judge
 from pjray.models.tiny import build_base_judge, build_tiny_judge
 from pjray.rl.rollout import RolloutWorker
+from pjray.rl.sync import SharedBuckets
 from pjray.rl.weights import pack, plan_buckets, state_checksums
 
 
@@ -50,6 +58,8 @@ class Sender:
             for p in self.model.parameters():
                 p.mul_(1.01)  # differ from the receiver, as after an optimizer step
 
+        self.shared: SharedBuckets | None = None
+
     def publish(self, bucket_bytes: int) -> tuple[list, list, float]:
         """(plan, refs, seconds spent packing and putting)."""
         start = time.perf_counter()
@@ -61,6 +71,19 @@ class Sender:
             refs.append(ray.put(flat))
             del flat  # the object store holds the bytes now
         return plan, refs, time.perf_counter() - start
+
+    def publish_shared(self, bucket_bytes: int) -> tuple[list, list, float]:
+        """(plan, shared-memory paths, seconds spent packing in place)."""
+        start = time.perf_counter()
+        params = dict(self.model.named_parameters())
+        plan = plan_buckets([(n, p.shape, p.dtype) for n, p in params.items()], bucket_bytes)
+        self.shared = self.shared or SharedBuckets()
+        plan, paths = self.shared.write((b, params) for b in plan)
+        return plan, paths, time.perf_counter() - start
+
+    def close(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
 
     def checksums(self) -> dict[str, str]:
         return state_checksums(self.model.named_parameters())
@@ -91,19 +114,22 @@ def bench_one(model_path: str, transport: str, bucket_bytes: int, reps: int) -> 
     receiver = ray.remote(**options)(RolloutWorker).remote(model_path, ModelConfig(), RolloutConfig(), 0)
     ray.get(receiver.ready.remote())
     sent = ray.get(sender.checksums.remote())
+    publish, load = (sender.publish_shared, receiver.load_shared) if transport == "shm" else (sender.publish, receiver.load_weights)
     put_s, get_s, total_s = [], [], []
-    for _ in range(reps):
+    for rep in range(reps + 1):  # rep 0: untimed
         start = time.perf_counter()
-        plan, refs, seconds = ray.get(sender.publish.remote(bucket_bytes))
+        plan, refs, seconds = ray.get(publish.remote(bucket_bytes))
         published = time.perf_counter()
-        ray.get(receiver.load_weights.remote(plan, refs))
+        ray.get(load.remote(plan, refs))
         done = time.perf_counter()
-        put_s.append(seconds)
-        get_s.append(done - published)
-        total_s.append(done - start)
+        if rep:
+            put_s.append(seconds)
+            get_s.append(done - published)
+            total_s.append(done - start)
         del refs  # free the buckets before the next round
     if ray.get(receiver.checksums.remote()) != sent:
         raise RuntimeError(f"{model_path} ({transport}): receiver checksums differ after sync")
+    ray.get(sender.close.remote())
     ray.kill(sender)
     ray.kill(receiver)
     return {
@@ -139,7 +165,7 @@ def main() -> None:
         rows = []
         try:
             for name, path in models.items():
-                for transport in ("pickle", "zero-copy"):
+                for transport in ("pickle", "zero-copy", "shm"):
                     result = bench_one(str(path), transport, args.bucket_mb * 2**20, args.reps)
                     result["memcpy"] = memcpy_seconds(result["bytes"], args.reps)
                     rows.append((name, transport, result))
@@ -147,6 +173,7 @@ def main() -> None:
             ray.shutdown()
 
     print(f"\nweight sync, {args.bucket_mb} MB buckets, fp32, median of {args.reps}; memcpy = best single-thread copy_")
+    print("(for shm, pack+put is the in-place pack into shared memory and get+copy the copy out of it)")
     header = (
         f"| {'model':<13} | {'transport':<9} | {'params':>8} | {'MB':>7} | {'buckets':>7} | {'pack+put s':>10} "
         f"| {'get+copy s':>10} | {'sync s':>7} | {'sync GB/s':>9} | {'memcpy s':>8} | {'memcpy GB/s':>11} | {'ratio':>6} |"

@@ -184,10 +184,12 @@ class TrainerConfig:
     resume: str = "auto"  # auto | disable | a checkpoint directory
     export_hf: bool = True
     sync_bucket_mb: int = 64
-    # How weights reach the rollout engines: object_store (Ray objects; any layout, the CPU
-    # path), gloo or nccl (a broadcast group of learner rank 0 + every engine rank; nccl
-    # needs split GPUs), ipc (CUDA IPC handles, colocated GPUs only).
-    sync_backend: str = "object_store"
+    # How weights reach the rollout engines: shm (shared memory: every engine on learner rank
+    # 0's node), object_store (Ray objects; any layout), gloo or nccl (a broadcast group of
+    # learner rank 0 + every engine rank; nccl needs split GPUs), ipc (CUDA IPC handles,
+    # colocated GPUs only); auto: shm for HF engines all on rank 0's node, else object_store
+    # (the run's log says which).
+    sync_backend: str = "auto"
     max_step_retries: int = 2  # a step is retried when a rollout or reward worker dies
 
 
@@ -362,7 +364,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("scenes", "parquet", "hf"),
     "rollout.backend": ("hf", "vllm"),
     "rollout.device": ("auto", "cuda", "cpu"),
-    "trainer.sync_backend": ("object_store", "gloo", "nccl", "ipc"),
+    "trainer.sync_backend": ("auto", "shm", "object_store", "gloo", "nccl", "ipc"),
     "reward.metric": ("levenshtein", "kendall"),
     "reward.style": ("ranking", "scores"),
     "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),

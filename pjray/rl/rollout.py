@@ -48,6 +48,7 @@ from pjray.config import ConfigError, ModelConfig, RolloutConfig
 from pjray.data.prompts import EOS_TOKEN
 from pjray.models.loading import load_judge, processor_inputs, render_chat
 from pjray.rl.placement import split_evenly
+from pjray.rl.sync import SharedBucketReader
 from pjray.rl.weights import Bucket, state_checksums, unpack
 from pjray.types import Completion, JudgePrompt, Timed
 
@@ -357,6 +358,7 @@ class RolloutWorker:
         # Ray hides unassigned GPUs, so a GPU is visible here exactly when one was requested.
         device = "cuda" if rollout_cfg.num_gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
         self.engine: RolloutEngine = build_engine(model_path, model_cfg, rollout_cfg, device=device)
+        self._shared = SharedBucketReader()
 
     def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
         """See `RolloutEngine.generate`; prompt_index counts within this call's `prompts`."""
@@ -370,6 +372,15 @@ class RolloutWorker:
         """See `HFEngine.load_weights`. Pass `refs` inside a list so Ray does not resolve them
         all up front: the engine fetches one bucket at a time."""
         self.engine.load_weights(plan, refs)
+
+    def load_shared(self, plan: list[Bucket], paths: list[str]) -> None:
+        """Same-node sync: copy from learner rank 0's shared-memory buffers (`pjray.rl.sync`),
+        mapped once and reused at every sync."""
+        self.engine.load_weights(plan, self._shared.views(plan, paths))
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        return ray.get_runtime_context().get_node_id()
 
     def checksums(self) -> dict[str, str]:
         return self.engine.checksums()

@@ -15,6 +15,11 @@ engine) sends. Transports (`trainer.sync_backend`):
   buffer; each vLLM rank receives it into an empty buffer and loads it. One collective per
   bucket, one RPC per engine per sync. NCCL for engines on their own GPUs (NCCL refuses two
   ranks of one communicator on the same GPU); gloo is the same code on CPU tensors.
+* Shared memory (`shm`, engines on learner rank 0's node; what `auto` picks for the HF engine
+  there): rank 0 writes each bucket in place into a flat buffer in shared memory
+  (`SharedBuckets`: a file in /dev/shm mapped by both sides, created once and reused at every
+  sync), and each engine maps the same file once (`SharedBucketReader`) and copies from it into
+  its parameters. One copy in and one copy out; nothing is serialised or sent over a socket.
 * IPC (`ipc`, colocated): learner rank i packs every bucket on its GPU and hands CUDA IPC
   handles to engine i on the same GPU, which maps them without a copy over the wire and loads
   them. Costs one extra copy of the weights in GPU memory until the engine has loaded them;
@@ -27,10 +32,14 @@ The receiving side of the broadcast and IPC paths is `pjray.rl.vllm_engine.Weigh
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import socket
+import tempfile
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,8 +52,11 @@ if TYPE_CHECKING:
     import ray
 
 __all__ = [
+    "SharedBucketReader",
+    "SharedBuckets",
     "WeightSender",
     "WeightSyncGroup",
+    "auto_transport",
     "broadcast_buckets",
     "dumps",
     "ipc_handles",
@@ -173,6 +185,124 @@ def open_ipc_handle(handle: Any, device_index: int) -> Tensor:
     return rebuild(*args)
 
 
+def auto_transport(rollout_backend: str, learner_node: str, worker_nodes: list[str]) -> str:
+    """What trainer.sync_backend=auto means for this layout: shared memory when HF engines all
+    run on learner rank 0's node, else the object store (which reaches any layout)."""
+    if rollout_backend == "hf" and worker_nodes and all(node == learner_node for node in worker_nodes):
+        return "shm"
+    return "object_store"
+
+
+SHARED_PREFIX = "pjray-sync-"
+
+
+def shared_dir() -> Path:
+    """Where the shared-memory buffers live: /dev/shm (a RAM file system on Linux) when it can
+    be written, else the temporary directory."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+class SharedBuckets:
+    """The learner's side of the same-node transport: one flat shared-memory buffer per bucket.
+
+    Each buffer is a file in `directory` mapped with MAP_SHARED (`torch.from_file`), made when a
+    bucket is first written (or changes size) and rewritten in place at every later sync, so a
+    sync costs one copy of the weights into memory that the engines on the node map too. Files
+    are named `pjray-sync-<pid>-<random>-<index>`; `close` removes them, and a new instance
+    removes those of processes that no longer run (an actor killed before it closed).
+    """
+
+    def __init__(self, directory: str | os.PathLike | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else shared_dir()
+        self._tag = f"{SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._paths: list[Path] = []
+        self._buffers: list[Tensor] = []
+        remove_stale_buffers(self.directory)
+
+    def write(self, buckets: Iterable[tuple[Bucket, dict[str, Tensor]]]) -> tuple[list[Bucket], list[str]]:
+        """Pack every bucket into its buffer; returns (plan, the buffers' paths)."""
+        plan: list[Bucket] = []
+        for bucket, tensors in buckets:
+            pack(bucket, tensors, out=self._buffer(len(plan), bucket))
+            plan.append(bucket)
+        while len(self._paths) > len(plan):  # the plan shrank: drop the buffers it no longer uses
+            self._buffers.pop()
+            self._paths.pop().unlink(missing_ok=True)
+        return plan, [str(p) for p in self._paths]
+
+    def _buffer(self, index: int, bucket: Bucket) -> Tensor:
+        if index < len(self._buffers):
+            old = self._buffers[index]
+            if old.numel() == bucket.numel and old.dtype == bucket.dtype:
+                return old
+            self._paths[index].unlink(missing_ok=True)
+        path = self.directory / f"{self._tag}-{index}"
+        with open(path, "wb") as f:
+            f.truncate(bucket.nbytes)
+        buffer = torch.from_file(str(path), shared=True, size=bucket.numel, dtype=bucket.dtype)
+        if index < len(self._buffers):
+            self._paths[index], self._buffers[index] = path, buffer
+        else:
+            self._paths.append(path)
+            self._buffers.append(buffer)
+        return buffer
+
+    def close(self) -> None:
+        """Remove the buffers' files (mappings already open stay valid until dropped)."""
+        self._buffers = []
+        for path in self._paths:
+            path.unlink(missing_ok=True)
+        self._paths = []
+
+
+def remove_stale_buffers(directory: Path) -> list[Path]:
+    """Remove the shared-memory buffers whose writer process no longer runs; returns them."""
+    removed = []
+    for path in directory.glob(f"{SHARED_PREFIX}*"):
+        pid = path.name[len(SHARED_PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class SharedBucketReader:
+    """The engine's side of the same-node transport: maps the learner's buffers (once per
+    path) and hands out flat views of them to copy from."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, Tensor] = {}
+
+    def views(self, plan: list[Bucket], paths: list[str]) -> list[Tensor]:
+        """[bucket.numel] views of the buffers at `paths`, one per bucket of `plan`."""
+        if len(plan) != len(paths):
+            raise ValueError(f"shared-memory sync: {len(plan)} buckets in the plan but {len(paths)} buffers")
+        maps: dict[str, Tensor] = {}
+        for bucket, path in zip(plan, paths):
+            mapped = self._maps.get(path)
+            if mapped is None or mapped.numel() != bucket.numel or mapped.dtype != bucket.dtype:
+                if not os.path.isfile(path):
+                    raise FileNotFoundError(
+                        f"shared-memory sync: {path} is not on this node; trainer.sync_backend=shm needs "
+                        "every rollout worker on learner rank 0's node (use object_store across nodes)"
+                    )
+                mapped = torch.from_file(path, shared=True, size=bucket.numel, dtype=bucket.dtype)
+            maps[path] = mapped
+        self._maps = maps  # buffers the learner dropped are unmapped with their last view
+        return [maps[p] for p in paths]
+
+
 class WeightSender:
     """The learner's side of weight sync, checksums included; mixed into `LearnerRank`.
 
@@ -233,6 +363,32 @@ class WeightSender:
                 plan.append(bucket)
                 refs.append(ray.put(pack(bucket, tensors).cpu()))
         return (plan, refs) if self.rank == 0 else None
+
+    # -- shared memory ------------------------------------------------------------------------
+
+    def export_shared(self, bucket_bytes: int) -> tuple[list[Bucket], list[str]] | None:
+        """Rank 0 writes the full weights into its shared-memory buffers in place
+        (`SharedBuckets`) and returns (plan, their paths); other ranks return None."""
+        if self.rank != 0:
+            for _ in self._full_buckets(bucket_bytes):  # ZeRO-3 gathers are collective
+                pass
+            return None
+        if getattr(self, "_shared", None) is None:
+            self._shared = SharedBuckets()
+        return self._shared.write(self._full_buckets(bucket_bytes))
+
+    def close_shared(self) -> None:
+        """Remove the shared-memory buffers (the trainer calls it before it stops the learners)."""
+        shared = getattr(self, "_shared", None)
+        if shared is not None:
+            shared.close()
+            self._shared = None
+
+    def node_id(self) -> str:
+        """The Ray node this rank runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     # -- broadcast ----------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ logged (`rollout/frac_zero_std`) and `algo.filter_zero_std` drops and refills th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -48,6 +49,7 @@ from pjray.rl.grpo import group_advantages, zero_std_groups
 from pjray.rl.learner import LearnerRank
 from pjray.rl.placement import Placement, RoleResources, WorkerPool, split_evenly
 from pjray.rl.rollout import RolloutWorker, generate_with_pool
+from pjray.rl.sync import auto_transport
 from pjray.signals import Interrupted, StopRequest
 from pjray.tracking import Tracker
 from pjray.types import Completion, Experience, JudgeItem, JudgePrompt, RewardResult, Timed
@@ -180,6 +182,7 @@ class Trainer:
         self.run_dir = Path(cfg.trainer.run_dir).resolve()
         self.step = 0
         self.checkpointed_step = 0  # the step of the newest checkpoint, saved or resumed from
+        self.sync_backend = cfg.trainer.sync_backend  # "auto" is resolved by init_weight_sync
         # SIGINT / SIGTERM: during set-up they stop at once; in the loop, after the step.
         self.stop = StopRequest()
 
@@ -510,6 +513,12 @@ class Trainer:
         a fresh port with every member, since a dead member cannot be replaced in place).
         """
         backend = self.cfg.trainer.sync_backend
+        if backend == "auto":
+            learner_node = ray.get(self.learners[0].node_id.remote())
+            workers = ray.get([w.node_id.remote() for w in self.rollout.actors])
+            backend = auto_transport(self.cfg.rollout.backend, learner_node, workers)
+            log.info("weight sync: %s (trainer.sync_backend=auto)", backend)
+        self.sync_backend = backend
         if backend not in ("gloo", "nccl"):
             return
         host, port = ray.get(self.learners[0].sync_address.remote())
@@ -528,7 +537,7 @@ class Trainer:
         cached blocks, the sleeping engines wake their weights and load, the learners free their
         packed copy, and only then do the engines wake their KV caches."""
         bucket_bytes = self.cfg.trainer.sync_bucket_mb << 20
-        backend = self.cfg.trainer.sync_backend
+        backend = self.sync_backend
         colocated = self.cfg.rollout.colocate
         if colocated:
             ray.get([r.release_memory.remote() for r in self.learners])
@@ -537,6 +546,9 @@ class Trainer:
             # that the learner is still blocked in.
             sends = [r.broadcast_weights.remote(bucket_bytes) for r in self.learners]
             ray.get([w.receive_weights.remote(self.sync_plan) for w in self.rollout.actors] + sends)
+        elif backend == "shm":
+            exported = ray.get([r.export_shared.remote(bucket_bytes) for r in self.learners])
+            self.rollout.broadcast("load_shared", *exported[0])
         elif backend == "ipc":
             exported = ray.get([r.export_ipc.remote(bucket_bytes) for r in self.learners])
             try:
@@ -552,7 +564,7 @@ class Trainer:
 
     def sync_worker(self, worker) -> None:
         """Bring one rebuilt rollout worker to the learner's current weights."""
-        if self.cfg.trainer.sync_backend in ("gloo", "nccl"):
+        if self.sync_backend in ("gloo", "nccl", "shm"):
             self.init_weight_sync()
             self.sync_weights()
             return
@@ -620,6 +632,9 @@ class Trainer:
         if hasattr(self, "tracker"):
             self.tracker.close()
         if hasattr(self, "placement"):
+            if getattr(self, "sync_backend", None) == "shm":
+                with contextlib.suppress(Exception):  # a dead learner leaves them to the next run's sweep
+                    ray.get([r.close_shared.remote() for r in self.learners], timeout=30)
             self.placement.shutdown()  # every learner, rollout and reward actor
 
 

@@ -94,20 +94,27 @@ def plan_buckets(
     return buckets
 
 
-def pack(bucket: Bucket, tensors: Mapping[str, Tensor]) -> Tensor:
-    """Copy the bucket's parameters into one new flat buffer.
+def pack(bucket: Bucket, tensors: Mapping[str, Tensor], out: Tensor | None = None) -> Tensor:
+    """Copy the bucket's parameters into one flat buffer: `out` when given (reused), else a new one.
 
     Args:
         bucket: from `plan_buckets`.
         tensors: name -> tensor for (at least) every entry; shapes and dtypes must match.
+        out: [bucket.numel] contiguous tensor of bucket.dtype to write into.
 
     Returns:
-        [bucket.numel] contiguous tensor of bucket.dtype on the device of the first entry.
+        [bucket.numel] contiguous tensor of bucket.dtype (`out`, or new on the device of the
+        first entry).
     """
     first = bucket.entries[0].name
     if first not in tensors:
         raise KeyError(f"pack: parameter {first!r} is missing")
-    flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=tensors[first].device)
+    if out is None:
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=tensors[first].device)
+    elif out.dim() != 1 or out.numel() != bucket.numel or out.dtype != bucket.dtype or not out.is_contiguous():
+        raise ValueError(f"pack: out is {tuple(out.shape)} {out.dtype}, bucket needs ({bucket.numel},) {bucket.dtype}")
+    else:
+        flat = out
     for entry in bucket.entries:
         if entry.name not in tensors:
             raise KeyError(f"pack: parameter {entry.name!r} is missing")

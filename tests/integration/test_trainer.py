@@ -178,7 +178,8 @@ def thinking_judge(path: Path) -> Path:
     return path
 
 
-def test_sync_is_exact_and_dead_workers_are_replaced(local_ray, tmp_path):
+@pytest.mark.parametrize("transport", ["auto", "object_store"])
+def test_sync_is_exact_and_dead_workers_are_replaced(local_ray, tmp_path, transport):
     # A thinking template with model.think_prefix=false: the prompts still open <think>.
     cfg = load(
         overrides=TINY
@@ -191,11 +192,14 @@ def test_sync_is_exact_and_dead_workers_are_replaced(local_ray, tmp_path):
             "trainer.steps=3",
             "learner.lr=1e-2",
             "trainer.sync_bucket_mb=1",
+            f"trainer.sync_backend={transport}",
         ]
     )
     trainer = Trainer(cfg)
     try:
         trainer.setup()
+        # auto: HF engines on the learner's node sync through shared memory.
+        assert trainer.sync_backend == ("shm" if transport == "auto" else "object_store")
         trainer.step = 1
         trainer.train_step()
         # After a sync every rollout engine holds exactly the learner's weights.
@@ -230,8 +234,11 @@ def test_sync_is_exact_and_dead_workers_are_replaced(local_ray, tmp_path):
         completions[3] = dataclasses.replace(completions[3], finish_reason="length")
         results = trainer.score(prompts, texts, completions, Timer())
         assert [r.total for r in results] == [1.0, 0.0, 0.0, 0.0], [r.reason for r in results]
+        buffers = ray.get(trainer.learners[0].export_shared.remote(1 << 20))[1] if transport == "auto" else []
     finally:
         trainer.shutdown()
+    assert bool(buffers) == (transport == "auto")
+    assert not [p for p in buffers if Path(p).exists()]  # the trainer removed its shared buffers
 
 
 def test_colocated_sync_hands_gpu_memory_over_in_order(local_ray, tmp_path):
