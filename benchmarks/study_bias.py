@@ -1,7 +1,7 @@
 """Does GRPO on PPJD reduce a judge's perceptual judgment bias? The miniature study.
 
     python benchmarks/study_bias.py            # the full study: 2 seeds, 240 items
-    python benchmarks/study_bias.py --quick    # 1 seed, 120 items (23 min on 2 cores)
+    python benchmarks/study_bias.py --quick    # 1 seed, 120 items (19 min on 2 cores)
 
 Judges: the base judge (`pjray.models.base_judge`, built once and cached) and the base judge
 after GRPO at an equal budget (steps x prompts x group size) for each variant:
@@ -34,6 +34,7 @@ import argparse
 import dataclasses
 import json
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     for variant in variants:
         for seed in budget.seeds:
             run_dir = work / f"{variant}-s{seed}"
+            shutil.rmtree(run_dir, ignore_errors=True)  # never resume a run of another base judge
             data = str(no_perception) if variant == "no_perception" else ""
             t0 = time.perf_counter()
             train(grpo_config(recipe, variant, seed, budget, run_dir, judge, data))
@@ -289,18 +291,21 @@ def _reward_first_last(run_dir: Path) -> list[float]:
 
 
 def _fmt(c: dict[str, float], pct: bool = True) -> str:
+    if c["n"] == 0:
+        return "- (none readable)"
     s = 100 if pct else 1
     return f"{c['mean'] * s:.1f} [{c['lo'] * s:.1f}, {c['hi'] * s:.1f}]"
 
 
 def markdown(results: dict[str, Any]) -> str:
     lines = [
-        "| judge | error % | Mode (a) % | Mode (b) % | probe acc % | ranking exact % | correct first % |",
-        "|---|---|---|---|---|---|---|",
+        "| judge | scored items | error % | Mode (a) % | Mode (b) % | probe acc % | ranking exact % | correct first % |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, row in results["judges"].items():
         cells = [_fmt(row[m]) for m in ("error_rate", "mode_a_rate", "mode_b_rate", "probe_accuracy", "ranking_exact", "ranking_top1")]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        scored = f"{row['error_rate']['n']} of {row['probe_accuracy']['n']}"  # both score prompts readable
+        lines.append(f"| {name} | {scored} | " + " | ".join(cells) + " |")
     lines += ["", "Change from the base judge (paired bootstrap, percentage points):", "",
               "| judge | error | Mode (a) | Mode (b) | ranking exact | correct first |", "|---|---|---|---|---|---|"]
     for name, row in results["judges"].items():

@@ -224,7 +224,7 @@ def test_grpo_steps_and_weight_sync_with_vllm(local_ray, tmp_path: Path) -> None
         assert max(abs(a - b) for a, b in zip(after_gloo, initial)) > 1e-3  # new weights served
 
         # One more step, synced through the object store (the transport every layout has).
-        trainer.cfg.trainer.sync_backend = "object_store"
+        trainer.sync_backend = "object_store"  # the transport the trainer resolved at set-up
         trainer.cfg.trainer.steps = 3
         trainer.run()
         after_store = _served_matches_learner(trainer, prompt, continuation)
