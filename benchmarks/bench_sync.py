@@ -186,7 +186,7 @@ def main() -> None:
             f"| {name:<13} | {transport:<9} | {r['params'] / 1e6:>7.2f}M | {r['bytes'] / 2**20:>7.1f} "
             f"| {r['buckets']:>7} | {r['put']:>10.4f} | {r['get']:>10.4f} | {r['total']:>7.4f} "
             f"| {gb / r['total']:>9.3f} | {r['memcpy']:>8.5f} | {gb / r['memcpy']:>11.2f} "
-            f"| {r['total'] / r['memcpy']:>5.0f}x |"
+            f"| {r['total'] / r['memcpy']:>5.1f}x |"
         )
 
 
