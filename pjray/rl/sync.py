@@ -208,17 +208,22 @@ class SharedBuckets:
 
     Each buffer is a file in `directory` mapped with MAP_SHARED (`torch.from_file`), made when a
     bucket is first written (or changes size) and rewritten in place at every later sync, so a
-    sync costs one copy of the weights into memory that the engines on the node map too. Files
-    are named `pjray-sync-<pid>-<random>-<index>`; `close` removes them, and a new instance
-    removes those of processes that no longer run (an actor killed before it closed).
+    sync costs one copy of the weights into memory that the engines on the node map too. A
+    buffer that would not fit in the directory's free space (a container's /dev/shm is often
+    64 MB, and a mapped page past a full tmpfs is a SIGBUS) goes to the temporary directory, a
+    file the page cache shares all the same. Files are named `pjray-sync-<pid>-<random>-<index>`;
+    `close` removes them, and a new instance removes those of processes that no longer run (an
+    actor killed before it closed).
     """
 
     def __init__(self, directory: str | os.PathLike | None = None) -> None:
         self.directory = Path(directory) if directory is not None else shared_dir()
+        self.fallback = Path(tempfile.gettempdir())
         self._tag = f"{SHARED_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._paths: list[Path] = []
         self._buffers: list[Tensor] = []
-        remove_stale_buffers(self.directory)
+        for directory in {self.directory, self.fallback}:
+            remove_stale_buffers(directory)
 
     def write(self, buckets: Iterable[tuple[Bucket, dict[str, Tensor]]]) -> tuple[list[Bucket], list[str]]:
         """Pack every bucket into its buffer; returns (plan, the buffers' paths)."""
@@ -237,7 +242,8 @@ class SharedBuckets:
             if old.numel() == bucket.numel and old.dtype == bucket.dtype:
                 return old
             self._paths[index].unlink(missing_ok=True)
-        path = self.directory / f"{self._tag}-{index}"
+        fits = free_bytes(self.directory) >= bucket.nbytes + (16 << 20)  # leave the others some room
+        path = (self.directory if fits else self.fallback) / f"{self._tag}-{index}"
         with open(path, "wb") as f:
             f.truncate(bucket.nbytes)
         buffer = torch.from_file(str(path), shared=True, size=bucket.numel, dtype=bucket.dtype)
@@ -254,6 +260,12 @@ class SharedBuckets:
         for path in self._paths:
             path.unlink(missing_ok=True)
         self._paths = []
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged process may still write in `directory`'s file system."""
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
 
 
 def remove_stale_buffers(directory: Path) -> list[Path]:

@@ -76,6 +76,23 @@ def test_buffers_of_dead_writers_are_swept_and_live_ones_kept(tmp_path):
     writer.close()
 
 
+def test_a_buffer_too_large_for_the_shared_directory_goes_to_the_temporary_one(tmp_path, monkeypatch):
+    import pjray.rl.sync as sync
+
+    small, temp = tmp_path / "shm", tmp_path / "tmp"
+    small.mkdir()
+    temp.mkdir()
+    monkeypatch.setattr(sync.tempfile, "gettempdir", lambda: str(temp))
+    monkeypatch.setattr(sync, "free_bytes", lambda d: 0 if d == small else 1 << 40)  # a full tmpfs
+    writer = SharedBuckets(small)
+    weights = _weights(0)
+    plan, paths = writer.write(_buckets(weights))
+    assert all(os.path.dirname(p) == str(temp) for p in paths) and not os.listdir(small)
+    assert state_checksums(_received(plan, SharedBucketReader().views(plan, paths))) == state_checksums(weights)
+    writer.close()
+    assert not os.listdir(temp)
+
+
 def test_a_buffer_from_another_node_is_a_clear_error(tmp_path):
     plan = [b for b, _ in _buckets(_weights(0))]
     with pytest.raises(FileNotFoundError, match="not on this node"):
