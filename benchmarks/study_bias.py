@@ -47,7 +47,7 @@ from pjray.data.prompts import render_batch
 from pjray.data.scenes import sample_qa
 from pjray.data.sources import read_items, write_items
 from pjray.eval.bias import diagnose, diagnosis_item
-from pjray.models.base_judge import BaseJudgeRecipe, build_base_judge, training_scene_seeds
+from pjray.models.base_judge import BaseJudgeRecipe, build_base_judge, cache_root, training_scene_seeds
 from pjray.ppjd.perturb import _scene_seed, ranked_item, scene_items
 from pjray.reward import judge_reward
 from pjray.types import JudgeItem
@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
     results = summarise(outcomes, runs, budget)
     results["setup"] = {
-        "budget": dataclasses.asdict(budget), "recipe": recipe.to_dict(), "base_judge": judge,
+        "budget": dataclasses.asdict(budget), "recipe": recipe.to_dict(),
+        "base_judge": f"<pjray cache>/{Path(judge).relative_to(cache_root())}",  # no machine paths in results
         "base_build_seconds": base_build_s, "eval_seconds": eval_s,
         "eval_seeds": {"diagnosis": EVAL_DIAGNOSIS_SEED, "ranking": EVAL_RANKING_SEED},
         "held_out_check": f"{len(diag) + len(ranking)} evaluation scenes, none among {n_trained_scenes} training scenes",
