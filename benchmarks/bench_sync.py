@@ -60,11 +60,14 @@ class Sender:
 
         self.shared: SharedBuckets | None = None
 
+    def _planned(self, bucket_bytes: int) -> tuple[dict, list]:
+        params = dict(self.model.named_parameters())
+        return params, plan_buckets([(n, p.shape, p.dtype) for n, p in params.items()], bucket_bytes)
+
     def publish(self, bucket_bytes: int) -> tuple[list, list, float]:
         """(plan, refs, seconds spent packing and putting)."""
         start = time.perf_counter()
-        params = dict(self.model.named_parameters())
-        plan = plan_buckets([(n, p.shape, p.dtype) for n, p in params.items()], bucket_bytes)
+        params, plan = self._planned(bucket_bytes)
         refs = []
         for bucket in plan:
             flat = pack(bucket, params)
@@ -75,8 +78,7 @@ class Sender:
     def publish_shared(self, bucket_bytes: int) -> tuple[list, list, float]:
         """(plan, shared-memory paths, seconds spent packing in place)."""
         start = time.perf_counter()
-        params = dict(self.model.named_parameters())
-        plan = plan_buckets([(n, p.shape, p.dtype) for n, p in params.items()], bucket_bytes)
+        params, plan = self._planned(bucket_bytes)
         self.shared = self.shared or SharedBuckets()
         plan, paths = self.shared.write((b, params) for b in plan)
         return plan, paths, time.perf_counter() - start
