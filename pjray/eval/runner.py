@@ -88,11 +88,13 @@ class OutputCache:
 
 
 def eval_sampling(cfg: Config) -> RolloutConfig:
-    """The rollout settings of the eval judge: eval.* sampling on the configured backend."""
+    """The rollout settings of the eval judge: eval.* sampling on the configured backend (the
+    HF engine for a training config's hybrid engine: an evaluation has no learner to share)."""
     e = cfg.eval
     greedy = e.temperature == 0
     return dataclasses.replace(
         cfg.rollout,
+        backend="hf" if cfg.rollout.backend == "hybrid" else cfg.rollout.backend,
         num_workers=e.workers,
         num_cpus_per_worker=e.num_cpus_per_worker,
         num_gpus_per_worker=e.num_gpus_per_worker,

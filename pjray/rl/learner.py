@@ -22,10 +22,19 @@ Conventions shared with the driver:
   rollout's sampling temperature: the distribution the responses were sampled from.
 * Weight sync to the rollout engines and checksums are `pjray.rl.sync.WeightSender`'s methods,
   mixed into the rank; exported weights carry the HF model's own parameter names.
+* The hybrid engine (`rollout.backend=hybrid`): a rank built with a `rollout_cfg` also serves
+  the rollout interface (`generate` / `generate_timed`), sampling with the very module it
+  trains through `HFEngine.around`, so there is no second copy of the weights and no sync.
+  Under ZeRO-3 the partitioned weights are gathered for generation all at once
+  (`rollout.hybrid_gather=full`: `deepspeed.zero.GatheredParameters`, the fastest, peak memory
+  of one full copy) or module by module as each forward needs them (`layer`: HF's
+  `synced_gpus`, every rank stepping until all are done, peak memory of one layer). Either
+  way every rank must be called, each with at least one prompt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Sequence
@@ -34,13 +43,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
+from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
 from pjray.console import quiet_actor_warnings
 from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, sft_loss, token_logprobs
 from pjray.rl.placement import split_evenly
+from pjray.rl.rollout import HFEngine
 from pjray.rl.sync import WeightSender
-from pjray.types import Experience, Timed, TrainBatch
+from pjray.types import Completion, Experience, JudgePrompt, Timed, TrainBatch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -292,6 +302,8 @@ class LearnerRank(WeightSender):
         temperature: the rollout's sampling temperature (rollout.temperature); every log-prob
             and the entropy are of logits / temperature.
         ds_config_overrides: merged last into the DeepSpeed config (e.g. ZeRO-3 bucket sizes).
+        num_threads: torch intra-op threads of this rank; 0 leaves the process's setting.
+        rollout_cfg: given, the rank also generates (the hybrid engine, see the module docstring).
     """
 
     def __init__(
@@ -309,6 +321,8 @@ class LearnerRank(WeightSender):
         norm_len: int | None = None,
         ds_config_overrides: dict[str, Any] | None = None,
         temperature: float = 1.0,
+        num_threads: int = 0,
+        rollout_cfg: RolloutConfig | None = None,
     ) -> None:
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
@@ -332,10 +346,8 @@ class LearnerRank(WeightSender):
         )  # fmt: skip
         if not use_cuda:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            if "OMP_NUM_THREADS" not in os.environ:
-                # Ranks share the cores; more threads than that make each step ~10x slower.
-                os.environ["OMP_NUM_THREADS"] = "1"
-                torch.set_num_threads(1)
+        if num_threads:
+            torch.set_num_threads(num_threads)
         # Imported after the environment is set: DeepSpeed picks its accelerator on import.
         import deepspeed
 
@@ -412,6 +424,16 @@ class LearnerRank(WeightSender):
                 self.ref = ref_model
             self.ref.eval()
 
+        self.hybrid: HFEngine | None = None
+        if rollout_cfg is not None:
+            layerwise = self.zero3 and rollout_cfg.hybrid_gather == "layer"
+            self.hybrid = HFEngine.around(
+                self.engine.module, self.processor, model_cfg, rollout_cfg, self.device, synced=layerwise,
+                # Layer by layer, ranks step in lockstep inside one generate call, so each
+                # request is one call (a chunk count that differed across ranks would hang).
+                max_batch_prompts=1 << 30 if layerwise else 8,
+            )
+
     def _ds_config(self, overrides: dict[str, Any]) -> dict[str, Any]:
         lc = self.learner_cfg
         config: dict[str, Any] = {
@@ -471,6 +493,33 @@ class LearnerRank(WeightSender):
     ) -> Timed[list[tuple[float, ...]]]:
         """`compute_logprobs`, with the seconds it took on this rank (collate and forwards)."""
         return Timed.measure(self.compute_logprobs, experiences, which)
+
+    # -----------------------------------------------------------------------------------------
+    # Generation (the hybrid engine)
+    # -----------------------------------------------------------------------------------------
+
+    def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
+        """`RolloutEngine.generate` with the weights this rank trains, in eval mode."""
+        if self.hybrid is None:
+            raise ValueError("generate: this rank was built without rollout_cfg (rollout.backend=hybrid)")
+        was_training = self.engine.training
+        self.engine.eval()
+        try:
+            with self._generation_weights():
+                return self.hybrid.generate(prompts, n, seed)
+        finally:
+            self.engine.train(was_training)
+
+    def generate_timed(self, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
+        """`generate`, with the seconds it took on this rank."""
+        return Timed.measure(self.generate, prompts, n, seed)
+
+    def _generation_weights(self) -> contextlib.AbstractContextManager:
+        """Full weights for the length of a generate call: ZeRO-3 with hybrid_gather=full
+        gathers every partition (all ranks at once) and releases them after."""
+        if not self.zero3 or self.hybrid is None or self.hybrid.synced:
+            return contextlib.nullcontext()
+        return self._ds.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
 
     # -----------------------------------------------------------------------------------------
     # Training

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, TypeVar
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,13 @@ def split_evenly(values: Sequence[T], parts: int) -> list[list[T]]:
         out.append(list(values[start:end]))
         start = end
     return out
+
+
+def shared_threads(actor_nodes: Sequence[str], node_cpus: dict[str, float]) -> list[int]:
+    """Intra-op threads per actor: its node's CPUs divided among the actors on that node
+    (at least one each)."""
+    per_node = Counter(actor_nodes)
+    return [max(1, int(node_cpus.get(node, 1) // per_node[node])) for node in actor_nodes]
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,17 @@ class Placement:
         self.actors.append(actor)
         return actor
 
+    def threads(self, role: str, requested: int) -> list[int]:
+        """torch threads for each actor of `role`: `requested` if > 0, else the CPUs of the
+        actor's node shared by the role's actors on it (`shared_threads`). The driver runs
+        its phases one after another, so roles take turns on a node's cores."""
+        indices = list(self.ranges[role])
+        if requested > 0:
+            return [requested] * len(indices)
+        nodes = placement_group_table(self.pg)["bundles_to_node_id"]
+        cpus = {n["NodeID"]: n["Resources"].get("CPU", 1.0) for n in ray.nodes() if n["Alive"]}
+        return shared_threads([nodes[i] for i in indices], cpus)
+
     def master_address(self, role: str) -> tuple[str, int]:
         """IP and a free port on the node of the role's first bundle (for torch.distributed)."""
 
@@ -136,6 +155,8 @@ class Placement:
 class WorkerPool:
     """Actors of one role. `call` spreads one call per worker and rebuilds dead workers.
 
+    `lockstep` is False: a call may go to fewer workers than the pool has.
+
     `on_restart(actor)` brings a rebuilt worker up to date (for rollout workers: the current
     weights) before its call is retried, so a retried call computes exactly what the lost one
     would have, and only results of calls that succeeded are ever returned.
@@ -156,6 +177,7 @@ class WorkerPool:
         self.actors = [placement.launch(role, cls, i, *args(i)) for i in range(placement.roles[role].count)]
         ray.get([a.ready.remote() for a in self.actors])
         self.restarts = 0
+        self.lockstep = False
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -201,3 +223,25 @@ class WorkerPool:
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+
+
+class RankGroup:
+    """The learner ranks seen through the pool interface (`call`, `broadcast`, `len`), for the
+    hybrid engine's generation. Ranks run collectives together, so every call goes to every
+    rank (`lockstep`), and a dead rank is not rebuilt: its error ends the step."""
+
+    def __init__(self, actors: list[Any]):
+        self.actors = actors
+        self.restarts = 0
+        self.lockstep = True
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def call(self, method: str, per_worker_args: list[tuple]) -> list[Any]:
+        if len(per_worker_args) != len(self.actors):
+            raise ValueError(f"{method}: {len(per_worker_args)} argument lists for {len(self.actors)} ranks (lockstep)")
+        return ray.get([getattr(a, method).remote(*args) for a, args in zip(self.actors, per_worker_args)])
+
+    def broadcast(self, method: str, *args: Any) -> list[Any]:
+        return self.call(method, [args] * len(self.actors))

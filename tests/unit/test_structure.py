@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pjray.rl.placement import split_evenly
+from pjray.rl.placement import shared_threads, split_evenly
 
 PACKAGE = Path(__file__).parents[2] / "pjray"
 
@@ -66,6 +66,20 @@ def test_split_evenly(n, parts, sizes):
     assert [len(c) for c in chunks] == sizes
     assert [x for c in chunks for x in c] == list(range(n))  # contiguous, in order
     assert split_evenly(range(n), parts) == chunks  # any sequence
+
+
+@pytest.mark.parametrize(
+    "nodes, cpus, threads",
+    [
+        (["a"], {"a": 2.0}, [2]),  # one actor takes the node's cores
+        (["a", "a"], {"a": 2.0}, [1, 1]),
+        (["a", "a", "a"], {"a": 2.0}, [1, 1, 1]),  # never fewer than one
+        (["a", "a", "b"], {"a": 16.0, "b": 8.0}, [8, 8, 8]),
+        (["a", "a"], {"a": 5.0}, [2, 2]),  # rounded down: no oversubscription
+    ],
+)
+def test_shared_threads(nodes, cpus, threads):
+    assert shared_threads(nodes, cpus) == threads
 
 
 def test_split_evenly_rejects_zero_parts():
