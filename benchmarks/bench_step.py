@@ -1,9 +1,14 @@
-"""GRPO step-time breakdown on CPU: where a training step's time goes, per phase.
+"""GRPO step-time breakdown on CPU: where a training step's time goes, per phase and layout.
 
-Runs the real trainer (Ray actors, HF rollout engine, reward pool, DeepSpeed learner over gloo)
-for a few steps on the tiny judge (~0.2M parameters) and on a ~114M-parameter random Qwen2-VL,
-and prints the median per-phase seconds of the steps after the first (which pays one-off costs),
-plus response tokens/s and the untimed rest of the step (driver work between phases).
+Runs the real trainer (Ray actors, HF engine, reward pool, DeepSpeed learner over gloo) for a few
+steps on the tiny judge (~0.2M parameters) and on a ~114M-parameter random Qwen2-VL, in three
+layouts: `split-1t` (a rollout worker beside the learner, one torch thread per actor: the layout
+before the hybrid engine), `split` (the same with each actor's threads from its node's cores)
+and `hybrid` (the learner rank generates with the module it trains: the CPU default). Prints
+the median per-phase seconds of the steps after the first (which pays one-off costs), response
+tokens/s, the untimed rest of the step (driver work between phases), and each process's peak
+resident memory (the learner rank holds the policy, its optimizer state and the reference
+model; a split layout's rollout worker holds one more copy of the policy).
 
 A second table splits each worker phase's wall time into the compute its workers measured
 around their own work (the slowest worker's, per call) and the overhead around it (Ray dispatch,
@@ -11,11 +16,13 @@ object-store transfers, driver work inside the phase); its step row sets the ste
 against all the compute, so its overhead also holds adv, sync and the untimed rest.
 
     python benchmarks/bench_step.py [--steps 4] [--base-steps 2] [--prompts 4] [--ranks 1] [--tiny-only]
+        [--layouts split-1t,split,hybrid]
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import tempfile
 from pathlib import Path
@@ -29,9 +36,22 @@ from pjray.rl.trainer import COMPUTE_PHASES, Trainer
 
 PHASES = ("gen", "reward", "adv", "ref", "update", "sync")
 
+LAYOUTS = {
+    "split-1t": ["rollout.backend=hf", "rollout.num_threads=1", "learner.num_threads=1"],
+    "split": ["rollout.backend=hf"],
+    "hybrid": ["rollout.backend=hybrid"],
+}
 
-def run(model_path: str | None, steps: int, ranks: int, prompts: int, run_dir: Path) -> list[dict[str, float]]:
-    overrides = [
+
+def peak_rss_mb(actor) -> float:
+    """The actor process's peak resident memory (ru_maxrss, KiB on Linux), in MiB."""
+    return ray.get(actor.__ray_call__.remote(lambda _: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)) / 1024
+
+
+def run(
+    model_path: str | None, steps: int, ranks: int, prompts: int, run_dir: Path, layout: str
+) -> tuple[list[dict[str, float]], dict[str, float]]:
+    overrides = LAYOUTS[layout] + [
         "model.init=tiny",
         f"trainer.run_dir={run_dir}",
         f"trainer.steps={steps}",
@@ -53,9 +73,12 @@ def run(model_path: str | None, steps: int, ranks: int, prompts: int, run_dir: P
         trainer.setup()
         for trainer.step in range(1, steps + 1):
             rows.append(trainer.train_step())
+        memory = {"learner": max(peak_rss_mb(a) for a in trainer.learners)}
+        if layout != "hybrid":
+            memory["rollout"] = max(peak_rss_mb(a) for a in trainer.rollout.actors)
     finally:
         trainer.shutdown()
-    return rows
+    return rows, memory
 
 
 def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
@@ -96,7 +119,7 @@ def overhead_rows(rows: list[dict[str, float]]) -> list[tuple[str, float, float 
 def print_overhead(results: dict[str, list[tuple[str, float, float | None, float]]]) -> None:
     print("\nRay overhead per phase: wall time in the driver, compute inside the workers (slowest worker "
           "per call), overhead = wall - compute; median of the steps after the first; seconds")
-    print("| model | phase | wall s | compute s | overhead s | overhead % |")
+    print("| model, layout | phase | wall s | compute s | overhead s | overhead % |")
     print("|---|---|---|---|---|---|")
     for name, rows in results.items():
         for phase, wall, compute, overhead in rows:
@@ -112,30 +135,43 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step (x4 samples)")
     parser.add_argument("--base-steps", type=int, default=2, help="steps for the 114M judge")
     parser.add_argument("--tiny-only", action="store_true")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     args = parser.parse_args()
+    layouts = args.layouts.split(",")
+    unknown = sorted(set(layouts) - set(LAYOUTS))
+    if unknown:
+        parser.error(f"--layouts: unknown {unknown}; expected some of {', '.join(LAYOUTS)}")
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": actor_env()})
-    results, overheads = {}, {}
+    results, overheads, memory = {}, {}, {}
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            rows = run(None, args.steps, args.ranks, args.prompts, Path(tmp) / "tiny")
-            results["tiny (0.2M)"], overheads["tiny (0.2M)"] = summarize(rows), overhead_rows(rows)
+            models: list[tuple[str, str | None, int]] = [("tiny (0.2M)", None, args.steps)]
             if not args.tiny_only:
-                base = build_base_judge(Path(tmp) / "base_model")
-                rows = run(str(base), args.base_steps, args.ranks, args.prompts, Path(tmp) / "base")
-                results["qwen2vl-114M"], overheads["qwen2vl-114M"] = summarize(rows), overhead_rows(rows)
+                models.append(("qwen2vl-114M", str(build_base_judge(Path(tmp) / "base_model")), args.base_steps))
+            for model, path, steps in models:
+                for layout in layouts:
+                    name = f"{model}, {layout}"
+                    rows, memory[name] = run(path, steps, args.ranks, args.prompts, Path(tmp) / name, layout)
+                    results[name], overheads[name] = summarize(rows), overhead_rows(rows)
     finally:
         ray.shutdown()
 
     print(f"\nGRPO step on CPU: {args.prompts} prompts x 4 samples, <=32 new tokens, {args.ranks} learner "
-          f"rank(s); median of the steps after the first (tiny: {args.steps}, 114M: {args.base_steps} steps); seconds")
+          f"rank(s), by layout; median of the steps after the first (tiny: {args.steps}, 114M: {args.base_steps} steps); seconds")
     cols = [*PHASES, "untimed", "step"]
-    print("| model | " + " | ".join(cols) + " | resp tokens | tokens/s (step) | tokens/s (gen) |")
+    print("| model, layout | " + " | ".join(cols) + " | resp tokens | tokens/s (step) | tokens/s (gen) |")
     print("|---" * (len(cols) + 4) + "|")
     for name, r in results.items():
         cells = " | ".join(f"{r[c]:.3f}" for c in cols)
         print(f"| {name} | {cells} | {r['tokens']:.0f} | {r['tok_s']:.1f} | {r['gen_tok_s']:.1f} |")
     print_overhead(overheads)
+    print("\nPeak resident memory per process (ru_maxrss), MiB:")
+    print("| model, layout | learner rank | rollout worker | both |")
+    print("|---|---|---|---|")
+    for name, mem in memory.items():
+        rollout = f"{mem['rollout']:.0f}" if "rollout" in mem else "- (none)"
+        print(f"| {name} | {mem['learner']:.0f} | {rollout} | {sum(mem.values()):.0f} |")
 
 
 if __name__ == "__main__":

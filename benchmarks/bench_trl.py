@@ -1,6 +1,7 @@
 """pjray against TRL's `GRPOTrainer`: wall time per GRPO step for the same work, on CPU.
 
-Both train the same tiny random Qwen2-VL judge (pjray.models.tiny, built once) on the same
+Both train the same random Qwen2-VL judge (pjray.models.tiny: the tiny one, or with `--size 14m` a
+~14.7M one where compute weighs more than per-step fixed costs, built once) on the same
 judge prompts (scene items from the PPJD job, candidates shuffled and lettered by
 pjray.data.prompts), by default as text (data.images=false; chat template and "<think>" prefix
 applied by pjray, the same text handed to TRL), with `--images` with each scene's image (TRL
@@ -13,11 +14,12 @@ gradient clip 1.0 and one on-policy optimizer step per generation batch. Prints 
 time over the steps after the first (which pays one-off costs) and the ratio.
 
 What cannot be made identical, and why:
-- Process layout: pjray generates in a rollout actor, scores in a reward actor and trains in a
-  DeepSpeed (ZeRO-2, gloo) learner actor, with a weight sync to the rollout engine after every
-  step; TRL does all of it in one process with one model. That is the comparison being made.
-- Threads: Ray actors run with one intra-op thread each; TRL's process uses torch's default
-  (all cores). On a 2-core machine that favours TRL's single process.
+- Process layout: pjray runs its default CPU layout, the hybrid engine: the DeepSpeed (ZeRO-2,
+  gloo) learner actor generates with the module it trains (no second copy, no weight sync),
+  a reward actor scores, and a driver process drives both over Ray; TRL does all of it in one
+  process with one model. That is the comparison being made.
+- Threads: each pjray actor sets its torch threads to its node's cores shared by its role's
+  actors (here the learner takes both cores, as TRL's process does with torch's default).
 - Prompt order: TRL's sampler shuffles the dataset with its own seed, so steps see different
   (equally sized) prompts; rewards are not compared, only time.
 - Response lengths differ per sample (both stop at EOS or the length limit), so each row
@@ -28,7 +30,7 @@ What cannot be made identical, and why:
 
 Needs TRL (`pip install 'pjray[bench]'`, or `pip install trl`).
 
-    python benchmarks/bench_trl.py [--steps 5] [--prompts 4] [--group 4] [--max-new 32] [--images]
+    python benchmarks/bench_trl.py [--steps 5] [--prompts 4] [--group 4] [--max-new 32] [--images] [--size tiny|14m]
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from pjray.cluster import actor_env
 from pjray.config import load
 from pjray.data.prompts import render_batch
 from pjray.models.loading import load_processor, render_chat
-from pjray.models.tiny import build_tiny_judge
+from pjray.models.tiny import build_base_judge, build_tiny_judge
 from pjray.reward import judge_reward
 from pjray.rl.trainer import Trainer, load_items
 
@@ -172,12 +174,19 @@ def main() -> None:
     parser.add_argument("--max-new", type=int, default=32, help="response token limit")
     parser.add_argument("--items", type=int, default=32, help="scene items to draw prompts from")
     parser.add_argument("--images", action="store_true", help="prompts with their scene images")
+    parser.add_argument(
+        "--size", choices=("tiny", "14m"), default="tiny",
+        help="tiny: the 0.2M tiny judge; 14m: a ~14.7M random Qwen2-VL (text 384 wide x 6 layers)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = build_tiny_judge(root / "judge", arch="qwen2_vl", seed=0)
+        if args.size == "tiny":
+            model = build_tiny_judge(root / "judge", arch="qwen2_vl", seed=0)
+        else:
+            model = build_base_judge(root / "judge", hidden=384, layers=6, heads=6)
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": actor_env()})
         try:
             columns = judge_prompts(args, model, root / "pjray")
@@ -188,11 +197,12 @@ def main() -> None:
 
     pj, trl = median_after_first(pj_times), median_after_first(trl_times)
     kind = "image prompts" if args.images else "text prompts"
-    print(f"\nGRPO on CPU, tiny Qwen2-VL judge, {kind}: {args.prompts} prompts x {args.group} responses, "
+    size = "tiny (0.2M)" if args.size == "tiny" else "~14.7M"
+    print(f"\nGRPO on CPU, {size} Qwen2-VL judge, {kind}: {args.prompts} prompts x {args.group} responses, "
           f"<= {args.max_new} new tokens, {args.steps} steps; median of steps 2..{args.steps}")
     print("| trainer | s/step | resp tokens/step | all steps (s) |")
     print("|---|---|---|---|")
-    print(f"| pjray (Ray actors, DeepSpeed ZeRO-2) | {pj:.3f} | {statistics.median(pj_tokens):.0f} | "
+    print(f"| pjray (hybrid engine: Ray actors, DeepSpeed ZeRO-2) | {pj:.3f} | {statistics.median(pj_tokens):.0f} | "
           + ", ".join(f"{t:.2f}" for t in pj_times) + " |")
     trl_tok = f"{statistics.median(trl_tokens):.0f}" if trl_tokens else "-"
     print(f"| TRL GRPOTrainer (one process) | {trl:.3f} | {trl_tok} | " + ", ".join(f"{t:.2f}" for t in trl_times) + " |")

@@ -46,6 +46,19 @@ class PathError(ConfigError):
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters through PEFT (pjray.models.lora): only they train; the reference model is
+    the judge with its adapters disabled; rollout engines and the HF export get merged weights."""
+
+    rank: int = 0  # 0: off (full fine-tuning)
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # PEFT module names (or "all-linear": every linear layer but the output projection).
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    vision: bool = False  # also adapt the vision tower's linear layers
+
+
+@dataclass
 class ModelConfig:
     # HF directory or hub id of the judge. Empty: start from `init`.
     path: str = ""
@@ -58,6 +71,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # Append "<think>\n" after the generation prompt, as the released training code does.
     think_prefix: bool = True
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -404,6 +418,7 @@ _POSITIVE: tuple[str, ...] = (
 
 _NON_NEGATIVE: tuple[str, ...] = (
     "rollout.num_cpus_per_worker", "rollout.num_gpus_per_worker", "rollout.top_k", "rollout.num_threads",
+    "model.lora.rank", "model.lora.alpha", "model.lora.dropout",
     "learner.num_threads",
     "reward.num_cpus_per_worker", "reward.overlong_buffer", "reward.overlong_penalty",
     "algo.clip_low", "algo.clip_high", "algo.dual_clip", "algo.kl_coef", "algo.adv_eps",
@@ -494,6 +509,11 @@ def validate(cfg: Config) -> Config:
     _validate_ppjd(cfg.ppjd)
     _validate_eval(cfg)
     _validate_sft(cfg)
+    lora = cfg.model.lora
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"model.lora.dropout={lora.dropout}: must be in [0, 1)")
+    if lora.rank and not lora.target_modules:
+        raise ConfigError("model.lora.target_modules: empty; name modules or use [all-linear]")
     return cfg
 
 

@@ -46,6 +46,7 @@ from torch import Tensor
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
 from pjray.console import quiet_actor_warnings
 from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs
+from pjray.models.lora import apply_lora, base_model
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, sft_loss, token_logprobs
 from pjray.rl.placement import split_evenly
 from pjray.rl.rollout import HFEngine
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.processing_utils import ProcessorMixin
 
-__all__ = ["LearnerRank", "collate", "forward_logprobs", "lr_multiplier"]
+__all__ = ["LearnerRank", "collate", "forward_logprobs", "lr_multiplier", "response_tail"]
 
 _CLIENT_STATE_KEY = "pjray_client_state"
 
@@ -221,6 +222,10 @@ def forward_logprobs(
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of each next token under logits / temperature, and those scaled logits.
 
+    Only the positions from the first one that predicts a response token go through the output
+    projection (`logits_to_keep`): the prompt, with its image tokens, is most of a judge's
+    sequence, and its [T, V] logits (kept for backward) would be most of the activation memory.
+
     Args:
         model: a Qwen-VL judge (or a DeepSpeed engine wrapping one).
         batch: from `collate`, B rows of padded length T.
@@ -228,17 +233,32 @@ def forward_logprobs(
             of the returned logits) are of the distribution the responses were sampled from.
 
     Returns:
-        (logp [B, T-1] float32, logits [B, T-1, V]): logp[:, t] = log pi_T(input_ids[:, t+1] | ...),
-        so response_mask[:, 1:] selects the response tokens. Padded positions hold garbage.
+        (logp [B, T-1] float32, logits [B, K, V]): logp[:, t] = log pi_T(input_ids[:, t+1] | ...),
+        so response_mask[:, 1:] selects the response tokens; the logits are those of the last K
+        of the T-1 positions (`response_tail` selects their response tokens). Positions before
+        them hold 0 in logp, padded ones garbage.
     """
     device = torch.device(device)
-    out = model(**_model_inputs(processor, batch, device), use_cache=False)
-    logits = out.logits[:, :-1]
+    predicts = batch.response_mask[:, 1:] > 0  # [B, T-1]: position t predicts a response token
+    length = predicts.shape[1]
+    hits = predicts.any(0).nonzero()
+    first = int(hits[0]) if len(hits) else max(length - 1, 0)
+    keep = length - first
+    out = model(**_model_inputs(processor, batch, device), use_cache=False, logits_to_keep=keep + 1)
+    logits = out.logits[:, :-1]  # [B, keep, V]: positions first .. T-2
     if temperature != 1.0:
-        # In place: a second [B, T, V] tensor would double the largest activation. The lm_head's
+        # In place: a second [B, K, V] tensor would double the largest activation. The lm_head's
         # backward does not read its output, so autograd allows it.
         logits.div_(temperature)
-    return token_logprobs(logits, batch.input_ids[:, 1:].to(device)), logits
+    kept = token_logprobs(logits, batch.input_ids[:, first + 1 :].to(device))
+    logp = torch.cat([torch.zeros(kept.shape[0], first, dtype=kept.dtype, device=kept.device), kept], dim=1)
+    return logp, logits
+
+
+def response_tail(mask: Tensor, logits: Tensor) -> Tensor:
+    """The columns of a [B, T-1] position mask that `forward_logprobs`' logits [B, K, V] cover
+    (its last K), so `logits[response_tail(mask, logits)]` are the masked positions' logits."""
+    return mask[:, mask.shape[1] - logits.shape[1] :]
 
 
 def lr_multiplier(
@@ -373,6 +393,9 @@ class LearnerRank(WeightSender):
             # whose inputs do not require grad, which freezing parts of the model can cause.
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        self.lora = model_cfg.lora.rank > 0
+        if self.lora:
+            model = apply_lora(model, model_cfg.lora)  # only the adapters require grad now
 
         decay, no_decay = [], []
         for p in model.parameters():
@@ -402,7 +425,10 @@ class LearnerRank(WeightSender):
         self.engine.train()
 
         self.ref: torch.nn.Module | None = None
-        if algo_cfg.kl_coef > 0:
+        if algo_cfg.kl_coef > 0 and self.lora:
+            # The frozen base weights are the reference: the policy with its adapters disabled.
+            self.ref = self.engine
+        elif algo_cfg.kl_coef > 0:
             ref_model, _ = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=False)
             if self.zero3:
                 # The reference is sharded like the policy: a ZeRO-3 engine without optimizer
@@ -428,7 +454,7 @@ class LearnerRank(WeightSender):
         if rollout_cfg is not None:
             layerwise = self.zero3 and rollout_cfg.hybrid_gather == "layer"
             self.hybrid = HFEngine.around(
-                self.engine.module, self.processor, model_cfg, rollout_cfg, self.device, synced=layerwise,
+                base_model(self.engine.module), self.processor, model_cfg, rollout_cfg, self.device, synced=layerwise,
                 # Layer by layer, ranks step in lockstep inside one generate call, so each
                 # request is one call (a chunk count that differed across ranks would hang).
                 max_batch_prompts=1 << 30 if layerwise else 8,
@@ -474,17 +500,20 @@ class LearnerRank(WeightSender):
             raise ValueError(f"which must be 'policy' or 'ref', got {which!r}")
         was_training = self.engine.training
         self.engine.eval()
+        # LoRA: the reference is the same module with its adapters off.
+        adapters_off = self.engine.module.disable_adapter() if which == "ref" and self.lora else contextlib.nullcontext()
         try:
-            results: list[tuple[float, ...]] = []
-            mbs = self.learner_cfg.micro_batch_size
-            for start in range(0, len(experiences), mbs):
-                chunk = experiences[start : start + mbs]
-                batch = collate(self.processor, chunk)
-                logp, _ = forward_logprobs(model, self.processor, batch, self.device, self.temperature)
-                logp = logp.float().cpu()
-                mask = batch.response_mask[:, 1:].bool()
-                results.extend(tuple(logp[i][mask[i]].tolist()) for i in range(len(chunk)))
-            return results
+            with adapters_off:
+                results: list[tuple[float, ...]] = []
+                mbs = self.learner_cfg.micro_batch_size
+                for start in range(0, len(experiences), mbs):
+                    chunk = experiences[start : start + mbs]
+                    batch = collate(self.processor, chunk)
+                    logp, _ = forward_logprobs(model, self.processor, batch, self.device, self.temperature)
+                    logp = logp.float().cpu()
+                    mask = batch.response_mask[:, 1:].bool()
+                    results.extend(tuple(logp[i][mask[i]].tolist()) for i in range(len(chunk)))
+                return results
         finally:
             self.engine.train(was_training)
 
@@ -593,7 +622,7 @@ class LearnerRank(WeightSender):
                 on_mask = mask > 0
                 tokens = float(on_mask.sum())
                 # Entropy of the response positions only: [n_tokens, V], not [B, T, V].
-                entropy_sum = float(entropy_from_logits(logits.detach()[on_mask]).sum())
+                entropy_sum = float(entropy_from_logits(logits.detach()[response_tail(on_mask, logits)]).sum())
                 seqs = float(on_mask.any(-1).sum())
                 diff_sum, diff_count = 0.0, 0.0
                 if batch.rollout_logprobs is not None:
@@ -679,7 +708,9 @@ class LearnerRank(WeightSender):
             loss = sft_loss(logp, mask, float(global_tokens), self.world_size)
             with torch.no_grad():
                 on = mask > 0
-                right = float((logits.detach().argmax(-1) == batch.input_ids[:, 1:].to(self.device))[on].sum())
+                predicted = logits.detach().argmax(-1)  # [B, K]
+                targets = response_tail(batch.input_ids[:, 1:].to(self.device), logits)
+                right = float((predicted == targets)[response_tail(on, logits)].sum())
                 sums += torch.tensor([float(-(logp.detach() * mask).sum()), float(on.sum()), right], dtype=torch.float64)
             del logits
             self.engine.backward(loss, scale_wrt_gas=False)
@@ -720,14 +751,22 @@ class LearnerRank(WeightSender):
     def save_hf(self, path: str) -> None:
         """Write an HF model directory (weights, config, processor) at `path` from rank 0.
 
-        Loadable by `transformers` and by `load_judge`. Call on all ranks (ZeRO-3 gathers).
+        Loadable by `transformers` and by `load_judge`. With LoRA the weights are merged, and the
+        adapter itself is written to `<path>/adapter` (PEFT's format, e.g. for vLLM's LoRA
+        serving). Call on all ranks (ZeRO-3 gathers).
         """
         state: dict[str, Tensor] = {}
         for _, tensors in self._full_buckets(256 << 20):
             if self.rank == 0:
                 state.update({name: t.detach().cpu().clone() for name, t in tensors.items()})
+        if self.lora:
+            adapters = [p for n, p in self.engine.module.named_parameters() if ".lora_" in n]
+            gathered = self._ds.zero.GatheredParameters(adapters, modifier_rank=None) if self.zero3 else contextlib.nullcontext()
+            with gathered:
+                if self.rank == 0:
+                    self.engine.module.save_pretrained(os.path.join(path, "adapter"))
         if self.rank == 0:
-            module: PreTrainedModel = self.engine.module
+            module: PreTrainedModel = base_model(self.engine.module)
             module.save_pretrained(path, state_dict=state)
             self.processor.save_pretrained(path)
         if self.world_size > 1:

@@ -359,7 +359,7 @@ def build_engine(
     model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu"
 ) -> RolloutEngine:
     """The engine of `rollout_cfg.backend`; the vLLM module is imported only when chosen."""
-    if rollout_cfg.backend == "hf":
+    if rollout_cfg.backend in ("hf", "hybrid"):  # hybrid is the HF engine, placed in the learner
         return HFEngine(model_path, model_cfg, rollout_cfg, device=device)
     if rollout_cfg.backend == "vllm":
         try:
@@ -373,9 +373,7 @@ def build_engine(
                 "tests/vllm_cpu_env.sh), or use rollout.backend=hf"
             ) from err
         return VllmEngine(model_path, model_cfg, rollout_cfg)
-    raise ConfigError(
-        f"rollout.backend={rollout_cfg.backend!r}: a rollout worker runs hf or vllm (hybrid generates in the learner)"
-    )
+    raise ConfigError(f"rollout.backend={rollout_cfg.backend!r}: expected hybrid, hf or vllm")
 
 
 def generate_with_pool(pool: WorkerPool | RankGroup, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pjray.models.lora import ExportedParam, export_view
 from pjray.rl.weights import Bucket, pack, plan_buckets, state_checksums
 
 if TYPE_CHECKING:
@@ -330,16 +331,14 @@ class WeightSender:
     zero3: bool
     _ds: Any
 
-    def _named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        # The engine's inner module is the HF model, so these are its own parameter names.
-        return list(self.engine.module.named_parameters())
+    def _exported(self) -> list[ExportedParam]:
+        # The engine's inner module is the HF model (or a PeftModel over it): the view names its
+        # parameters as a plain HF model does, LoRA adapters merged.
+        return export_view(self.engine.module)
 
     def weight_plan(self, bucket_bytes: int) -> list[Bucket]:
         """The bucket plan of the full weights (from parameter shapes; no gather)."""
-        return plan_buckets(
-            [(n, getattr(p, "ds_shape", p.shape) if self.zero3 else p.shape, p.dtype) for n, p in self._named_parameters()],
-            bucket_bytes,
-        )
+        return plan_buckets([(p.name, p.shape, p.dtype) for p in self._exported()], bucket_bytes)
 
     def _full_buckets(self, bucket_bytes: int) -> Iterator[tuple[Bucket, dict[str, Tensor]]]:
         """(bucket, name -> full tensor) for every bucket; ALL ranks must iterate to the end.
@@ -348,14 +347,14 @@ class WeightSender:
         of one iteration, so at most one bucket is materialised at a time; the tensors must be
         used or copied before advancing.
         """
-        by_name = dict(self._named_parameters())
+        by_name = {p.name: p for p in self._exported()}
         for bucket in self.weight_plan(bucket_bytes):
-            params = [by_name[e.name] for e in bucket.entries]
+            params = [param for e in bucket.entries for param in by_name[e.name].params]
             gathered = (
                 self._ds.zero.GatheredParameters(params, modifier_rank=None) if self.zero3 else contextlib.nullcontext()
             )
             with gathered:
-                yield bucket, {e.name: by_name[e.name].data for e in bucket.entries}
+                yield bucket, {e.name: by_name[e.name].value() for e in bucket.entries}
 
     # -- object store -------------------------------------------------------------------------
 

@@ -1,0 +1,109 @@
+"""LoRA adapters (PEFT) on a judge, and the merged weights it exports.
+
+`model.lora.rank > 0` wraps the learner's judge in a `peft.PeftModel`: low-rank adapters on the
+linear layers (`model.lora.target_modules`, by default every linear layer but the output
+projection, as PEFT's "all-linear" selects them), none in the vision tower unless
+`model.lora.vision` asks for them, as the Perception-Judge release trains its 32B Flex judge.
+Only the adapters train; the base weights stay frozen, so the reference model of the KL term is
+the same module with its adapters disabled (no second copy).
+
+Everything that leaves the learner (weight sync to the rollout engines, checksums, the HF export)
+sees the judge as a plain HF model: `export_view` lists the base model's own parameter names,
+and each adapted weight is exported merged, W + scaling * (B @ A), computed from the current
+adapters without touching the module (merging in place and back would drift W by rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from pjray.config import LoraConfig
+
+__all__ = ["ExportedParam", "apply_lora", "base_model", "export_view", "is_lora"]
+
+ADAPTER = "default"  # PEFT's name of the one adapter we train
+_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the HF model
+
+
+@dataclass(frozen=True)
+class ExportedParam:
+    """One parameter as a plain HF model names it, and how to compute its full value from the
+    module's parameters (`params`, which a ZeRO-3 caller gathers first)."""
+
+    name: str
+    params: tuple[torch.nn.Parameter, ...]
+    value: Callable[[], Tensor]
+
+    @property
+    def shape(self) -> torch.Size:
+        base = self.params[0]
+        return getattr(base, "ds_shape", base.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
+    """`model` wrapped in a PeftModel with one trainable LoRA adapter, as `cfg` says."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = cfg.target_modules
+    peft_cfg = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules="all-linear" if targets == ["all-linear"] else list(targets),
+        exclude_modules=None if cfg.vision else r".*\bvisual\b.*",
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model under a PeftModel (adapters injected and active), else `model` itself."""
+    return model.get_base_model() if is_lora(model) else model  # type: ignore[operator]
+
+
+def export_view(model: torch.nn.Module) -> list[ExportedParam]:
+    """The parameters a plain HF model of the same architecture has, by its names, in module
+    order: for a LoRA model the base weights with the adapters merged in; otherwise the
+    module's own parameters as they are."""
+    if not is_lora(model):
+        return [ExportedParam(name, (p,), _reader(p)) for name, p in model.named_parameters()]
+    out: list[ExportedParam] = []
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            continue  # adapters: merged into their base weight below
+        plain = name.removeprefix(_PREFIX).replace(".base_layer.", ".")
+        if not name.endswith(".base_layer.weight"):
+            out.append(ExportedParam(plain, (param,), _reader(param)))
+            continue
+        layer = model.get_submodule(name.removesuffix(".base_layer.weight"))
+        adapters = (layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight)
+        out.append(ExportedParam(plain, (param, *adapters), _merged(layer, param)))
+    return out
+
+
+def _reader(param: torch.nn.Parameter) -> Callable[[], Tensor]:
+    return lambda: param.data
+
+
+def _merged(layer: torch.nn.Module, weight: torch.nn.Parameter) -> Callable[[], Tensor]:
+    def value() -> Tensor:
+        with torch.no_grad():
+            delta = layer.get_delta_weight(ADAPTER)  # scaling * (B @ A), in the layout of W
+            return weight.data + delta.to(weight.dtype)
+
+    return value
