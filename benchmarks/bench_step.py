@@ -92,6 +92,7 @@ def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
     out["tokens"] = statistics.median(r["perf/total_num_tokens"] for r in timed)
     out["tok_s"] = statistics.median(r["perf/throughput"] for r in timed)
     out["gen_tok_s"] = out["tokens"] / out["gen"] if out["gen"] else 0.0
+    out["padding"] = statistics.median(r["perf/padding_fraction"] for r in timed)
     return out
 
 
@@ -160,11 +161,11 @@ def main() -> None:
     print(f"\nGRPO step on CPU: {args.prompts} prompts x 4 samples, <=32 new tokens, {args.ranks} learner "
           f"rank(s), by layout; median of the steps after the first (tiny: {args.steps}, 114M: {args.base_steps} steps); seconds")
     cols = [*PHASES, "untimed", "step"]
-    print("| model, layout | " + " | ".join(cols) + " | resp tokens | tokens/s (step) | tokens/s (gen) |")
-    print("|---" * (len(cols) + 4) + "|")
+    print("| model, layout | " + " | ".join(cols) + " | resp tokens | tokens/s (step) | tokens/s (gen) | learner padding |")
+    print("|---" * (len(cols) + 5) + "|")
     for name, r in results.items():
         cells = " | ".join(f"{r[c]:.3f}" for c in cols)
-        print(f"| {name} | {cells} | {r['tokens']:.0f} | {r['tok_s']:.1f} | {r['gen_tok_s']:.1f} |")
+        print(f"| {name} | {cells} | {r['tokens']:.0f} | {r['tok_s']:.1f} | {r['gen_tok_s']:.1f} | {100 * r['padding']:.1f}% |")
     print_overhead(overheads)
     print("\nPeak resident memory per process (ru_maxrss), MiB:")
     print("| model, layout | learner rank | rollout worker | both |")

@@ -570,7 +570,8 @@ class LearnerRank(WeightSender):
             actor/kl_loss (the full mini-batch values), token means over the mini-batch of
             actor/entropy, actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl; actor/grad_norm
             (before clipping), actor/lr (the rate this step used), actor/num_tokens and
-            actor/num_seqs (mini-batch totals). When experiences carry `rollout_logprobs`, also
+            actor/num_seqs (mini-batch totals), perf/padding_fraction (padding positions over
+            all forwarded positions). When experiences carry `rollout_logprobs`, also
             rollout/logprob_diff_mean and rollout/logprob_diff_max: |learner - rollout engine|
             per response token (before this step's update), over the tokens that have one.
         """
@@ -591,8 +592,9 @@ class LearnerRank(WeightSender):
 
         # Sums over this rank's micro-batches: [pg_loss, kl_loss, tokens, seqs,
         # entropy*tokens, clipfrac*tokens, clipfrac_lower*tokens, ppo_kl*tokens,
-        # |logp - rollout logp| summed, tokens with a rollout logp]; and that difference's max.
-        sums = torch.zeros(10, dtype=torch.float64)
+        # |logp - rollout logp| summed, tokens with a rollout logp, padding positions, all
+        # positions]; and that difference's max.
+        sums = torch.zeros(12, dtype=torch.float64)
         diff_max = torch.zeros(1, dtype=torch.float64)
         self.engine.train()
         manual_grad_norm: float | None = None
@@ -646,6 +648,7 @@ class LearnerRank(WeightSender):
                 metrics["pg_loss"], metrics["kl_loss"], tokens, seqs, entropy_sum,
                 metrics["pg_clipfrac"] * tokens, metrics["pg_clipfrac_lower"] * tokens,
                 metrics["ppo_kl"] * tokens, diff_sum, diff_count,
+                float((batch.attention_mask == 0).sum()), float(batch.attention_mask.numel()),
             ], dtype=torch.float64)  # fmt: skip
             del logp, loss
 
@@ -676,6 +679,8 @@ class LearnerRank(WeightSender):
             "actor/lr": lr,
             "actor/num_tokens": totals[2],
             "actor/num_seqs": totals[3],
+            # Share of the forwarded positions that were padding (rows padded to the longest).
+            "perf/padding_fraction": totals[10] / max(totals[11], 1.0),
             **rollout,
         }
 

@@ -275,6 +275,9 @@ def test_step_follows_advantage_sign(judge_dir: str, rank_env: None) -> None:
     assert metrics["actor/lr"] == pytest.approx(LR)
     assert metrics["actor/ppo_kl"] == 0 and metrics["actor/pg_clipfrac"] == 0  # on-policy: ratio 1
     assert metrics["actor/grad_norm"] > 0 and 0 < metrics["actor/entropy"] < 7
+    masks = [collate(rank.processor, part).attention_mask for part in (exps[:4], exps[4:])]
+    padding = sum(int((m == 0).sum()) for m in masks) / sum(m.numel() for m in masks)
+    assert padding > 0 and metrics["perf/padding_fraction"] == pytest.approx(padding)
 
 
 def test_step_trains_language_model_only(any_arch_judge_dir: str, rank_env: None) -> None:
