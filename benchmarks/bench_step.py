@@ -159,7 +159,7 @@ def main() -> None:
         ray.shutdown()
 
     print(f"\nGRPO step on CPU: {args.prompts} prompts x 4 samples, <=32 new tokens, {args.ranks} learner "
-          f"rank(s), by layout; median of the steps after the first (tiny: {args.steps}, 114M: {args.base_steps} steps); seconds")
+          f"rank(s), by layout; median of the steps after the first (tiny: {args.steps}{'' if args.tiny_only else f', 114M: {args.base_steps}'} steps); seconds")
     cols = [*PHASES, "untimed", "step"]
     print("| model, layout | " + " | ".join(cols) + " | resp tokens | tokens/s (step) | tokens/s (gen) | learner padding |")
     print("|---" * (len(cols) + 5) + "|")

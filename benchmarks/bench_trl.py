@@ -93,7 +93,7 @@ def judge_prompts(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
     if args.images:
         from trl.data_utils import prepare_multimodal_messages
     columns: dict[str, list] = {"prompt": [], "target": [], "image": []}
-    for index, item in enumerate(load_items(cfg)):
+    for index, item in enumerate(load_items(cfg).rows):
         prompt = render_batch(item, random.Random(f"{cfg.trainer.seed}/{index}"), style=cfg.reward.style)
         columns["target"].append(prompt.target)
         if not args.images:

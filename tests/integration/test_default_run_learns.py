@@ -2,15 +2,15 @@
 (built on first use, then cached), writes the judge format from step 1, and GRPO trains its text
 model only (the embedded default of configs/demo.yaml, the command the README gives).
 
-Measured (`pjray train`, 2 cores): format 1.00 at step 1 and 0.99 over the last 5 steps; mean
-reward 0.459 (first 5 steps) -> 0.483 (last 5). The project's bar of a reward rise of at least 0.1
-is not met, so it is not asserted here: GRPO raises the judge's "by the image" disposition (19% ->
-42% sampled) but also blurs its think text's match flags (README, "The base judge and what GRPO
-changes").
+Measured (`pjray train`, 2 cores, 3 min 14 s): format 1.00 at step 1 and 0.98 over the last 5
+steps; mean reward 0.448 (first 5 steps) -> 0.480 (last 5). The project's bar of a reward rise of
+at least 0.1 is not met, so it is not asserted here: GRPO raises the judge's "by the image"
+disposition (18% -> 36% sampled) but also blurs its think text's match flags (README, "The base
+judge and what GRPO changes").
 
-The slowest test of the suite: on a fresh machine it builds the full base judge recipe (~30 min
+The slowest test of the suite: on a fresh machine it builds the full base judge recipe (25-40 min
 on 2 cores, into the user's pjray cache, so a second run reuses it), then runs the default 25
-GRPO steps (~5 min)."""
+GRPO steps (~3-4 min)."""
 
 from __future__ import annotations
 
