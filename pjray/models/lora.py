@@ -15,6 +15,7 @@ adapters without touching the module (merging in place and back would drift W by
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -66,9 +67,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
 
 
 def is_lora(model: torch.nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
+    # A model can only be a PeftModel once peft is imported: a run without LoRA never imports it.
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:

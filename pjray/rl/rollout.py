@@ -185,8 +185,7 @@ class HFEngine:
         collectives (ZeRO-3 gathering layer by layer), so every rank keeps stepping until all
         have finished (HF's `synced_gpus`)."""
         engine = cls.__new__(cls)
-        engine._attach(model, processor, model_cfg, rollout_cfg, device, max_batch_prompts, name=type(model).__name__)
-        engine.synced = synced
+        engine._attach(model, processor, model_cfg, rollout_cfg, device, max_batch_prompts, type(model).__name__, synced)
         return engine
 
     def _attach(
@@ -198,6 +197,7 @@ class HFEngine:
         device: str | torch.device,
         max_batch_prompts: int,
         name: str,
+        synced: bool = False,
     ) -> None:
         if max_batch_prompts < 1:
             raise ValueError(f"max_batch_prompts must be >= 1, got {max_batch_prompts}")
@@ -206,7 +206,7 @@ class HFEngine:
         self.device = torch.device(device)
         self.max_batch_prompts = max_batch_prompts
         self.model, self.processor = model, processor
-        self.synced = False
+        self.synced = synced
         tokenizer = self.processor.tokenizer
         eos_ids = {tokenizer.convert_tokens_to_ids(EOS_TOKEN)}
         checkpoint_eos = self.model.generation_config.eos_token_id

@@ -316,6 +316,10 @@ class SharedBucketReader:
         return [maps[p] for p in paths]
 
 
+def _plan(exported: list[ExportedParam], bucket_bytes: int) -> list[Bucket]:
+    return plan_buckets([(p.name, p.shape, p.dtype) for p in exported], bucket_bytes)
+
+
 class WeightSender:
     """The learner's side of weight sync, checksums included; mixed into `LearnerRank`.
 
@@ -338,7 +342,7 @@ class WeightSender:
 
     def weight_plan(self, bucket_bytes: int) -> list[Bucket]:
         """The bucket plan of the full weights (from parameter shapes; no gather)."""
-        return plan_buckets([(p.name, p.shape, p.dtype) for p in self._exported()], bucket_bytes)
+        return _plan(self._exported(), bucket_bytes)
 
     def _full_buckets(self, bucket_bytes: int) -> Iterator[tuple[Bucket, dict[str, Tensor]]]:
         """(bucket, name -> full tensor) for every bucket; ALL ranks must iterate to the end.
@@ -347,8 +351,9 @@ class WeightSender:
         of one iteration, so at most one bucket is materialised at a time; the tensors must be
         used or copied before advancing.
         """
-        by_name = {p.name: p for p in self._exported()}
-        for bucket in self.weight_plan(bucket_bytes):
+        exported = self._exported()
+        by_name = {p.name: p for p in exported}
+        for bucket in _plan(exported, bucket_bytes):
             params = [param for e in bucket.entries for param in by_name[e.name].params]
             gathered = (
                 self._ds.zero.GatheredParameters(params, modifier_rank=None) if self.zero3 else contextlib.nullcontext()
