@@ -2,9 +2,11 @@
 
 Runs the real trainer (Ray actors, HF engine, reward pool, DeepSpeed learner over gloo) for a few
 steps on the tiny judge (~0.2M parameters) and on a ~114M-parameter random Qwen2-VL, in three
-layouts: `split-1t` (a rollout worker beside the learner, one torch thread per actor: the layout
-before the hybrid engine), `split` (the same with each actor's threads from its node's cores)
-and `hybrid` (the learner rank generates with the module it trains: the CPU default). Prints
+layouts: `split-1t` (a rollout worker beside the learner, one torch thread per actor, one
+learner forward per sequence: the layout before the hybrid engine), `split` (the same with each
+actor's threads from its node's cores, and each group's prompt forwarded once by the learner),
+`hybrid-rows` (the learner rank generates with the module it trains, one learner forward per
+sequence) and `hybrid` (the same with the prompt forwarded once per group: the CPU default). Prints
 the median per-phase seconds of the steps after the first (which pays one-off costs), response
 tokens/s, the untimed rest of the step (driver work between phases), and each process's peak
 resident memory (the learner rank holds the policy, its optimizer state and the reference
@@ -16,7 +18,7 @@ object-store transfers, driver work inside the phase); its step row sets the ste
 against all the compute, so its overhead also holds adv, sync and the untimed rest.
 
     python benchmarks/bench_step.py [--steps 4] [--base-steps 2] [--prompts 4] [--ranks 1] [--tiny-only]
-        [--layouts split-1t,split,hybrid]
+        [--layouts split-1t,split,hybrid-rows,hybrid]
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from pjray.rl.trainer import COMPUTE_PHASES, Trainer
 PHASES = ("gen", "reward", "adv", "ref", "update", "sync")
 
 LAYOUTS = {
-    "split-1t": ["rollout.backend=hf", "rollout.num_threads=1", "learner.num_threads=1"],
+    "split-1t": ["rollout.backend=hf", "rollout.num_threads=1", "learner.num_threads=1", "learner.shared_prefix=false"],
     "split": ["rollout.backend=hf"],
+    "hybrid-rows": ["rollout.backend=hybrid", "learner.shared_prefix=false"],
     "hybrid": ["rollout.backend=hybrid"],
 }
 
@@ -74,7 +77,7 @@ def run(
         for trainer.step in range(1, steps + 1):
             rows.append(trainer.train_step())
         memory = {"learner": max(peak_rss_mb(a) for a in trainer.learners)}
-        if layout != "hybrid":
+        if not layout.startswith("hybrid"):
             memory["rollout"] = max(peak_rss_mb(a) for a in trainer.rollout.actors)
     finally:
         trainer.shutdown()

@@ -195,6 +195,9 @@ class LearnerConfig:
     min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
     grad_clip: float = 1.0
     micro_batch_size: int = 16  # sequences per forward/backward on one rank
+    # Forward a prompt that several sequences of a micro-batch share (a GRPO group's samples)
+    # once, its keys and values reused by each response: same log-probs, a fraction of the compute.
+    shared_prefix: bool = True
     bf16: bool = False
     master_port: int = 0  # 0: pick a free port
 

@@ -158,3 +158,8 @@ class TrainBatch:
     image_grid_thw: list[torch.Tensor]  # per sequence, [n_images_b, 3] long
     ref_logprobs: torch.Tensor | None = None  # [B, T] float, filled by the learner when KL is on
     rollout_logprobs: torch.Tensor | None = None  # [B, T] float, the rollout engine's (NaN where none)
+    # [B] long: prompt tokens at the start of each row (its response follows them).
+    prompt_lens: torch.Tensor | None = None
+    # [B] long: the first row with the same prompt text and image (GRPO's group samples share
+    # one prompt), so the prompt can be forwarded once for all of them.
+    prompt_group: torch.Tensor | None = None

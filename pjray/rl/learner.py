@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.processing_utils import ProcessorMixin
 
-__all__ = ["LearnerRank", "collate", "forward_logprobs", "lr_multiplier", "response_tail"]
+__all__ = ["LearnerRank", "collate", "forward_logprobs", "forwarded_positions", "lr_multiplier"]
 
 _CLIENT_STATE_KEY = "pjray_client_state"
 
@@ -90,8 +90,9 @@ def collate(
         (response_mask is 1 on the response tokens that `loss_mask` keeps; old_logprobs holds
         the given values on response positions, NaN where an experience has none, meaning "use
         the current policy"), advantages [B], per-row pixel_values [P_b, D] and image_grid_thw [n_b, 3]
-        (empty for rows without an image), and ref_logprobs / rollout_logprobs [B, T] when any
-        experience has them (NaN on the response positions of those that do not).
+        (empty for rows without an image), ref_logprobs / rollout_logprobs [B, T] when any
+        experience has them (NaN on the response positions of those that do not), prompt_lens
+        [B] and prompt_group [B] (the first row with the same prompt text and image).
     """
     if not experiences:
         raise ValueError("collate: no experiences")
@@ -133,6 +134,8 @@ def collate(
 
     rows: list[Tensor] = []
     prompt_lens: list[int] = []
+    first_row: dict[tuple[str, bytes | None], int] = {}
+    prompt_group = [first_row.setdefault((e.prompt_text, e.image), i) for i, e in enumerate(experiences)]
     for i, e in enumerate(experiences):
         prompt = prompt_ids[i][prompt_mask[i].bool()]
         response = torch.tensor(e.response_ids, dtype=torch.long)
@@ -178,6 +181,8 @@ def collate(
         image_grid_thw=row_grids,
         ref_logprobs=optional.get("ref_logprobs"),
         rollout_logprobs=optional.get("rollout_logprobs"),
+        prompt_lens=torch.tensor(prompt_lens, dtype=torch.long),
+        prompt_group=torch.tensor(prompt_group, dtype=torch.long),
     )
 
 
@@ -219,27 +224,37 @@ def forward_logprobs(
     batch: TrainBatch,
     device: torch.device | str = "cpu",
     temperature: float = 1.0,
+    shared_prefix: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """Log-prob of each next token under logits / temperature, and those scaled logits.
+    """Log-prob of each next token under logits / temperature, and the scaled logits of the
+    positions that predict a response token.
 
-    Only the positions from the first one that predicts a response token go through the output
-    projection (`logits_to_keep`): the prompt, with its image tokens, is most of a judge's
-    sequence, and its [T, V] logits (kept for backward) would be most of the activation memory.
+    Only what the response needs goes through the output projection: the prompt, with its image
+    tokens, is most of a judge's sequence, and its [T, V] logits (kept for backward) would be
+    most of the activation memory. With `shared_prefix` (and rows that share a prompt, as a
+    GRPO group's samples do), each distinct prompt is forwarded once and its keys and values
+    serve every response to it (`_shared_prefix_logits`): the same numbers as one forward per
+    row, with a fraction of the compute.
 
     Args:
-        model: a Qwen-VL judge (or a DeepSpeed engine wrapping one).
+        model: a Qwen-VL judge or a causal LM (or a DeepSpeed engine wrapping one).
         batch: from `collate`, B rows of padded length T.
         temperature: the rollout's sampling temperature, so that the log-probs (and an entropy
             of the returned logits) are of the distribution the responses were sampled from.
+        shared_prefix: forward a prompt that several rows share once (falls back to one forward
+            per row when no prompt is shared, or under gradient checkpointing in training, which
+            keeps no cache).
 
     Returns:
-        (logp [B, T-1] float32, logits [B, K, V]): logp[:, t] = log pi_T(input_ids[:, t+1] | ...),
-        so response_mask[:, 1:] selects the response tokens; the logits are those of the last K
-        of the T-1 positions (`response_tail` selects their response tokens). Positions before
-        them hold 0 in logp, padded ones garbage.
+        (logp [B, T-1] float32, logits [N, V] detached): logp[:, t] = log pi_T(input_ids[:, t+1]
+        | ...), so response_mask[:, 1:] selects the response tokens (other positions hold 0);
+        the logits are those of the N positions where response_mask[:, 1:] > 0, in row-major
+        order (for entropies and accuracies).
     """
     device = torch.device(device)
     predicts = batch.response_mask[:, 1:] > 0  # [B, T-1]: position t predicts a response token
+    if shared_prefix and _can_share_prefix(model, batch):
+        return _shared_prefix_logits(model, processor, batch, device, temperature)
     length = predicts.shape[1]
     hits = predicts.any(0).nonzero()
     first = int(hits[0]) if len(hits) else max(length - 1, 0)
@@ -252,13 +267,107 @@ def forward_logprobs(
         logits.div_(temperature)
     kept = token_logprobs(logits, batch.input_ids[:, first + 1 :].to(device))
     logp = torch.cat([torch.zeros(kept.shape[0], first, dtype=kept.dtype, device=kept.device), kept], dim=1)
-    return logp, logits
+    return logp, logits.detach()[predicts[:, first:].to(device)]
 
 
-def response_tail(mask: Tensor, logits: Tensor) -> Tensor:
-    """The columns of a [B, T-1] position mask that `forward_logprobs`' logits [B, K, V] cover
-    (its last K), so `logits[response_tail(mask, logits)]` are the masked positions' logits."""
-    return mask[:, mask.shape[1] - logits.shape[1] :]
+def forwarded_positions(batch: TrainBatch, shared: bool) -> tuple[int, int]:
+    """(padding positions, all positions) that `forward_logprobs` runs through the model for
+    `batch`: B x T rows, or with a shared prefix U distinct prompts x P plus B responses x R."""
+    if not shared:
+        return int((batch.attention_mask == 0).sum()), batch.attention_mask.numel()
+    heads = sorted(set(batch.prompt_group.tolist()))
+    plens = batch.prompt_lens
+    rlens = batch.attention_mask.sum(-1) - plens
+    total = len(heads) * int(plens[heads].max()) + plens.numel() * max(int(rlens.max()), 1)
+    return total - int(plens[heads].sum()) - int(rlens.sum()), total
+
+
+def _can_share_prefix(model: torch.nn.Module, batch: TrainBatch) -> bool:
+    """Whether some rows share a prompt and the model can carry its keys and values over."""
+    if batch.prompt_group is None or batch.prompt_lens is None:
+        return False
+    if len(set(batch.prompt_group.tolist())) == batch.prompt_group.numel() or int(batch.prompt_lens.min()) < 1:
+        return False
+    hf = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF (or PEFT) model
+    return not (hf.training and getattr(hf, "is_gradient_checkpointing", False))
+
+
+def _shared_prefix_logits(
+    model: torch.nn.Module, processor: ProcessorMixin, batch: TrainBatch, device: torch.device, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """`forward_logprobs` with each distinct prompt forwarded once.
+
+    1. The U distinct prompts, left-padded to P tokens, go through the model with their images;
+       it returns their keys and values and the logits at their last token (which predict each
+       response's first token).
+    2. The cache is indexed out to the B rows (autograd sums the rows' gradients into the one
+       prompt forward), and the right-padded responses [B, R] are forwarded on top of it, with
+       explicit positions that continue each prompt's (for Qwen-VL, its M-RoPE positions from
+       the model's own `get_rope_index`), so every token sees the keys and positions it sees in
+       the unshared forward.
+    """
+    B, T = batch.input_ids.shape
+    pad_id = processor.tokenizer.pad_token_id
+    group = batch.prompt_group.tolist()
+    heads = sorted(set(group))
+    index = torch.tensor([heads.index(g) for g in group], dtype=torch.long)  # row -> distinct prompt
+    plens = batch.prompt_lens
+    rlens = batch.attention_mask.sum(-1) - plens
+    P, R = int(plens[heads].max()), max(int(rlens.max()), 1)
+
+    ids = torch.full((len(heads), P), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(heads), P, dtype=torch.long)
+    for u, h in enumerate(heads):
+        n = int(plens[h])
+        ids[u, P - n :], mask[u, P - n :] = batch.input_ids[h, :n], 1
+    prompt: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
+    rope = next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
+    if processor.image_token_id is not None and rope is not None:
+        images = [h for h in heads if batch.image_grid_thw[h].numel() > 0]
+        prompt["mm_token_type_ids"] = mm_token_type_ids(processor, ids)
+        if images:
+            prompt["pixel_values"] = torch.cat([batch.pixel_values[h] for h in images])
+            prompt["image_grid_thw"] = torch.cat([batch.image_grid_thw[h] for h in images])
+        positions, deltas = rope.get_rope_index(
+            input_ids=ids, mm_token_type_ids=prompt["mm_token_type_ids"],
+            image_grid_thw=prompt.get("image_grid_thw"), attention_mask=mask,
+        )  # fmt: skip
+        prompt["position_ids"] = positions  # [3, U, P]
+        following = plens[heads] + deltas.reshape(-1).cpu()  # [U]: the position after each prompt
+    else:
+        prompt["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        following = plens[heads]
+    out = model(**{k: v.to(device) for k, v in prompt.items()}, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_select_indices(index.to(device))
+
+    steps = torch.arange(R)
+    real = steps[None, :] < rlens[:, None]  # [B, R]
+    cols = (plens[:, None] + steps[None, :]).clamp(max=T - 1)
+    response = torch.where(real, batch.input_ids.gather(1, cols), torch.full_like(cols, pad_id))
+    fed = response
+    if processor.image_token_id is not None:  # as in `_model_inputs`: a sampled image pad is fed as pad
+        placeholder = (response == processor.image_token_id) | (response == processor.video_token_id)
+        fed = torch.where(placeholder, torch.full_like(response, pad_id), response)
+    positions = following[index][:, None] + steps[None, :]  # [B, R]
+    if "mm_token_type_ids" in prompt:
+        positions = positions[None].expand(3, -1, -1)
+    out2 = model(
+        input_ids=fed.to(device), attention_mask=torch.cat([mask[index], real.long()], 1).to(device),
+        position_ids=positions.to(device), past_key_values=cache, use_cache=True,
+    )  # fmt: skip
+    # logits[:, j] predicts response token j: the prompt's last logits, then the responses'.
+    logits = torch.cat([out.logits[index.to(device)], out2.logits[:, : R - 1]], dim=1)  # [B, R, V]
+    if temperature != 1.0:
+        logits.div_(temperature)
+    lp = token_logprobs(logits, response.to(device))  # [B, R]
+    rows = torch.arange(B)[:, None].expand(B, R)
+    at = (rows[real], cols[real] - 1)  # logp[:, t] predicts token t + 1
+    logp = torch.zeros(B, T - 1, dtype=lp.dtype, device=device).index_put(
+        tuple(i.to(device) for i in at), lp[real.to(device)]
+    )
+    trained = (batch.response_mask.gather(1, cols) > 0) & real
+    return logp, logits.detach()[trained.to(device)]
 
 
 def lr_multiplier(
@@ -509,7 +618,7 @@ class LearnerRank(WeightSender):
                 for start in range(0, len(experiences), mbs):
                     chunk = experiences[start : start + mbs]
                     batch = collate(self.processor, chunk)
-                    logp, _ = forward_logprobs(model, self.processor, batch, self.device, self.temperature)
+                    logp, _ = forward_logprobs(model, self.processor, batch, self.device, self.temperature, self.learner_cfg.shared_prefix)
                     logp = logp.float().cpu()
                     mask = batch.response_mask[:, 1:].bool()
                     results.extend(tuple(logp[i][mask[i]].tolist()) for i in range(len(chunk)))
@@ -601,7 +710,8 @@ class LearnerRank(WeightSender):
         chunks = split_evenly(experiences, self.grad_accum_steps)
         for index, chunk in enumerate(chunks):
             batch = collate(self.processor, chunk)
-            logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device, self.temperature)
+            shared = self.learner_cfg.shared_prefix and _can_share_prefix(self.engine, batch)
+            logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device, self.temperature, shared)
             mask = batch.response_mask[:, 1:].to(self.device)
             old = batch.old_logprobs[:, 1:].to(self.device)
             # NaN marks "no rollout log-prob": on-policy, so the ratio is exactly 1.
@@ -624,7 +734,7 @@ class LearnerRank(WeightSender):
                 on_mask = mask > 0
                 tokens = float(on_mask.sum())
                 # Entropy of the response positions only: [n_tokens, V], not [B, T, V].
-                entropy_sum = float(entropy_from_logits(logits.detach()[response_tail(on_mask, logits)]).sum())
+                entropy_sum = float(entropy_from_logits(logits).sum())
                 seqs = float(on_mask.any(-1).sum())
                 diff_sum, diff_count = 0.0, 0.0
                 if batch.rollout_logprobs is not None:
@@ -648,7 +758,7 @@ class LearnerRank(WeightSender):
                 metrics["pg_loss"], metrics["kl_loss"], tokens, seqs, entropy_sum,
                 metrics["pg_clipfrac"] * tokens, metrics["pg_clipfrac_lower"] * tokens,
                 metrics["ppo_kl"] * tokens, diff_sum, diff_count,
-                float((batch.attention_mask == 0).sum()), float(batch.attention_mask.numel()),
+                *map(float, forwarded_positions(batch, shared)),
             ], dtype=torch.float64)  # fmt: skip
             del logp, loss
 
@@ -679,7 +789,8 @@ class LearnerRank(WeightSender):
             "actor/lr": lr,
             "actor/num_tokens": totals[2],
             "actor/num_seqs": totals[3],
-            # Share of the forwarded positions that were padding (rows padded to the longest).
+            # Share of the forwarded positions that were padding (rows padded to the longest; with
+            # a shared prefix, prompts to the longest prompt and responses to the longest response).
             "perf/padding_fraction": totals[10] / max(totals[11], 1.0),
             **rollout,
         }
@@ -708,14 +819,13 @@ class LearnerRank(WeightSender):
         chunks = split_evenly(experiences, self.grad_accum_steps)
         for index, chunk in enumerate(chunks):
             batch = collate(self.processor, chunk)
-            logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device)
+            logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device, shared_prefix=self.learner_cfg.shared_prefix)
             mask = batch.response_mask[:, 1:].to(self.device)
             loss = sft_loss(logp, mask, float(global_tokens), self.world_size)
             with torch.no_grad():
                 on = mask > 0
-                predicted = logits.detach().argmax(-1)  # [B, K]
-                targets = response_tail(batch.input_ids[:, 1:].to(self.device), logits)
-                right = float((predicted == targets)[response_tail(on, logits)].sum())
+                targets = batch.input_ids[:, 1:].to(self.device)[on]
+                right = float((logits.argmax(-1) == targets).sum())
                 sums += torch.tensor([float(-(logp.detach() * mask).sum()), float(on.sum()), right], dtype=torch.float64)
             del logits
             self.engine.backward(loss, scale_wrt_gas=False)

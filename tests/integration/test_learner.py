@@ -27,7 +27,7 @@ from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
 from pjray.models.loading import load_judge, render_chat
 from pjray.models.tiny import build_tiny_judge
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
-from pjray.rl.learner import LearnerRank, collate, forward_logprobs, lr_multiplier, response_tail
+from pjray.rl.learner import LearnerRank, collate, forward_logprobs, forwarded_positions, lr_multiplier
 from pjray.rl.rollout import HFEngine
 from pjray.rl.weights import state_checksums, unpack
 from pjray.types import Experience, JudgePrompt
@@ -233,7 +233,7 @@ def test_only_the_response_positions_are_projected(judge_dir: str) -> None:
     hook = model.lm_head.register_forward_hook(lambda module, args, out: projected.append(out.shape[1]))
     try:
         with torch.no_grad():
-            logp, logits = forward_logprobs(model, processor, batch, temperature=0.7)
+            logp, logits = forward_logprobs(model, processor, batch, temperature=0.7, shared_prefix=False)
             full = model(**_model_inputs(processor, batch, torch.device("cpu")), use_cache=False).logits[:, :-1] / 0.7
     finally:
         hook.remove()
@@ -242,7 +242,98 @@ def test_only_the_response_positions_are_projected(judge_dir: str) -> None:
     mask = batch.response_mask[:, 1:].bool()
     assert mask[:, : length - projected[0]].sum() == 0 and mask[:, length - projected[0]].any()
     torch.testing.assert_close(logp[mask], token_logprobs(full, batch.input_ids[:, 1:])[mask], atol=1e-5, rtol=0)
-    torch.testing.assert_close(logits[response_tail(mask, logits)], full[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits, full[mask], atol=1e-5, rtol=0)
+
+
+def _groups(seed: int, image_token_id: int) -> list[Experience]:
+    """GRPO-shaped rows: three prompts (two images of different sizes and prompt lengths, one
+    without an image), three responses each of varied length (one with an image-pad id, one
+    with an untrained span), and a padding row."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(3):
+        image = _png(56 + 28 * g, 56, seed * 100 + g) if g < 2 else None
+        prompt = _prompt("Rank the answers A, B and C. " * (1 + g), image is not None)
+        for _ in range(3):
+            ids = tuple(rng.randrange(0, 400) for _ in range(rng.randrange(2, 9)))
+            out.append(Experience(prompt_text=prompt, image=image, response_ids=ids, advantage=rng.uniform(-1.5, 1.5)))
+    out[1] = dataclasses.replace(out[1], response_ids=(5, image_token_id, 7, 9))  # a sampled image-pad id
+    out[4] = dataclasses.replace(out[4], loss_mask=(True, False) + (True,) * (len(out[4].response_ids) - 2))
+    return [*out, _dummy()]
+
+
+def test_a_shared_prompt_is_forwarded_once_with_the_same_logprobs_and_gradients(any_arch_judge_dir: str) -> None:
+    """forward_logprobs with shared_prefix forwards each distinct prompt once (the embedding
+    layer sees U prompts plus B responses, not B whole rows) and gives the same log-probs,
+    logits and parameter gradients as one forward per row, with M-RoPE positions continuing
+    each prompt's."""
+    model, processor = load_judge(any_arch_judge_dir, trainable=True)
+    exps = _groups(seed=1, image_token_id=processor.image_token_id)
+    batch = collate(processor, exps)
+    assert batch.prompt_group.tolist() == [0, 0, 0, 3, 3, 3, 6, 6, 6, 9]
+    mask = batch.response_mask[:, 1:].bool()
+    embedded: list[int] = []
+    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: embedded.append(args[0].numel()))
+    results = {}
+    try:
+        for shared in (False, True):
+            model.zero_grad()
+            embedded.clear()
+            logp, logits = forward_logprobs(model, processor, batch, temperature=0.7, shared_prefix=shared)
+            (logp * mask * batch.advantages[:, None]).sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results[shared] = (logp, logits, grads, sum(embedded))
+    finally:
+        hook.remove()
+    (logp0, logits0, grads0, tokens0), (logp1, logits1, grads1, tokens1) = results[False], results[True]
+    torch.testing.assert_close(logp1[mask], logp0[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits1, logits0, atol=1e-5, rtol=0)
+    assert logits1.shape[0] == int(mask.sum())
+    assert grads1.keys() == grads0.keys() and grads0
+    for name, g in grads0.items():
+        torch.testing.assert_close(grads1[name], g, atol=1e-5, rtol=1e-4, msg=name)
+    B, T = batch.input_ids.shape
+    heads = [0, 3, 6, 9]
+    R = int((batch.attention_mask.sum(-1) - batch.prompt_lens).max())
+    assert tokens0 == B * T
+    assert tokens1 == len(heads) * int(batch.prompt_lens[heads].max()) + B * R < tokens0
+    # perf/padding_fraction counts what was forwarded.
+    assert forwarded_positions(batch, shared=False)[1] == tokens0 and forwarded_positions(batch, shared=True)[1] == tokens1
+    padding, total = forwarded_positions(batch, shared=True)
+    assert 0 < padding < total and total - padding == int(batch.prompt_lens[heads].sum()) + int(batch.attention_mask.sum() - batch.prompt_lens.sum())
+
+
+@pytest.mark.parametrize(("zero_stage", "checkpointing"), [(2, False), (3, False), (2, True)])
+def test_a_step_with_shared_prompts_equals_one_without(
+    judge_dir: str, rank_env: None, zero_stage: int, checkpointing: bool
+) -> None:
+    """The learner's log-probs and update are the same with `learner.shared_prefix` on and off,
+    with groups cut across micro-batches, under ZeRO-3's gathered parameters, and under
+    gradient checkpointing (which keeps no cache, so the update falls back to whole rows)."""
+    _, processor = load_judge(judge_dir, trainable=False)
+    exps = _groups(seed=2, image_token_id=processor.image_token_id)
+    results = []
+    for shared in (False, True):
+        model_cfg, learner_cfg, algo_cfg = _configs(zero_stage=zero_stage, micro_batch_size=5)
+        model_cfg = dataclasses.replace(model_cfg, gradient_checkpointing=checkpointing)
+        learner_cfg = dataclasses.replace(learner_cfg, shared_prefix=shared)
+        overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero_stage == 3 else None
+        rank = LearnerRank(
+            model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
+            master_port=_free_port(), total_steps=10, grad_accum_steps=2, ds_config_overrides=overrides,
+        )  # fmt: skip
+        try:
+            logprobs = rank.compute_logprobs(exps)
+            metrics = rank.train_step(exps, *_counts(exps))
+            results.append((logprobs, metrics, rank.compute_logprobs(exps)))
+        finally:
+            rank.shutdown()
+    (before0, metrics0, after0), (before1, metrics1, after1) = results
+    for a, b in [*zip(before0, before1), *zip(after0, after1)]:
+        assert a == pytest.approx(b, abs=1e-5)
+    for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "actor/num_tokens"):
+        assert metrics1[key] == pytest.approx(metrics0[key], rel=1e-5, abs=1e-7), key
+    assert max(abs(a - b) for x, y in zip(before0, after0) for a, b in zip(x, y)) > 1e-4  # the step moved
 
 
 def test_lr_multiplier() -> None:
@@ -470,7 +561,7 @@ def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, ra
         with torch.no_grad():
             raw, _ = forward_logprobs(rank.engine, rank.processor, batch, temperature=1.0)
             _, scaled = forward_logprobs(rank.engine, rank.processor, batch, temperature=0.7)
-            entropy = float(entropy_from_logits(scaled[response_tail(mask, scaled)]).mean())
+            entropy = float(entropy_from_logits(scaled).mean())
         exps = [dataclasses.replace(e, ref_logprobs=r) for e, r in zip(exps, ref)]
         metrics = rank.train_step(exps, *_counts(exps))
     finally:
