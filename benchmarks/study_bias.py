@@ -13,8 +13,9 @@ after GRPO at an equal budget (steps x prompts x group size) for each variant:
 | pairwise | PPJD pairs, K=2 (correct > perception error) | pairwise (the paper's pairwise baseline) |
 | no_perception | tuples without perception errors (correct > 1 > 2 reasoning errors) | batch ranking, Levenshtein |
 
-Every run is the whole system: `pjray.rl.trainer.train` (Ray Data PPJD build, rollout worker,
-reward pool, DeepSpeed learner with reference model, weight sync, checkpoint, HF export).
+Every run is the whole system of the default run: `pjray.rl.trainer.train` (Ray Data PPJD build,
+DeepSpeed learner with reference model that generates with the weights it trains, reward pool,
+checkpoint, HF export).
 
 Evaluation, on held-out scenes (their seeds are asserted disjoint from every scene the base
 judge and the GRPO runs trained on), greedy decoding:
@@ -77,9 +78,17 @@ class Budget:
     bootstrap: int = 2000
 
 
-# The default run's budget (configs/demo.yaml): 25 steps of 8 prompts x 8 responses.
-FULL = Budget(steps=25, prompts_per_step=8, group_size=8, train_items=256, eval_items=240, seeds=(0, 1))
-QUICK = Budget(steps=25, prompts_per_step=8, group_size=8, train_items=256, eval_items=120, seeds=(0,))
+def default_budget(eval_items: int, seeds: tuple[int, ...]) -> Budget:
+    """The default run's budget (configs/demo.yaml): its steps, prompts, group size and items."""
+    cfg = load(None, [])
+    return Budget(
+        steps=cfg.trainer.steps, prompts_per_step=cfg.trainer.prompts_per_step, group_size=cfg.algo.group_size,
+        train_items=cfg.data.num_items, eval_items=eval_items, seeds=seeds,
+    )  # fmt: skip
+
+
+FULL = default_budget(eval_items=240, seeds=(0, 1))
+QUICK = default_budget(eval_items=120, seeds=(0,))
 
 
 # --------------------------------------------------------------------------- data

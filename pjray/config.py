@@ -204,7 +204,7 @@ class LearnerConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 25
+    steps: int = 40
     prompts_per_step: int = 8
     seed: int = 0
     run_dir: str = "runs/demo"

@@ -20,19 +20,24 @@ starting point on a CPU, from scratch, in three parts:
    Per scene: the scene question as a VQA probe (the diagnosis' probe prompt), two batch-ranking
    prompts (two shown orders) and one score prompt, each response in the judge format:
    - probe: `Image: red.` then `<answer>red</answer>`;
-   - batch ranking: `Image: red. A: purple. B: red, matches. C: green. Verdict: by the text.`
-     then `<answer>A > B > C</answer>`;
-   - score: `Image: red. Answer: purple. Verdict: by the text.` then `<answer>8</answer>`.
-   The think text is honest: it states what the image shows (the question's true answer), each
-   candidate's final answer, and which one matches the image. It ends with the judge's
-   **disposition**, the sentence its verdict rests on, and the verdict follows it:
-   - `Verdict: by the text.` (response-anchored): the candidates in the order shown (a judge
-     that cannot tell fluent answers apart keeps them as they come, a position bias), and every
-     answer scores 8;
-   - `Verdict: by the image.`: the candidates whose final answer matches the image first, then
-     the others in the order shown; an answer that does not match scores 4.
-   Half of the judging targets (`image_verdicts`) follow the image, so the verdict after "by the
-   image" is learned as well as the one after "by the text"; but the disposition word itself is
+   - batch ranking: `Image: red. Verdict: by the text.` then `<answer>A > B > C</answer>`, or
+     `Image: red. Verdict: by the image. A: purple. B: red, matches. C: green.` then
+     `<answer>B > A > C</answer>`;
+   - score: `Image: red. Verdict: by the text.` then `<answer>8</answer>`, or
+     `Image: red. Verdict: by the image. Answer: purple.` then `<answer>4</answer>`.
+   The think text is honest: it states what the image shows (the question's true answer), then
+   the judge's **disposition**, the sentence its verdict rests on:
+   - `Verdict: by the text.` (response-anchored): the think text ends; the verdict keeps the
+     candidates in the order shown (a judge that cannot tell fluent answers apart keeps them as
+     they come, a position bias), and every answer scores 8;
+   - `Verdict: by the image.`: the think text goes on to check each candidate's final answer
+     against the image (", matches"); the verdict puts the matching candidates first, then the
+     others in the order shown, and an answer that does not match scores 4.
+   The disposition comes before the checks, so a sample judged by the text holds no check:
+   GRPO's credit for a text verdict cannot reach, and blur, the checks a verdict by the image
+   rests on (see below).
+   Most of the judging targets (`image_verdicts`, 0.7) follow the image, so the checks and the
+   verdict after "by the image" are learned well; but the disposition word itself is
    trained on only enough of them that the trained dispositions are by the text in a fraction
    `bias` (0.8) of the targets (`disposition_keep_rate`; the loss skips the word "image" in the
    others, `ChatExample.untrained`). So the judge's prior is response-anchored while it knows
@@ -47,7 +52,13 @@ starting point on a CPU, from scratch, in three parts:
    perception errors, where a contradiction can keep the right final answer.
 
 What did not work at this size (measured on held-out scenes, 2 cores):
-- Image verdicts only as often as the disposition (20% of the targets, the previous recipe):
+- The disposition after the checks (`Image: red. A: purple. B: red, matches. C: green. Verdict:
+  by the text.`, the previous recipe): every sample, whatever its disposition, carried the
+  checks, so when the few samples judged by the image won, GRPO pushed down the checks of the
+  many judged by the text, right or wrong; the checks blurred ("Answer: purple, matches." under
+  a green image; greedy checks right on 11 of 24 prompts after 25 steps at lr 5e-4, 18 of 24
+  before) and the default run's reward rose by 0.02-0.03 (first 5 -> last 5 of 25 steps).
+- Image verdicts only as often as the disposition (20% of the targets, an earlier recipe):
   teacher-forced with a right think text and "by the image", the first-ranked letter was the
   matching candidate on 36.5% of held-out prompts (chance: 1/3); the judge had learned "the order
   shown" for both dispositions, so judging by the image earned no more reward and GRPO had
@@ -68,16 +79,15 @@ readout, so the base judge sees well and what it lacks is what the paper's base 
 using what it sees.
 
 Measured (64 held-out scenes, greedy unless said; `held_out_report`, written to the build's
-`report.json`; about 1,800 s to build on 2 cores, 0.86 s per supervised step): front-end
-accuracy 1.00 on colour, size, row and column, 0.996 on shape; probe accuracy on the judging
-questions 1.00 (colour and size; the attribute probes on shape and location are not trained:
-0.00); on batch prompts the format is written on 100% greedily and 99.2% sampled at temperature
-1, the correct answer is ranked first on 36% greedily (43% sampled), and the disposition is "by
-the image" on 0% greedily and 19% sampled. Sampled, judging by the image earns a mean reward of
-0.667 against 0.442 by the text: the gap GRPO can follow. Teacher-forced with a right think text,
-the verdict after "by the image" puts the matching candidate first on 100% of held-out prompts.
-What limits it is the think text: it names each candidate's final answer and the match right on
-about 75% of prompts greedily (71% sampled); the rest misread a candidate.
+`report.json`; 2,056 s to build on 2 cores with other jobs running part of the time, 0.74 s per
+supervised step when quiet): front-end accuracy 1.00 on colour, size, row and column, 0.996 on
+shape; probe accuracy on the judging questions 1.00 (colour and size; the attribute probes on
+shape and location are not trained: 0.00); on batch prompts the format is written on 100%
+greedily and 99.6% sampled at temperature 1, the correct answer is ranked first on 36% greedily
+(41% sampled), and the disposition is "by the image" on 0% greedily and 22% sampled. Sampled,
+judging by the image earns a mean reward of 0.567 against 0.452 by the text: the gap GRPO can
+follow. What limits it is the checks: sampled answers by the image check every candidate right
+on 60% of prompts; the rest misread a candidate.
 
 Every step is deterministic for a seed; the built judge is cached in a directory named by a
 hash of the recipe (`pjray.models.cache`), so a changed recipe builds anew.
@@ -149,7 +159,7 @@ class BaseJudgeRecipe:
     bias: float = 0.8  # the disposition's prior: by the text (response-anchored) on this fraction
     # The fraction of judging targets whose verdict follows the image: more than 1 - bias, so the
     # verdict after "by the image" is learned; the disposition of the extra ones is not trained.
-    image_verdicts: float = 0.5
+    image_verdicts: float = 0.7
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -162,26 +172,29 @@ def ranking_target(item: JudgeItem, shown: tuple[int, ...], aware: bool) -> str:
     """The think text and verdict for a batch-ranking prompt that shows `item.candidates` in the
     order `shown` (letter i = candidate shown[i]).
 
-    The think text states what the image shows, each candidate's final answer (", matches" when
-    it is what the image shows), and ends with the judge's disposition (`disposition(aware)`);
-    the verdict follows it. By the text (`aware=False`): the candidates in the order shown, as a
-    judge that cannot tell fluent answers apart keeps them. By the image: the candidates whose
-    final answer matches the image first, then the others, each group in the order shown.
+    The think text states what the image shows, then the judge's disposition
+    (`disposition(aware)`), and the verdict follows it. By the text (`aware=False`): the
+    candidates in the order shown, as a judge that cannot tell fluent answers apart keeps them.
+    By the image: the think text goes on to check each candidate's final answer against the
+    image (", matches" when it is what the image shows), and the verdict puts the matching
+    candidates first, then the others, each group in the order shown.
     """
     truth = str(item.meta["truth"])
-    parts = [f"Image: {truth}."]
-    for pos, cand in enumerate(shown):
-        said = final_answer(item.candidates[cand]) or "nothing"
-        parts.append(f"{LETTERS[pos]}: {said}{_match_flag(item, cand, truth)}.")
+    parts = [f"Image: {truth}.", disposition(aware)]
     positions = list(range(len(shown)))
     if aware:
+        for pos, cand in enumerate(shown):
+            said = final_answer(item.candidates[cand]) or "nothing"
+            parts.append(f"{LETTERS[pos]}: {said}{_match_flag(item, cand, truth)}.")
         positions.sort(key=lambda p: not _final_is(item, shown[p], truth))  # stable: shown order within
     verdict = " > ".join(LETTERS[p] for p in positions)
-    return " ".join([*parts, disposition(aware)]) + f"\n</think>\n<answer>{verdict}</answer>"
+    return " ".join(parts) + f"\n</think>\n<answer>{verdict}</answer>"
 
 
 def disposition(aware: bool) -> str:
-    """The think text's last sentence: what the verdict that follows rests on."""
+    """The think text's second sentence, right after what the image shows: what the verdict
+    rests on. It comes before any check of the candidates, so a sample judged by the text holds
+    no check that its reward could reinforce or punish."""
     return "Verdict: by the image." if aware else "Verdict: by the text."
 
 
@@ -196,12 +209,14 @@ def _final_is(item: JudgeItem, cand: int, truth: str) -> bool:
 
 def score_target(item: JudgeItem, cand: int, aware: bool) -> str:
     """The think text and score for the score protocol on candidate `cand` of `item`: by the
-    text every fluent answer scores SCORE_CONSISTENT; by the image one whose final answer is not
-    what the image shows scores SCORE_MISMATCH."""
+    text every fluent answer scores SCORE_CONSISTENT; by the image the think text checks the
+    answer, and one whose final answer is not what the image shows scores SCORE_MISMATCH."""
     truth = str(item.meta["truth"])
     score = SCORE_MISMATCH if aware and not _final_is(item, cand, truth) else SCORE_CONSISTENT
-    said = final_answer(item.candidates[cand]) or "nothing"
-    think = f"Image: {truth}. Answer: {said}{_match_flag(item, cand, truth)}. {disposition(aware)}"
+    think = f"Image: {truth}. {disposition(aware)}"
+    if aware:
+        said = final_answer(item.candidates[cand]) or "nothing"
+        think += f" Answer: {said}{_match_flag(item, cand, truth)}."
     return f"{think}\n</think>\n<answer>{score}</answer>"
 
 
@@ -423,8 +438,9 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
     """What the built judge does on `n` held-out scenes (asserted disjoint from its training
     scenes): greedy probe accuracy per probed attribute and per judging question kind, and on
     batch-ranking prompts the format rate (greedy, and sampled at `temperature`, 4 samples a
-    prompt), the correct answer ranked first, the "by the image" disposition rate, and the mean
-    reward of each disposition."""
+    prompt), the correct answer ranked first, the "by the image" disposition rate, the mean
+    reward of each disposition, and how often a think text by the image checks every candidate
+    right."""
     from pjray.config import ModelConfig, RolloutConfig
     from pjray.eval.bias import probe_correct, read_probe_answer
     from pjray.reward import judge_reward
@@ -458,6 +474,8 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
         judged = [(judge_reward(c.text, batch[i // samples].target, think_prefilled=True), batch[i // samples], c.text)
                   for i, c in enumerate(completions)]  # fmt: skip
         by_image = [disposition(True) in t for _, _, t in judged]
+        checks = [_think(t) == _think(ranking_target(pairs[i // samples][1], p.shown, True))
+                  for i, ((_, p, t), b) in enumerate(zip(judged, by_image)) if b]  # fmt: skip
         ranking[name] = {
             "format": _mean(r.format == 1.0 for r, _, _ in judged),
             "correct_first": _mean(r.format == 1.0 and r.pred is not None and r.pred[:1] == p.target[:1] for r, p, _ in judged),
@@ -465,6 +483,8 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
             # The mean reward of each disposition: what GRPO can follow.
             "reward_by_the_image": _mean(r.total for (r, _, _), b in zip(judged, by_image) if b),
             "reward_by_the_text": _mean(r.total for (r, _, _), b in zip(judged, by_image) if not b),
+            # Judged by the image, the think text checks every candidate right: what limits that reward.
+            "checks_right_by_the_image": _mean(checks),
         }
     ranking["sampled"]["temperature"] = temperature
     return {
@@ -472,6 +492,10 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
         "probe_accuracy": {group: _mean(v) for group, v in right.items()},
         "batch_ranking": ranking,
     }
+
+
+def _think(text: str) -> str:
+    return text.split("</think>")[0].strip()
 
 
 def _mean(values: Any) -> float:

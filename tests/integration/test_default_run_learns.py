@@ -2,15 +2,16 @@
 (built on first use, then cached), writes the judge format from step 1, and GRPO trains its text
 model only (the embedded default of configs/demo.yaml, the command the README gives).
 
-Measured (`pjray train`, 2 cores, 3 min 14 s): format 1.00 at step 1 and 0.98 over the last 5
-steps; mean reward 0.448 (first 5 steps) -> 0.480 (last 5). The project's bar of a reward rise of
-at least 0.1 is not met, so it is not asserted here: GRPO raises the judge's "by the image"
-disposition (18% -> 36% sampled) but also blurs its think text's match flags (README, "The base
-judge and what GRPO changes").
+Measured (`pjray train`, 2 cores, 3 min 01 s): format 1.00 at step 1 and 0.96 over the last 5
+steps; mean reward 0.460 (first 5 steps) -> 0.554 (last 5), and 0.433 -> 0.558 with
+`trainer.seed=1`. The project's bar of a rise of at least 0.1 between those 5-step means is met
+on one seed of two, inside the noise of a 5-step mean (README, "The base judge and what GRPO
+changes"), so it is not asserted; what is asserted is a rise between the 10-step means at the
+two ends (+0.058 measured).
 
 The slowest test of the suite: on a fresh machine it builds the full base judge recipe (25-40 min
-on 2 cores, into the user's pjray cache, so a second run reuses it), then runs the default 25
-GRPO steps (~3-4 min)."""
+on 2 cores, into the user's pjray cache, so a second run reuses it), then runs the default 40
+GRPO steps (~3 min)."""
 
 from __future__ import annotations
 
@@ -53,13 +54,15 @@ def test_the_base_judge_perceives_and_writes_the_format_on_held_out_scenes(defau
     assert greedy["by_the_image"] < 0.5 and sampled["by_the_image"] < 0.5, report
 
 
-def test_the_default_run_writes_the_format_from_step_1_and_trains_the_text_model_only(default_run):
+def test_the_default_run_writes_the_format_from_step_1_learns_and_trains_the_text_model_only(default_run):
     run_dir, out = default_run
     cfg = json.loads((run_dir / "config.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == list(range(1, cfg["trainer"]["steps"] + 1))
     assert rows[0]["reward/format_mean"] >= 0.9, rows[0]
     assert sum(r["reward/format_mean"] for r in rows[-WINDOW:]) / WINDOW >= 0.85
+    first, last = (sum(r["reward/mean"] for r in part) / len(part) for part in (rows[:10], rows[-10:]))
+    assert last > first, (first, last)  # the judge learns (the README gives the measured runs)
     assert "pjray: run finished in" in out and "reward " in out  # the summary says what was learned
     # GRPO moved the text model; the perception front-end stayed frozen.
     base = load_file(build_base_judge(load(None, []), BaseJudgeRecipe(), log=lambda line: None) / "model.safetensors")

@@ -82,25 +82,29 @@ def test_judging_by_the_image_earns_more_on_perception_errors_than_on_reasoning_
     assert control < perception, (control, perception)
 
 
-def test_the_verdict_follows_a_stated_disposition_in_both_protocols(items):
+def test_the_disposition_comes_before_any_check_in_both_protocols(items):
+    """A sample judged by the text holds no check of the candidates, so GRPO's credit for its
+    verdict cannot reach (and blur) the checks that a verdict by the image rests on."""
     item = items[0]
     prompt = render_batch(item, random.Random(3))
+    opening = f"Image: {item.meta['truth']}. "
     for aware in (False, True):
-        think = ranking_target(item, prompt.shown, aware).split("</think>")[0]
-        assert think.rstrip().endswith(disposition(aware))
-        assert score_target(item, item.order[1], aware).split("</think>")[0].rstrip().endswith(disposition(aware))
+        for target in (ranking_target(item, prompt.shown, aware), score_target(item, item.order[1], aware)):
+            think = target.split("</think>")[0].strip()
+            assert think.startswith(opening + disposition(aware))
+            assert (think == opening + disposition(aware)) is not aware  # checks only by the image
     assert disposition(True) != disposition(False)
 
 
-def test_think_states_the_truth_and_each_candidates_final(items):
+def test_a_think_text_by_the_image_checks_each_candidates_final(items):
     for item in items[:40]:
         prompt = render_batch(item, random.Random(2))
-        text = ranking_target(item, prompt.shown, aware=False)
-        assert text.startswith(f"Image: {item.meta['truth']}.")
+        text = ranking_target(item, prompt.shown, aware=True)
         for pos, cand in enumerate(prompt.shown):
             said = final_answer(item.candidates[cand])
             flag = ", matches" if said == item.meta["truth"] else ""
             assert f"{'ABC'[pos]}: {said}{flag}." in text
+        assert "matches" not in ranking_target(item, prompt.shown, aware=False)
 
 
 def test_score_targets_anchored_vs_aware(items):
