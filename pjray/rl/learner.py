@@ -200,12 +200,7 @@ def _model_inputs(
     if processor.image_token_id is None:
         # A text-only judge (a causal LM): token ids and the mask are all it takes.
         return {"input_ids": ids.to(device), "attention_mask": batch.attention_mask.to(device)}
-    placeholder = (ids == processor.image_token_id) | (ids == processor.video_token_id)
-    model_ids = torch.where(
-        placeholder & (batch.response_mask > 0),
-        torch.full_like(ids, processor.tokenizer.pad_token_id),
-        ids,
-    )
+    model_ids = _image_pads_as_pad(processor, ids, batch.response_mask > 0)
     with_images = [i for i, g in enumerate(batch.image_grid_thw) if g.numel() > 0]
     pixel_values = torch.cat([batch.pixel_values[i] for i in with_images]) if with_images else None
     grid_thw = torch.cat([batch.image_grid_thw[i] for i in with_images]) if with_images else None
@@ -216,6 +211,12 @@ def _model_inputs(
         "pixel_values": pixel_values.to(device) if pixel_values is not None else None,
         "image_grid_thw": grid_thw.to(device) if grid_thw is not None else None,
     }
+
+
+def _image_pads_as_pad(processor: ProcessorMixin, ids: Tensor, where: Tensor) -> Tensor:
+    """`ids` with the image and video pad ids at `where` replaced by the pad token."""
+    placeholder = (ids == processor.image_token_id) | (ids == processor.video_token_id)
+    return torch.where(placeholder & where, torch.full_like(ids, processor.tokenizer.pad_token_id), ids)
 
 
 def forward_logprobs(
@@ -275,11 +276,15 @@ def forwarded_positions(batch: TrainBatch, shared: bool) -> tuple[int, int]:
     `batch`: B x T rows, or with a shared prefix U distinct prompts x P plus B responses x R."""
     if not shared:
         return int((batch.attention_mask == 0).sum()), batch.attention_mask.numel()
-    heads = sorted(set(batch.prompt_group.tolist()))
-    plens = batch.prompt_lens
-    rlens = batch.attention_mask.sum(-1) - plens
+    heads, plens, rlens = _prefix_layout(batch)
     total = len(heads) * int(plens[heads].max()) + plens.numel() * max(int(rlens.max()), 1)
     return total - int(plens[heads].sum()) - int(rlens.sum()), total
+
+
+def _prefix_layout(batch: TrainBatch) -> tuple[list[int], Tensor, Tensor]:
+    """(the first row of each distinct prompt, prompt lengths [B], response lengths [B])."""
+    plens = batch.prompt_lens
+    return sorted(set(batch.prompt_group.tolist())), plens, batch.attention_mask.sum(-1) - plens
 
 
 def _can_share_prefix(model: torch.nn.Module, batch: TrainBatch) -> bool:
@@ -308,11 +313,8 @@ def _shared_prefix_logits(
     """
     B, T = batch.input_ids.shape
     pad_id = processor.tokenizer.pad_token_id
-    group = batch.prompt_group.tolist()
-    heads = sorted(set(group))
-    index = torch.tensor([heads.index(g) for g in group], dtype=torch.long)  # row -> distinct prompt
-    plens = batch.prompt_lens
-    rlens = batch.attention_mask.sum(-1) - plens
+    heads, plens, rlens = _prefix_layout(batch)
+    index = torch.tensor([heads.index(g) for g in batch.prompt_group.tolist()], dtype=torch.long)  # row -> prompt
     P, R = int(plens[heads].max()), max(int(rlens.max()), 1)
 
     ids = torch.full((len(heads), P), pad_id, dtype=torch.long)
@@ -347,8 +349,7 @@ def _shared_prefix_logits(
     response = torch.where(real, batch.input_ids.gather(1, cols), torch.full_like(cols, pad_id))
     fed = response
     if processor.image_token_id is not None:  # as in `_model_inputs`: a sampled image pad is fed as pad
-        placeholder = (response == processor.image_token_id) | (response == processor.video_token_id)
-        fed = torch.where(placeholder, torch.full_like(response, pad_id), response)
+        fed = _image_pads_as_pad(processor, response, real)
     positions = following[index][:, None] + steps[None, :]  # [B, R]
     if "mm_token_type_ids" in prompt:
         positions = positions[None].expand(3, -1, -1)
