@@ -1,7 +1,7 @@
 """Judging for evaluation: RolloutWorkers in a WorkerPool, a per-item output cache, and the
 `pjray eval` entry point that runs one benchmark and writes its report.
 
-The judge runs through the same engines as training (HF `generate` on CPU, vLLM on GPU), one
+The judge runs through the same engines as training (the HF engine on CPU, vLLM on GPU), one
 sample per prompt. `eval.temperature=0` is greedy, done as top-k 1 so that both engines take it
 without a special path. Prompts are spread over `eval.workers` actors in rounds of
 `eval.prompts_per_call` prompts per worker; after each round the outputs are appended to

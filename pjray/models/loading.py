@@ -383,6 +383,28 @@ def mm_token_type_ids(processor: ProcessorMixin, input_ids: torch.Tensor) -> tor
     return types
 
 
+def prompt_positions(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids of a left-padded batch of prompts, and the position after each prompt.
+
+    `inputs` holds input_ids and attention_mask [U, P], and for a Qwen-VL judge mm_token_type_ids
+    (and image_grid_thw when a row has an image). A Qwen-VL judge gets the model's own M-RoPE
+    positions [3, U, P] from `get_rope_index`, and text that follows a prompt continues on all
+    three axes from its largest position + 1; a causal LM counts 0, 1, ... over the real tokens.
+    A forward over prompts with these positions, then over their continuations with explicit
+    positions from the returned [U], sees what one forward over prompt + continuation sees.
+    """
+    mask = inputs["attention_mask"]
+    length = mask.sum(-1)
+    rope = next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
+    if inputs.get("mm_token_type_ids") is not None and rope is not None:
+        positions, deltas = rope.get_rope_index(
+            input_ids=inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
+            image_grid_thw=inputs.get("image_grid_thw"), attention_mask=mask,
+        )  # fmt: skip
+        return positions, length + deltas.reshape(-1).to(length.device)
+    return (mask.cumsum(-1) - 1).clamp(min=0), length
+
+
 def processor_inputs(
     processor: ProcessorMixin,
     texts: list[str],

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
 from pjray.console import quiet_actor_warnings
-from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs
+from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs, prompt_positions
 from pjray.models.lora import apply_lora, base_model
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, sft_loss, token_logprobs
 from pjray.rl.placement import split_evenly
@@ -323,22 +323,14 @@ def _shared_prefix_logits(
         n = int(plens[h])
         ids[u, P - n :], mask[u, P - n :] = batch.input_ids[h, :n], 1
     prompt: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
-    rope = next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
-    if processor.image_token_id is not None and rope is not None:
+    if processor.image_token_id is not None:
         images = [h for h in heads if batch.image_grid_thw[h].numel() > 0]
         prompt["mm_token_type_ids"] = mm_token_type_ids(processor, ids)
         if images:
             prompt["pixel_values"] = torch.cat([batch.pixel_values[h] for h in images])
             prompt["image_grid_thw"] = torch.cat([batch.image_grid_thw[h] for h in images])
-        positions, deltas = rope.get_rope_index(
-            input_ids=ids, mm_token_type_ids=prompt["mm_token_type_ids"],
-            image_grid_thw=prompt.get("image_grid_thw"), attention_mask=mask,
-        )  # fmt: skip
-        prompt["position_ids"] = positions  # [3, U, P]
-        following = plens[heads] + deltas.reshape(-1).cpu()  # [U]: the position after each prompt
-    else:
-        prompt["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
-        following = plens[heads]
+    # [3, U, P] for Qwen-VL (M-RoPE), [U, P] for a causal LM; following [U]: the position after each prompt
+    prompt["position_ids"], following = prompt_positions(model, prompt)
     out = model(**{k: v.to(device) for k, v in prompt.items()}, use_cache=True, logits_to_keep=1)
     cache = out.past_key_values
     cache.batch_select_indices(index.to(device))
@@ -351,8 +343,8 @@ def _shared_prefix_logits(
     if processor.image_token_id is not None:  # as in `_model_inputs`: a sampled image pad is fed as pad
         fed = _image_pads_as_pad(processor, response, real)
     positions = following[index][:, None] + steps[None, :]  # [B, R]
-    if "mm_token_type_ids" in prompt:
-        positions = positions[None].expand(3, -1, -1)
+    if prompt["position_ids"].dim() == 3:
+        positions = positions[None].expand(prompt["position_ids"].shape[0], -1, -1)
     out2 = model(
         input_ids=fed.to(device), attention_mask=torch.cat([mask[index], real.long()], 1).to(device),
         position_ids=positions.to(device), past_key_values=cache, use_cache=True,

