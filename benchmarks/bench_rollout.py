@@ -11,8 +11,8 @@ prompt length in tokens and the share of responses cut at `--max-new` (random we
 stop at EOS, so most responses run to the limit).
 
 Cases:
-* HF engine (`HFEngine`, transformers `generate`), tiny Qwen2-VL judge (~0.2M), prompts with
-  their image;
+* HF engine (`HFEngine`: each prompt prefilled once, then cached decoding), tiny Qwen2-VL
+  judge (~0.2M), prompts with their image;
 * HF engine, tiny text-only Qwen2 judge (arch "qwen2"), the same prompts without the image;
 * HF engine, the ~114M Qwen2-VL of `bench_step.py`, prompts with their image, one timed call on
   `--base-prompts` prompts (skipped with `--tiny-only`);
