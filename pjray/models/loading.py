@@ -405,6 +405,14 @@ def prompt_positions(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) ->
     return (mask.cumsum(-1) - 1).clamp(min=0), length
 
 
+def continued_positions(prompt_ids: torch.Tensor, start: torch.Tensor, length: int) -> torch.Tensor:
+    """Position ids of `length` tokens after each of B prompts: start[b], start[b] + 1, ...,
+    [B, length], or the same on every M-RoPE axis ([axes, B, length]) when `prompt_ids`, the
+    prompts' own positions from `prompt_positions`, are M-RoPE ones."""
+    positions = start[:, None] + torch.arange(length, device=start.device)[None, :]
+    return positions[None].expand(prompt_ids.shape[0], -1, -1) if prompt_ids.dim() == 3 else positions
+
+
 def processor_inputs(
     processor: ProcessorMixin,
     texts: list[str],

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
 from pjray.console import quiet_actor_warnings
-from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs, prompt_positions
+from pjray.models.loading import continued_positions, load_judge, mm_token_type_ids, processor_inputs, prompt_positions
 from pjray.models.lora import apply_lora, base_model
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, sft_loss, token_logprobs
 from pjray.rl.placement import split_evenly
@@ -342,9 +342,7 @@ def _shared_prefix_logits(
     fed = response
     if processor.image_token_id is not None:  # as in `_model_inputs`: a sampled image pad is fed as pad
         fed = _image_pads_as_pad(processor, response, real)
-    positions = following[index][:, None] + steps[None, :]  # [B, R]
-    if prompt["position_ids"].dim() == 3:
-        positions = positions[None].expand(prompt["position_ids"].shape[0], -1, -1)
+    positions = continued_positions(prompt["position_ids"], following[index], R)
     out2 = model(
         input_ids=fed.to(device), attention_mask=torch.cat([mask[index], real.long()], 1).to(device),
         position_ids=positions.to(device), past_key_values=cache, use_cache=True,

@@ -49,7 +49,7 @@ from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from pjray.config import ConfigError, ModelConfig, RolloutConfig
 from pjray.data.prompts import EOS_TOKEN
-from pjray.models.loading import load_judge, processor_inputs, prompt_positions, render_chat
+from pjray.models.loading import continued_positions, load_judge, processor_inputs, prompt_positions, render_chat
 from pjray.rl.placement import split_evenly
 from pjray.rl.sync import SharedBucketReader
 from pjray.rl.weights import Bucket, state_checksums, unpack
@@ -176,6 +176,8 @@ class HFEngine:
         self.pad_id: int = tokenizer.pad_token_id
         placeholders = {getattr(self.processor, a, None) for a in ("image_token_id", "video_token_id")}
         self.banned_ids: tuple[int, ...] = tuple(sorted(i for i in placeholders if i is not None))
+        self._eos = torch.tensor(self.eos_ids, device=self.device)
+        self._banned = torch.tensor(self.banned_ids, dtype=torch.long, device=self.device)
         # Only RolloutConfig decides how we sample: of the checkpoint's generation_config only
         # the EOS ids are read, never its sampling defaults (e.g. Qwen's top_k=20).
         self._warpers = [w for w in (
@@ -212,11 +214,10 @@ class HFEngine:
             torch.manual_seed(seed)
             # [B*n, G], rows [p0 s0..s(n-1), p1 s0.., ...]; rows that stopped early are padded
             generated, logprobs = self._sample(model_inputs, n)
-        eos = torch.tensor(self.eos_ids, device=generated.device)
         out: list[Completion] = []
         for row in range(generated.shape[0]):
             ids = generated[row].tolist()
-            is_eos = torch.isin(generated[row], eos).nonzero()
+            is_eos = torch.isin(generated[row], self._eos).nonzero()
             if len(is_eos):
                 length, reason = int(is_eos[0]) + 1, "stop"  # keep the EOS token
             else:
@@ -248,7 +249,6 @@ class HFEngine:
         cache.batch_select_indices(rows)
         logits, mask, position = out.logits[rows, -1], prompt["attention_mask"][rows], following[rows]
         alive = torch.ones(len(rows), dtype=torch.bool, device=self.device)
-        eos = torch.tensor(self.eos_ids, device=self.device)
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []
         for step in range(cfg.max_new_tokens):
@@ -257,14 +257,14 @@ class HFEngine:
             # log softmax at the drawn token only: no [rows, V] log-prob copy a step
             logprobs.append(scaled.gather(-1, token[:, None])[:, 0] - torch.logsumexp(scaled, -1))
             tokens.append(token)
-            alive &= ~torch.isin(token, eos)
+            alive &= ~torch.isin(token, self._eos)
             if step + 1 == cfg.max_new_tokens or not self._any_alive(alive):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            at = position[:, None] if positions.dim() == 2 else position[None, :, None].expand(positions.shape[0], -1, 1)
             out = self.model(
-                input_ids=token[:, None], attention_mask=mask, position_ids=at, past_key_values=cache, use_cache=True
-            )
+                input_ids=token[:, None], attention_mask=mask, position_ids=continued_positions(positions, position, 1),
+                past_key_values=cache, use_cache=True,
+            )  # fmt: skip
             cache, logits, position = out.past_key_values, out.logits[:, -1], position + 1
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
@@ -272,7 +272,7 @@ class HFEngine:
         """One token per row from logits already divided by the temperature: the placeholder ids
         banned, then top-k and top-p (HF's warpers, in HF's order), then a multinomial draw."""
         if self.banned_ids:
-            scaled = scaled.index_fill(-1, torch.tensor(self.banned_ids, device=scaled.device), float("-inf"))
+            scaled = scaled.index_fill(-1, self._banned, float("-inf"))
         for warper in self._warpers:
             scaled = warper(None, scaled)
         return torch.multinomial(torch.softmax(scaled, dim=-1), 1)[:, 0]
