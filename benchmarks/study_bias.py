@@ -1,7 +1,8 @@
 """Does GRPO on PPJD reduce a judge's perceptual judgment bias? The miniature study.
 
     python benchmarks/study_bias.py            # the full study: 2 seeds, 240 items
-    python benchmarks/study_bias.py --quick    # 1 seed, 120 items (19 min on 2 cores)
+    python benchmarks/study_bias.py --quick    # 1 seed, 120 items (58 min on 2 cores, tests beside it)
+    python benchmarks/study_bias.py --smoke    # every stage on 8 items and 2 steps (the test suite's)
 
 Judges: the base judge (`pjray.models.base_judge`, built once and cached) and the base judge
 after GRPO at an equal budget (steps x prompts x group size) for each variant:
@@ -89,6 +90,9 @@ def default_budget(eval_items: int, seeds: tuple[int, ...]) -> Budget:
 
 FULL = default_budget(eval_items=240, seeds=(0, 1))
 QUICK = default_budget(eval_items=120, seeds=(0,))
+# Every stage of the study on a few items and steps: what the test suite runs (its numbers mean
+# nothing).
+SMOKE = Budget(steps=2, prompts_per_step=4, group_size=4, train_items=8, eval_items=8, seeds=(0,), bootstrap=200)
 
 
 # --------------------------------------------------------------------------- data
@@ -201,11 +205,12 @@ def grpo_config(recipe: BaseJudgeRecipe, variant: str, seed: int, budget: Budget
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smaller study (fewer steps, items and seeds)")
+    ap.add_argument("--smoke", action="store_true", help="every stage on a few items and steps (a test, not a study)")
     ap.add_argument("--out", default="benchmarks/results", help="where bias_study.{json,md,png} go")
     ap.add_argument("--work", default="runs/bias_study", help="run directories of the GRPO judges")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     args = ap.parse_args(argv)
-    budget = QUICK if args.quick else FULL
+    budget = SMOKE if args.smoke else QUICK if args.quick else FULL
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

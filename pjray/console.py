@@ -100,6 +100,7 @@ def step_line(step: int, total: int, metrics: dict[str, float], seconds_per_step
 
 
 SUMMARY_WINDOW = 5  # steps averaged at each end of the run in the summary
+HELD_OUT = "held_out.json"  # in a run dir: the held-out check of a run from the base judge
 
 
 def mean(rows: list[dict[str, Any]], key: str) -> float:
@@ -108,7 +109,8 @@ def mean(rows: list[dict[str, Any]], key: str) -> float:
 
 def run_summary(run_dir: Path, wall_s: float) -> list[str]:
     """The end of `pjray train`: steps and reward first -> last (from metrics.jsonl), wall time,
-    where the run, its HF export and its W&B run are."""
+    the held-out check of a run from the base judge (held_out.json), where the run, its HF
+    export and its W&B run are."""
     rows: list[dict[str, Any]] = []
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
@@ -127,6 +129,16 @@ def run_summary(run_dir: Path, wall_s: float) -> list[str]:
             if all(key in r for r in rows)
         ]
         lines.append(f"  {', '.join(learned)} (mean of {span}, {len(rows)} steps logged)")
+    held_out = run_dir / HELD_OUT
+    if held_out.is_file():
+        check = json.loads(held_out.read_text(encoding="utf-8"))
+        base, trained = check["base"], check["trained"]
+        lines.append(
+            f"  held-out check ({check['held_out_scenes']} scenes, greedy, base judge -> this run): correct answer "
+            f"ranked first {base['correct_first']:.0%} -> {trained['correct_first']:.0%}, reward "
+            f"{base['reward']:.3f} -> {trained['reward']:.3f}, judged by the image "
+            f"{base['by_the_image']:.0%} -> {trained['by_the_image']:.0%}"
+        )
     if (run_dir / "hf_model" / "config.json").is_file():
         lines.append(f"  HF export: {run_dir / 'hf_model'}")
     run_id = run_dir / "wandb_run_id"

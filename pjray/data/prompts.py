@@ -125,13 +125,20 @@ def order_from_ranking(ranking: str) -> tuple[int, ...]:
 
 
 def render_batch(
-    item: JudgeItem, rng: random.Random, style: str = "ranking", *, shuffle: bool = True
+    item: JudgeItem,
+    rng: random.Random | None,
+    style: str = "ranking",
+    *,
+    shuffle: bool = True,
+    shown: Sequence[int] | None = None,
 ) -> JudgePrompt:
     """Render the batch protocol for one item, candidates shuffled by `rng` and lettered A, B, ...
 
     `target` is the letters best -> worst under this shuffle; `shown[i]` is the index into
     `item.candidates` shown under letter i. `shuffle=False` keeps the stored order (benchmarks
-    whose truth is given in the stored letters); `rng` is then not used.
+    whose truth is given in the stored letters); `shown` shows the candidates in that order (the
+    training stream's balanced orders, `pjray.data.sampler.shown_order`). With either, `rng` is
+    not used.
     """
     k = len(item.candidates)
     if style not in _BATCH_SYSTEM:
@@ -143,9 +150,16 @@ def render_batch(
         raise ValueError(f"item {item.id!r}: {k} candidates; the scores style takes at most 10")
     if sorted(item.order) != list(range(k)):
         raise ValueError(f"item {item.id!r}: order {item.order!r} is not a permutation of range({k})")
-    shown = list(range(k))
-    if shuffle:
-        rng.shuffle(shown)
+    if shown is not None:
+        if sorted(shown) != list(range(k)):
+            raise ValueError(f"item {item.id!r}: shown order {tuple(shown)!r} is not a permutation of range({k})")
+        shown = list(shown)
+    else:
+        shown = list(range(k))
+        if shuffle:
+            if rng is None:
+                raise ValueError(f"item {item.id!r}: shuffling the candidates needs an rng")
+            rng.shuffle(shown)
     letter_of = {cand: LETTERS[pos] for pos, cand in enumerate(shown)}
     return JudgePrompt(
         item_id=item.id,

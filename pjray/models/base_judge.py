@@ -125,6 +125,7 @@ __all__ = [
     "probe_target",
     "disposition",
     "held_out_report",
+    "held_out_ranking",
 ]
 
 SCORE_CONSISTENT, SCORE_MISMATCH = 8, 4
@@ -441,15 +442,10 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
     prompt), the correct answer ranked first, the "by the image" disposition rate, the mean
     reward of each disposition, and how often a think text by the image checks every candidate
     right."""
-    from pjray.config import ModelConfig, RolloutConfig
     from pjray.eval.bias import probe_correct, read_probe_answer
-    from pjray.reward import judge_reward
-    from pjray.rl.rollout import HFEngine
 
-    pairs = judge_scenes(n, HELD_OUT_SEED, recipe)
-    overlap = {qa.scene.seed for qa, _ in pairs} & training_scene_seeds(recipe)
-    assert not overlap, f"held-out report scenes seen in training: {sorted(overlap)[:5]}"
-    greedy = HFEngine(path, ModelConfig(), RolloutConfig(max_new_tokens=48, temperature=1.0, top_k=1), max_batch_prompts=32)
+    pairs, batch = held_out_batch(recipe, n)
+    greedy = _engine(path, top_k=1)
 
     probes = []  # (group, prompt, truth): every attribute of the object, and the scene question
     for qa, item in pairs:
@@ -465,33 +461,66 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
         answer = read_probe_answer(text)
         right.setdefault(group, []).append(answer is not None and probe_correct(answer, truth))
 
-    rng = random.Random(f"pjray.base_judge.report:{recipe.seed}")
-    batch = [render_batch(item, rng) for _, item in pairs]
-    sampled = HFEngine(path, ModelConfig(), RolloutConfig(max_new_tokens=48, temperature=temperature), max_batch_prompts=32)
-    ranking: dict[str, Any] = {}
-    for name, engine, samples in (("greedy", greedy, 1), ("sampled", sampled, 4)):
-        completions = engine.generate(batch, samples, seed=0)
-        judged = [(judge_reward(c.text, batch[i // samples].target, think_prefilled=True), batch[i // samples], c.text)
-                  for i, c in enumerate(completions)]  # fmt: skip
-        by_image = [disposition(True) in t for _, _, t in judged]
-        checks = [_think(t) == _think(ranking_target(pairs[i // samples][1], p.shown, True))
-                  for i, ((_, p, t), b) in enumerate(zip(judged, by_image)) if b]  # fmt: skip
-        ranking[name] = {
-            "format": _mean(r.format == 1.0 for r, _, _ in judged),
-            "correct_first": _mean(r.format == 1.0 and r.pred is not None and r.pred[:1] == p.target[:1] for r, p, _ in judged),
-            "by_the_image": _mean(by_image),
-            # The mean reward of each disposition: what GRPO can follow.
-            "reward_by_the_image": _mean(r.total for (r, _, _), b in zip(judged, by_image) if b),
-            "reward_by_the_text": _mean(r.total for (r, _, _), b in zip(judged, by_image) if not b),
-            # Judged by the image, the think text checks every candidate right: what limits that reward.
-            "checks_right_by_the_image": _mean(checks),
-        }
+    sampled = _engine(path, temperature)
+    ranking = {"greedy": ranking_stats(greedy, pairs, batch, 1), "sampled": ranking_stats(sampled, pairs, batch, 4)}
     ranking["sampled"]["temperature"] = temperature
     return {
         "held_out_scenes": n,
         "probe_accuracy": {group: _mean(v) for group, v in right.items()},
         "batch_ranking": ranking,
     }
+
+
+def held_out_batch(recipe: BaseJudgeRecipe, n: int, exclude: set[int] = frozenset()) -> tuple[list[tuple[SceneQA, JudgeItem]], list[JudgePrompt]]:
+    """The report's `n` held-out scenes and their batch-ranking prompts, the scenes asserted
+    disjoint from the recipe's training scenes and from the scene seeds in `exclude`."""
+    pairs = judge_scenes(n, HELD_OUT_SEED, recipe)
+    overlap = {qa.scene.seed for qa, _ in pairs} & (training_scene_seeds(recipe) | exclude)
+    assert not overlap, f"held-out scenes seen in training: {sorted(overlap)[:5]}"
+    rng = random.Random(f"pjray.base_judge.report:{recipe.seed}")
+    return pairs, [render_batch(item, rng) for _, item in pairs]
+
+
+def ranking_stats(engine: Any, pairs: list[tuple[SceneQA, JudgeItem]], batch: list[JudgePrompt], samples: int) -> dict[str, float]:
+    """`samples` responses a prompt of `batch` from `engine`: the format rate, the correct answer
+    ranked first, the mean reward, the "by the image" disposition rate, the mean reward of each
+    disposition (what GRPO can follow), and how often a think text by the image checks every
+    candidate right (what limits that reward)."""
+    from pjray.reward import judge_reward
+
+    completions = engine.generate(batch, samples, seed=0)
+    judged = [(judge_reward(c.text, batch[i // samples].target, think_prefilled=True), batch[i // samples], c.text)
+              for i, c in enumerate(completions)]  # fmt: skip
+    by_image = [disposition(True) in t for _, _, t in judged]
+    checks = [_think(t) == _think(ranking_target(pairs[i // samples][1], p.shown, True))
+              for i, ((_, p, t), b) in enumerate(zip(judged, by_image)) if b]  # fmt: skip
+    return {
+        "format": _mean(r.format == 1.0 for r, _, _ in judged),
+        "correct_first": _mean(r.format == 1.0 and r.pred is not None and r.pred[:1] == p.target[:1] for r, p, _ in judged),
+        "reward": _mean(r.total for r, _, _ in judged),
+        "by_the_image": _mean(by_image),
+        "reward_by_the_image": _mean(r.total for (r, _, _), b in zip(judged, by_image) if b),
+        "reward_by_the_text": _mean(r.total for (r, _, _), b in zip(judged, by_image) if not b),
+        "checks_right_by_the_image": _mean(checks),
+    }
+
+
+def held_out_ranking(path: str, recipe: BaseJudgeRecipe, exclude: set[int], n: int = 64) -> dict[str, float]:
+    """`ranking_stats` of the judge at `path`, greedy, on the report's held-out scenes (also
+    disjoint from the scene seeds in `exclude`: a GRPO run's). The end of `pjray train` from the
+    base judge runs it on the base judge and on the trained one: the same prompts, so the
+    difference is what the run learned, without the sampling noise of its reward curve."""
+    pairs, batch = held_out_batch(recipe, n, exclude)
+    return ranking_stats(_engine(path, top_k=1), pairs, batch, 1)
+
+
+def _engine(path: str, temperature: float = 1.0, top_k: int = 0) -> Any:
+    """An HF engine on the judge at `path` (top_k=1: greedy)."""
+    from pjray.config import ModelConfig, RolloutConfig
+    from pjray.rl.rollout import HFEngine
+
+    rollout = RolloutConfig(max_new_tokens=48, temperature=temperature, top_k=top_k)
+    return HFEngine(path, ModelConfig(), rollout, max_batch_prompts=32)
 
 
 def _think(text: str) -> str:

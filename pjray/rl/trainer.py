@@ -15,7 +15,9 @@ The variant is verl's GRPO as used by the paper's training recipe:
 Where it differs from the paper's written objective: the paper writes a per-sample mean
 (1/n sum_i) and a generic KL term; like verl (which the paper trained with) we aggregate over
 tokens and use the k3 estimator. Groups whose rewards all equal carry no signal; their fraction is
-logged (`rollout/frac_zero_std`) and `algo.filter_zero_std` drops and refills them (DAPO-style).
+logged (`rollout/frac_zero_std`) and `algo.filter_zero_std` drops and refills them (DAPO's
+dynamic sampling), a refill sized by the fraction kept so far; `reward/*` stay the mean over every
+response generated, so they measure the policy, not the selection.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-import random
+import math
 import shutil
 import signal
 import time
@@ -38,10 +40,10 @@ import torch
 
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, to_dict
-from pjray.console import PhaseClock, step_line
+from pjray.console import HELD_OUT, PhaseClock, step_line
 from pjray.data.hf import DatasetItems, StreamSampler, StreamState, open_dataset, train_ref
 from pjray.data.prompts import render_batch
-from pjray.data.sampler import ItemSampler, SamplerState
+from pjray.data.sampler import ItemSampler, SamplerState, shown_order
 from pjray.data.sources import Rows, scan_items, write_rejects
 from pjray.models.loading import load_processor, opens_think, render_chat
 from pjray.reward.workers import RewardWorker
@@ -62,6 +64,7 @@ FILLER = Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.
 
 # Training rows skipped as unusable, one JSON object a line, in the run directory.
 DATA_REJECTS = "data_rejects.jsonl"
+HELD_OUT_SCENES = 64  # the held-out check of a run from the base judge (Trainer.held_out_check)
 
 # Phases whose work runs in workers that time it themselves (Timed answers).
 COMPUTE_PHASES = ("gen", "reward", "ref", "old_log_prob", "update")
@@ -114,7 +117,8 @@ class Timer:
 
 @dataclasses.dataclass
 class Rollouts:
-    """Scored responses of the groups kept for training, group by group."""
+    """Scored responses of the groups kept for training, group by group, and the rewards of every
+    response generated for the step (kept or dropped by `algo.filter_zero_std`)."""
 
     prompts: list[JudgePrompt]
     texts: list[str]  # chat-rendered prompt text per prompt
@@ -122,6 +126,23 @@ class Rollouts:
     rewards: list[RewardResult]
     frac_zero_std: float
     groups_seen: int
+    seen: list[RewardResult]  # every scored response of the step: the policy's reward
+
+
+# A refill round asks for at most this many times the groups still needed.
+MAX_REFILL_FACTOR = 4
+
+
+def refill_size(need: int, kept: int, seen: int) -> int:
+    """How many prompts a round of `collect` generates to fill `need` more groups, when `kept` of
+    the `seen` groups so far had reward variance: `need` at first, then `need` over the fraction
+    kept so far (at most MAX_REFILL_FACTOR x `need`), so that one refill round usually fills the
+    step instead of several rounds each adding a few groups."""
+    if seen == 0:
+        return need
+    if kept == 0:
+        return need * MAX_REFILL_FACTOR
+    return min(need * MAX_REFILL_FACTOR, math.ceil(need * seen / kept))
 
 
 def load_items(cfg: Config) -> Rows[JudgeItem] | DatasetItems:
@@ -333,6 +354,23 @@ class Trainer:
             )
         if cfg.export_hf:
             self.export_hf()
+            if not self.cfg.model.path and self.cfg.model.init == "base_judge":
+                self.held_out_check()
+
+    def held_out_check(self) -> None:
+        """The run's judge against the base judge it started from: greedy batch ranking of both on
+        the base judge report's held-out scenes (asserted disjoint from this run's training
+        scenes), written to held_out.json; `pjray train` prints it at the end. The same prompts
+        for both, so the difference is what the run learned, free of its reward curve's noise."""
+        from pjray.models.base_judge import BaseJudgeRecipe, held_out_ranking
+
+        recipe = BaseJudgeRecipe()
+        items = self.data.rows if isinstance(self.data, Rows) else []
+        seen = {int(it.meta["scene_seed"]) for it in items if "scene_seed" in it.meta}
+        judges = {"base": self.model_path, "trained": str(self.run_dir / "hf_model")}
+        result = {name: held_out_ranking(path, recipe, seen, HELD_OUT_SCENES) for name, path in judges.items()}
+        (self.run_dir / HELD_OUT).write_text(json.dumps({"held_out_scenes": HELD_OUT_SCENES, **result}, indent=2))
+        log.info("held-out check: %s", json.dumps(result))
 
     def loop(self) -> None:
         cfg = self.cfg.trainer
@@ -395,10 +433,10 @@ class Trainer:
         cfg = self.cfg
         n, want = cfg.algo.group_size, cfg.trainer.prompts_per_step
         rounds = 1 + (cfg.algo.max_refill_rounds if cfg.algo.filter_zero_std else 0)
-        kept = Rollouts([], [], [], [], 0.0, 0)
+        kept = Rollouts([], [], [], [], 0.0, 0, [])
         zero_groups = 0
         for round_index in range(rounds):
-            need = want - len(kept.prompts)
+            need = refill_size(want - len(kept.prompts), len(kept.prompts), kept.groups_seen)
             with timer("gen"):
                 prompts, texts, completions = self.generate(need, seed=self.step * 1_000 + round_index, timer=timer)
             with timer("reward"):
@@ -407,6 +445,7 @@ class Trainer:
                 zero = zero_std_groups(torch.tensor([r.total for r in results]), n).tolist()
             zero_groups += sum(zero)
             kept.groups_seen += len(prompts)
+            kept.seen.extend(results)
             for g, prompt in enumerate(prompts):
                 if cfg.algo.filter_zero_std and zero[g]:
                     continue
@@ -427,12 +466,13 @@ class Trainer:
     def generate(
         self, num_prompts: int, seed: int, timer: Timer
     ) -> tuple[list[JudgePrompt], list[str], list[Completion]]:
-        """Sample items, render prompts (candidates shuffled per prompt) and generate n each.
-        Also returns each prompt's chat text, as the engines and the learner render it."""
+        """Sample items, render prompts (candidates in the stream's balanced orders, `shown_order`)
+        and generate n each. Also returns each prompt's chat text, as the engines and the learner
+        render it."""
         prompts = []
         for index, item in self.sampler.take(num_prompts):
-            rng = random.Random(f"{self.cfg.trainer.seed}/{index}")
-            prompt = render_batch(item, rng, style=self.cfg.reward.style)
+            shown = shown_order(index, len(item.candidates), self.cfg.trainer.seed)
+            prompt = render_batch(item, None, style=self.cfg.reward.style, shown=shown)
             # data.images=false: a text-only judge (validated against the model in config).
             prompts.append(prompt if self.cfg.data.images else dataclasses.replace(prompt, image=None))
         texts = [render_chat(self.processor, p, think_prefix=self.cfg.model.think_prefix) for p in prompts]
@@ -587,14 +627,17 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- outputs
     def step_metrics(self, rollouts: Rollouts, advantages: torch.Tensor, actor: dict[str, float], timer: Timer) -> dict[str, float]:
-        totals = [r.total for r in rollouts.rewards]
+        # reward/*: every response generated for the step, what the policy earns; with
+        # algo.filter_zero_std the groups trained on are a biased subset (reward/kept_mean).
+        totals = [r.total for r in rollouts.seen]
         lengths = [len(c.token_ids) for c in rollouts.completions]
         tokens = sum(lengths)
         metrics = {
             "reward/mean": mean(totals),
             "reward/std": float(torch.tensor(totals).std()) if len(totals) > 1 else 0.0,
-            "reward/format_mean": mean([r.format for r in rollouts.rewards]),
-            "reward/ranking_mean": mean([r.ranking for r in rollouts.rewards]),
+            "reward/format_mean": mean([r.format for r in rollouts.seen]),
+            "reward/ranking_mean": mean([r.ranking for r in rollouts.seen]),
+            "reward/kept_mean": mean([r.total for r in rollouts.rewards]),
             "rollout/frac_zero_std": rollouts.frac_zero_std,
             "rollout/groups_kept": float(len(rollouts.prompts)),
             "rollout/groups_seen": float(rollouts.groups_seen),

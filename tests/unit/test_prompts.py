@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import itertools
+import math
 import random
 
 import pytest
@@ -21,6 +23,7 @@ from pjray.data.prompts import (
     render_pair,
     render_score,
 )
+from pjray.data.sampler import shown_order
 from pjray.reward import judge_reward, parse_pair, parse_score
 from pjray.types import JudgeItem
 
@@ -63,6 +66,40 @@ def test_render_batch_layout_and_target():
     # target: letters of candidates 2, 0, 1 under this shuffle.
     assert p.target == "".join(LETTERS[p.shown.index(c)] for c in (2, 0, 1))
     assert p.system == SYSTEM_BATCH_RANKING
+
+
+def test_render_batch_shows_a_given_order():
+    item = make_item(3, order=(2, 0, 1))
+    p = render_batch(item, None, shown=(1, 2, 0))
+    assert p.shown == (1, 2, 0)
+    assert p.user.index("answer number 1") < p.user.index("answer number 2") < p.user.index("answer number 0")
+    assert p.target == "BCA"  # candidate 2 under B, 0 under C, 1 under A
+    with pytest.raises(ValueError, match="not a permutation"):
+        render_batch(item, None, shown=(0, 0, 1))
+    with pytest.raises(ValueError, match="needs an rng"):
+        render_batch(item, None)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_training_stream_shows_every_order_once_per_block(k):
+    blocks = math.factorial(k)
+    n = 3 * blocks + 40
+    orders = [shown_order(i, k, seed=7) for i in range(n)]
+    for b in range(n // blocks):
+        assert sorted(orders[b * blocks : (b + 1) * blocks]) == sorted(itertools.permutations(range(k)))
+    assert orders == [shown_order(i, k, seed=7) for i in range(n)]  # a function of the index
+    assert orders != [shown_order(i, k, seed=8) for i in range(n)]
+    # Any window of 40 prompts (5 steps of 8) holds each order 40 / k! times, give or take the
+    # partial blocks at its two ends.
+    for start in range(3 * blocks):
+        counts = collections.Counter(orders[start : start + 40])
+        assert max(abs(counts[o] - 40 / blocks) for o in itertools.permutations(range(k))) <= 2
+
+
+def test_training_stream_shuffles_each_prompt_past_four_candidates():
+    orders = [shown_order(i, 6, seed=0) for i in range(50)]
+    assert all(sorted(o) == list(range(6)) for o in orders)
+    assert len(set(orders)) > 40
 
 
 def test_render_batch_without_shuffle_keeps_stored_letters():

@@ -1,0 +1,98 @@
+"""The trainer's collection of a step's groups: dynamic sampling (algo.filter_zero_std), refill
+sizes, and reward metrics over every generated response."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pjray.config import load
+from pjray.rl.trainer import MAX_REFILL_FACTOR, Timer, Trainer, refill_size
+from pjray.types import Completion, JudgePrompt, RewardResult
+
+
+def test_refill_size():
+    assert refill_size(8, 0, 0) == 8  # the first round asks for the step's groups
+    assert refill_size(6, 2, 8) == 24  # 2 of 8 kept: 6 more needs about 24
+    assert refill_size(3, 5, 6) == 4  # ceil(3 * 6 / 5)
+    assert refill_size(6, 1, 8) == 6 * MAX_REFILL_FACTOR  # capped
+    assert refill_size(6, 0, 8) == 6 * MAX_REFILL_FACTOR  # nothing kept yet
+
+
+class ScriptedTrainer(Trainer):
+    """A trainer whose generation and reward are scripted: group g of the whole stream has
+    reward variance iff `varied(g)`; a varied group scores 1 on its first sample, else 0."""
+
+    def __init__(self, cfg, varied):
+        super().__init__(cfg)
+        self.varied = varied
+        self.generated: list[int] = []
+        self.step = 1
+        # What step_metrics reads of the Ray side.
+        self.rollout = self.reward = SimpleNamespace(restarts=0)
+        self.sampler = SimpleNamespace(state=SimpleNamespace(consumed=0), epoch=0)
+        self.rejected_rows = lambda: 0
+
+    def generate(self, num_prompts, seed, timer):
+        first = sum(self.generated)
+        self.generated.append(num_prompts)
+        n = self.cfg.algo.group_size
+        prompts = [
+            JudgePrompt(f"g{first + i}", "s", "u", None, "batch", "ranking", 3, (0, 1, 2), "ABC") for i in range(num_prompts)
+        ]
+        completions = [Completion(p, s, (1,), (0.0,), "x", "stop") for p in range(num_prompts) for s in range(n)]
+        return prompts, ["t"] * num_prompts, completions
+
+    def score(self, prompts, texts, completions, timer):
+        out = []
+        for c in completions:
+            g = int(prompts[c.prompt_index].item_id[1:])
+            total = 1.0 if self.varied(g) and c.sample_index == 0 else 0.5
+            out.append(RewardResult(total, 1.0, total, "ABC", ""))
+        return out
+
+
+def config(filter_zero_std: bool, rounds: int = 2):
+    return load(None, [
+        "trainer.prompts_per_step=8", "algo.group_size=4", f"algo.filter_zero_std={str(filter_zero_std).lower()}",
+        f"algo.max_refill_rounds={rounds}",
+    ])  # fmt: skip
+
+
+def test_dynamic_sampling_keeps_varied_groups_and_measures_every_response():
+    trainer = ScriptedTrainer(config(True), varied=lambda g: g % 4 == 0)  # 1 group in 4 has signal
+    rollouts = trainer.collect(Timer())
+    # 8 -> 2 kept; 6 more at a keep rate of 1/4: 24 prompts -> 6 kept; full after one refill.
+    assert trainer.generated == [8, 24]
+    assert [p.item_id for p in rollouts.prompts] == [f"g{g}" for g in range(0, 32, 4)]
+    assert len(rollouts.completions) == len(rollouts.rewards) == 8 * 4
+    assert len(rollouts.seen) == 32 * 4 and rollouts.groups_seen == 32
+    assert rollouts.frac_zero_std == pytest.approx(24 / 32)
+    metrics = trainer.step_metrics(rollouts, torch.zeros(32), {}, timer_with_step())
+    # The policy's reward is the mean over all 128 responses; the kept groups' is higher.
+    assert metrics["reward/mean"] == pytest.approx((8 * 1.0 + 120 * 0.5) / 128)
+    assert metrics["reward/kept_mean"] == pytest.approx((8 * 1.0 + 24 * 0.5) / 32)
+
+
+def test_dynamic_sampling_stops_after_its_refill_rounds():
+    trainer = ScriptedTrainer(config(True, rounds=1), varied=lambda g: g == 3)
+    rollouts = trainer.collect(Timer())
+    assert trainer.generated == [8, 7 * MAX_REFILL_FACTOR]  # 1 of 8 kept: 7 more, capped
+    assert [p.item_id for p in rollouts.prompts] == ["g3"]
+
+
+def test_without_filtering_every_group_is_kept():
+    trainer = ScriptedTrainer(config(False), varied=lambda g: g % 4 == 0)
+    rollouts = trainer.collect(Timer())
+    assert trainer.generated == [8]
+    assert len(rollouts.prompts) == 8 and len(rollouts.seen) == len(rollouts.rewards) == 32
+    metrics = trainer.step_metrics(rollouts, torch.zeros(32), {}, timer_with_step())
+    assert metrics["reward/mean"] == metrics["reward/kept_mean"]
+
+
+def timer_with_step() -> Timer:
+    timer = Timer()
+    timer.seconds["step"] = 1.0
+    return timer
