@@ -23,7 +23,7 @@ def test_refill_size():
 
 class ScriptedTrainer(Trainer):
     """A trainer whose generation and reward are scripted: group g of the whole stream has
-    reward variance iff `varied(g)`; a varied group scores 1 on its first sample, else 0."""
+    reward variance iff `varied(g)`; a varied group scores 1 on its first sample and every other response 0.5."""
 
     def __init__(self, cfg, varied):
         super().__init__(cfg)
