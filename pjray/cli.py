@@ -117,10 +117,11 @@ def run_command(args: argparse.Namespace) -> int:
 
     if args.command == "train":
         from pjray.eval.bias import training_eval
+        from pjray.eval.held_out import held_out_check
         from pjray.rl.trainer import train as run_training
 
         start = time.perf_counter()
-        run_dir = run_training(cfg, evaluate=training_eval)
+        run_dir = run_training(cfg, evaluate=training_eval, held_out=held_out_check)
         print("\n".join(run_summary(run_dir, time.perf_counter() - start)))
     elif args.command == "sft":
         if cfg.model.path:

@@ -15,8 +15,9 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pjray.data.scenes import KINDS
+from pjray.data.scenes import KINDS, SPLITS
 from pjray.errors import InputError
+from pjray.ppjd.perturb import CONSTRUCTIONS
 
 
 # The rules rewriters build at most this many strictly ordered error levels: scene answers have
@@ -102,6 +103,13 @@ class DataConfig:
     # scenes: [min, max] objects per scene; by default the base judge's one-object scenes
     # (pjray.models.base_judge.BaseJudgeRecipe.objects).
     scene_objects: list[int] = field(default_factory=lambda: [1, 1])
+    # scenes: the content split the scenes come from (pjray.data.scenes.SPLITS): train (no
+    # held-out (shape, cell) combination) | held_out (evaluation content) | all.
+    scene_split: str = "train"
+    # scenes: how the wrong candidates are built (pjray.ppjd.perturb): nested (the paper: the
+    # perception + reasoning error is the perception error plus a reasoning error, so the two share
+    # one wrong fact) | independent (every wrong candidate its own wrong fact and final answer).
+    construction: str = "nested"
     seed: int = 0
     # false: prompts carry no image (only for text-only judges, e.g. the CPU check of vLLM).
     images: bool = True
@@ -255,7 +263,11 @@ class PPJDConfig:
     image_size: int = 96  # scenes: square image side in pixels
     scene_kinds: list[str] = field(default_factory=lambda: list(KINDS))  # scenes: question kinds, cycled
     scene_objects: list[int] = field(default_factory=lambda: [2, 5])  # scenes: [min, max] objects per scene
+    scene_split: str = "train"  # scenes: content split (train | held_out | all), as data.scene_split
     num_candidates: int = 3  # K: chosen + K-1 rejected levels, ordered by error count
+    # rules backend on scenes: nested | independent, as data.construction. A question that cannot
+    # carry the independent construction (spatial and existence: one wrong answer) is a reject.
+    construction: str = "nested"
     # rules: model-free rewriters (scene answers from scene facts, free text from a word lexicon)
     # | llm: the released three prompts
     perturb_backend: str = "rules"
@@ -326,11 +338,26 @@ class EvalConfig:
     batch_style: str = "scores"  # paper batch prompt: scores (one per answer) | ranking (letters)
     # Judge score -> the benchmark's 1-5: auto (ceil_half for paper, none for original) | ceil_half | none
     score_mapping: str = "auto"
+    # What the judge is shown of each image in `pjray eval` (pjray.eval.blind; the trainer's
+    # held-out eval always shows it): as_is | grey (a uniform RGB (128, 128, 128) PNG of the
+    # image's size: the same image tokens, no content) | none (no image: every bench renders
+    # text-only prompts; the only mode a text-only judge takes). Applied to every judged prompt of
+    # every bench (MLLM-as-a-Judge rows, Mode a/b scores and probes, both inputs of an MM-JudgeBias
+    # record) after the data is built from the real images (MM-JudgeBias perturbations, captions).
+    image: str = "as_is"
+    # Blind passes in the same run, beside the eval.image one: each mode listed (grey | none)
+    # judges everything again with eval.image=<mode>, and the report puts its tables next to the
+    # main ones (report.json `blind.<mode>`, report.md a `<table> [<mode>]` column, W&B
+    # eval/blind/<mode>/...). [grey] is the check that the judge uses the image.
+    blind: list[str] = field(default_factory=list)
     num_items: int = 32  # scene items when `data` is empty
     scene_seed: int = 1  # scene items' seed (training uses data.seed)
     image_size: int = 128
     scene_kinds: list[str] = field(default_factory=lambda: list(KINDS))  # scene items: question kinds, cycled
     scene_objects: list[int] = field(default_factory=lambda: [2, 5])  # scene items: [min, max] objects
+    # scene items: content split (pjray.data.scenes.SPLITS); held_out: (shape, cell) combinations
+    # that no training data of the default splits holds.
+    scene_split: str = "held_out"
     workers: int = 1  # judge actors (RolloutWorkers)
     num_cpus_per_worker: float = 1.0
     num_gpus_per_worker: float = 0.0
@@ -391,6 +418,11 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.tiny_arch": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2"),
     "model.dtype": ("float32", "bfloat16"),
     "data.source": ("scenes", "parquet", "hf"),
+    "data.scene_split": SPLITS,
+    "data.construction": CONSTRUCTIONS,
+    "ppjd.scene_split": SPLITS,
+    "ppjd.construction": CONSTRUCTIONS,
+    "eval.scene_split": SPLITS,
     "rollout.backend": ("hybrid", "hf", "vllm"),
     "rollout.hybrid_gather": ("full", "layer"),
     "rollout.device": ("auto", "cuda", "cpu"),
@@ -455,6 +487,8 @@ def validate(cfg: Config) -> Config:
 
     if not 2 <= cfg.data.num_candidates <= 26:
         raise ConfigError(f"data.num_candidates={cfg.data.num_candidates}: must be in 2..26")
+    if cfg.data.source == "scenes":
+        _validate_construction("data", cfg.data.construction, cfg.data.scene_kinds, cfg.data.num_candidates)
     if cfg.reward.style == "scores" and cfg.data.num_candidates > 10:
         raise ConfigError(
             f"data.num_candidates={cfg.data.num_candidates}: reward.style=scores gives each "
@@ -648,8 +682,28 @@ def _validate_scenes(section: str, kinds: list[str], objects: list[int]) -> None
         raise ConfigError(f"{section}.scene_objects={list(objects)}: spatial questions need at least 2 objects")
 
 
+# Distinct wrong final answers a question kind can carry (the independent construction needs
+# K - 1): spatial and existence answers have two values, a size answer three; a count question
+# depends on its scene (rows it cannot carry are rejected with the reason).
+_WRONG_ANSWERS = {"spatial": 1, "existence": 1, "size": 2}
+
+
+def _validate_construction(section: str, construction: str, kinds: Sequence[str], num_candidates: int) -> None:
+    if construction != "independent":
+        return
+    short = [k for k in kinds if _WRONG_ANSWERS.get(k, num_candidates) < num_candidates - 1]
+    if short:
+        raise ConfigError(
+            f"{section}.construction=independent: {section}.scene_kinds {short} cannot carry "
+            f"{num_candidates - 1} wrong answers that differ ({section}.num_candidates={num_candidates}); "
+            "leave them out or use construction=nested"
+        )
+
+
 def _validate_ppjd(p: PPJDConfig) -> None:
     _validate_scenes("ppjd", p.scene_kinds, p.scene_objects)
+    if p.source == "scenes" and p.perturb_backend == "rules":
+        _validate_construction("ppjd", p.construction, p.scene_kinds, p.num_candidates)
     if not 2 <= p.num_candidates <= 26:
         raise ConfigError(f"ppjd.num_candidates={p.num_candidates}: must be in 2..26")
     if p.source == "scenes" and p.paths:
@@ -687,6 +741,7 @@ _EVAL_CHOICES: dict[str, tuple[str, ...]] = {
     "prompt_format": ("paper", "original"),
     "batch_style": ("scores", "ranking"),
     "score_mapping": ("auto", "ceil_half", "none"),
+    "image": ("as_is", "grey", "none"),  # pjray.eval.blind.IMAGE_MODES (the driver imports no pjray.eval)
     "train_bench": ("perceptual_bias",),
 }
 
@@ -727,6 +782,11 @@ def _validate_eval(cfg: Config) -> None:
                     f"eval.{key}={getattr(e, key)!r}: only read with eval.convention=strict; "
                     f"eval.convention={e.convention} follows its script's own rule (leave it at {default!r})"
                 )
+    for mode in e.blind:
+        if mode not in ("grey", "none"):
+            raise ConfigError(f"eval.blind={list(e.blind)}: {mode!r} is not a blind mode; expected grey or none")
+    if len(set(e.blind)) < len(e.blind) or e.image in e.blind:
+        raise ConfigError(f"eval.blind={list(e.blind)}: each mode once, and not eval.image={e.image} (the main pass)")
     if e.bias_convention != "official" and e.bench != "mm_judgebias":
         raise ConfigError(f"eval.bias_convention={e.bias_convention}: only for eval.bench=mm_judgebias")
     if e.num_cpus_per_worker <= 0 and e.num_gpus_per_worker <= 0:

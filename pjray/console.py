@@ -107,6 +107,25 @@ def mean(rows: list[dict[str, Any]], key: str) -> float:
     return sum(float(r[key]) for r in rows) / len(rows)
 
 
+def held_out_lines(check: dict[str, Any]) -> list[str]:
+    """The held-out check, base judge -> trained judge: correct first and reward, then per
+    question kind whether the verdict follows the image (pjray.eval.held_out.looking_stats)."""
+    base, trained = check["base"], check["trained"]
+    lines = [
+        f"  held-out check ({check['held_out_scenes']} scenes held out by content, greedy, base judge -> this run): "
+        f"correct answer ranked first {base['correct_first']:.0%} -> {trained['correct_first']:.0%}, reward "
+        f"{base['reward']:.3f} -> {trained['reward']:.3f}"
+    ]
+    for kind in trained.get("looks", {}):
+        b, t = base["looks"][kind], trained["looks"][kind]
+        lines.append(
+            f"    {kind} ({t['items']}): fact-following {b['fact_following']:.0%} -> {t['fact_following']:.0%}, "
+            f"image-following {b['image_following']:.0%} -> {t['image_following']:.0%}, correct first with a grey "
+            f"image {b['blind_correct_first']:.0%} -> {t['blind_correct_first']:.0%}"
+        )
+    return lines
+
+
 def run_summary(run_dir: Path, wall_s: float) -> list[str]:
     """The end of `pjray train`: steps and reward first -> last (from metrics.jsonl), wall time,
     the held-out check of a run from the base judge (held_out.json), where the run, its HF
@@ -132,13 +151,7 @@ def run_summary(run_dir: Path, wall_s: float) -> list[str]:
     held_out = run_dir / HELD_OUT
     if held_out.is_file():
         check = json.loads(held_out.read_text(encoding="utf-8"))
-        base, trained = check["base"], check["trained"]
-        lines.append(
-            f"  held-out check ({check['held_out_scenes']} scenes, greedy, base judge -> this run): correct answer "
-            f"ranked first {base['correct_first']:.0%} -> {trained['correct_first']:.0%}, reward "
-            f"{base['reward']:.3f} -> {trained['reward']:.3f}, judged by the image "
-            f"{base['by_the_image']:.0%} -> {trained['by_the_image']:.0%}"
-        )
+        lines += held_out_lines(check)
     if (run_dir / "hf_model" / "config.json").is_file():
         lines.append(f"  HF export: {run_dir / 'hf_model'}")
     run_id = run_dir / "wandb_run_id"

@@ -19,12 +19,12 @@ import io
 import math
 import random
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping, Sequence
 
 from PIL import Image, ImageDraw
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
-SIZES: tuple[str, ...] = ("small", "large")
+SIZES: tuple[str, ...] = ("small", "medium", "large")
 # Far apart in RGB so that a pixel's colour names its object without any tolerance.
 PALETTE: dict[str, tuple[int, int, int]] = {
     "red": (220, 30, 30),
@@ -39,8 +39,10 @@ BACKGROUND: tuple[int, int, int] = (255, 255, 255)
 KINDS: tuple[str, ...] = ("color", "count", "spatial", "size", "existence")
 ROWS: tuple[str, ...] = ("top", "center", "bottom")
 COLS: tuple[str, ...] = ("left", "center", "right")
-# How wide each size looks, as a fraction of the image width (radii are chosen to match).
-SIZE_FRACTION: dict[str, str] = {"small": "1/8", "large": "1/4"}
+# How wide each size looks, as a fraction of the image width (radii are chosen to match). Three
+# sizes, so that a size question has two wrong answers that differ (PPJD's independent
+# construction gives each wrong candidate its own wrong fact).
+SIZE_FRACTION: dict[str, str] = {"small": "1/8", "medium": "3/16", "large": "1/4"}
 _CELL_GAP = 2  # pixels kept free inside each cell border, so neighbours never touch
 MIN_IMAGE_SIZE = 64
 
@@ -56,15 +58,20 @@ LOCATIONS: tuple[str, ...] = tuple(location_name(r, c) for r in range(3) for c i
 _CELL_OF: dict[str, tuple[int, int]] = {location_name(r, c): (r, c) for r in range(3) for c in range(3)}
 
 
+SIZE_QUESTION = "small, medium or large"  # how a question asks for a size
+
+
 def location_cell(name: str) -> tuple[int, int]:
     """Inverse of `location_name`."""
     return _CELL_OF[name]
 
 
 def size_radius(size: str, image_size: int) -> int:
-    """Pixel radius (half extent) of a shape: small spans ~1/8 of the image, large ~1/4."""
+    """Pixel radius (half extent) of a shape: small spans ~1/8 of the image, medium ~3/16, large ~1/4."""
     if size == "small":
         return round(image_size / 16)
+    if size == "medium":
+        return round(3 * image_size / 32)
     return round(image_size / 8) - 1
 
 
@@ -365,7 +372,7 @@ def _question(scene: Scene, spec: QuestionSpec) -> str:
     if k == "color":
         return f"What color is the shape at the {spec.param('location')}?"
     if k == "size":
-        return f"Is the shape at the {spec.param('location')} small or large?"
+        return f"Is the shape at the {spec.param('location')} {SIZE_QUESTION}?"
     if k == "spatial":
         a, b = spec.param("name_a"), spec.param("name_b")
         if spec.param("axis") == "horizontal":
@@ -431,6 +438,47 @@ def _spec(scene: Scene, kind: str, rng: random.Random) -> QuestionSpec:
             query = rng.choice([q for q in misses if q not in present])
         return QuestionSpec(kind, everyone, (("color", query[0]), ("shape", query[1])))
     raise ValueError(f"unknown question kind {kind!r}; expected one of {KINDS}")
+
+
+# --------------------------------------------------------------------------- content split
+
+# Scene content is split, not only seeds: one-object scenes have a few hundred set-ups, so
+# another seed mostly repeats a training image. An object whose (shape, grid cell) pair is one
+# of the held-out combinations below never appears in training data (the base judge's, or a
+# GRPO run's by default); evaluation scenes hold at least one. One shape per cell, each shape
+# in three cells (a Latin square): training still sees every shape, colour, size and cell.
+SPLITS: tuple[str, ...] = ("train", "held_out", "all")
+
+
+def held_out_object(o: SceneObject) -> bool:
+    """Whether the object's (shape, cell) combination is reserved for evaluation."""
+    return (o.row + o.col + SHAPES.index(o.shape)) % 3 == 0
+
+
+def scene_split(scene: Scene) -> str:
+    """"held_out" if any object is a held-out combination, else "train"."""
+    return "held_out" if any(held_out_object(o) for o in scene.objects) else "train"
+
+
+def in_split(scene: Scene, split: str) -> bool:
+    if split not in SPLITS:
+        raise ValueError(f"unknown scene split {split!r}; expected one of {SPLITS}")
+    return split == "all" or scene_split(scene) == split
+
+
+def split_qas(
+    n: int, seed_of: Callable[[int], int], split: str, image_size: int, kinds: Sequence[str], objects: Sequence[int]
+) -> list[SceneQA]:
+    """`n` questions whose scenes lie in `split`: question i asks `kinds[i % len(kinds)]` about
+    the next scene seed `seed_of(0), seed_of(1), ...` whose scene is in the split."""
+    out: list[SceneQA] = []
+    j = 0
+    while len(out) < n:
+        qa = sample_qa(seed_of(j), image_size, kinds[len(out) % len(kinds)], *objects)
+        j += 1
+        if in_split(qa.scene, split):
+            out.append(qa)
+    return out
 
 
 def scene_ref(qa: SceneQA) -> dict[str, object]:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pjray.data.prompts import render_score
 from pjray.data.sources import RowReject
 from pjray.errors import InputError
+from pjray.eval.blind import judged_image
 from pjray.eval.metrics import ModeRates, ModeRecord, mode_rates
 from pjray.ppjd.perturb import normalize_answer
 from pjray.reward.parse import parse_score
@@ -59,7 +60,7 @@ class DiagnosisDataError(InputError):
 @dataclass(frozen=True)
 class DiagnosisItem:
     id: str
-    image: bytes
+    image: bytes | None  # None: judged without its image (eval.image=none)
     question: str
     correct: str
     wrong: str  # perception errors only, reasoning intact
@@ -192,7 +193,7 @@ def training_eval(cfg: Any, generate: Generate, step: int) -> dict[str, float]:
 
     items = scene_items(
         cfg.eval.train_num_items, seed=cfg.eval.train_seed, num_candidates=3, image_size=cfg.data.image_size,
-        kinds=cfg.data.scene_kinds, objects=cfg.data.scene_objects,
+        kinds=cfg.data.scene_kinds, objects=cfg.data.scene_objects, split=cfg.eval.scene_split,
     )
     diag = [diagnosis_item(it) for it in items]
     rates, _, _ = diagnose(generate, diag, seed=cfg.eval.train_seed * 1_000_003 + step)
@@ -214,7 +215,7 @@ def load_diagnosis_items(cfg: Any) -> tuple[list[DiagnosisItem], int, list[RowRe
     else:
         from pjray.ppjd.perturb import scene_items
 
-        raw = scene_items(e.num_items, e.scene_seed, 3, e.image_size, e.scene_kinds, e.scene_objects)
+        raw = scene_items(e.num_items, e.scene_seed, 3, e.image_size, e.scene_kinds, e.scene_objects, e.scene_split)
     items, skipped = [], 0
     for it in raw:
         try:
@@ -235,6 +236,7 @@ def evaluate_modes(cfg: Any, generate: Generate) -> Any:
 
     e = cfg.eval
     items, skipped, rejects = load_diagnosis_items(cfg)
+    items = [replace(d, image=judged_image(d.image, e.image)) for d in items]
     per_seed, kinds_per_seed = [], []
     unparsed, outputs, examples = 0, 0, []
     for seed in e.seeds:

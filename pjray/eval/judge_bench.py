@@ -39,13 +39,14 @@ from __future__ import annotations
 import json
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from pjray.data.prompts import LETTERS, order_from_ranking, render_batch, render_pair, render_score
 from pjray.data.hf import OpenDataset, eval_source
 from pjray.data.sources import DataError, RowReject, Rows, image_bytes
+from pjray.eval.blind import judged_image
 from pjray.eval.metrics import BatchRecord, PairRecord, ScoreRecord, map_score
 from pjray.reward.parse import parse_judgment, parse_pair, parse_score, ranking_from_scores
 from pjray.types import JudgeItem, JudgePrompt
@@ -276,8 +277,6 @@ def build_prompt(row: BenchRow, prompt_format: str = "paper", batch_style: str =
     )  # fmt: skip
     prompt = render_batch(item, random.Random(0), style=batch_style, shuffle=False)
     if row.image is None:  # render_batch always carries the item's image
-        from dataclasses import replace
-
         prompt = replace(prompt, image=None)
     return prompt
 
@@ -456,7 +455,7 @@ def evaluate_bench(cfg, generate) -> "EvalReport":
     mapping = resolve_score_mapping(e.prompt_format, e.score_mapping)
     scanned = scan_rows(eval_source(e), e.bench, e.image_dir or None, e.limit)
     scanned.check(cfg.data.max_reject_fraction, BenchDataError)
-    rows = scanned.rows
+    rows = [replace(r, image=judged_image(r.image, e.image)) for r in scanned.rows]
     prompts = [build_prompt(r, e.prompt_format, e.batch_style) for r in rows]
     per_seed: list[list] = []
     unparsed, examples = 0, []

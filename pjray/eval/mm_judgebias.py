@@ -47,6 +47,7 @@ from PIL import Image, ImageDraw, ImageEnhance, ImageFilter, ImageFont
 
 from pjray.data.hf import OpenDataset, eval_source, scan_judge_items
 from pjray.data.sources import DataError, RowReject, Rows, image_bytes
+from pjray.eval.blind import judged_image
 from pjray.eval.metrics import BC_TYPES, BD_TYPES, BIAS_TYPES, CATEGORIES
 from pjray.types import JudgeItem, JudgePrompt
 
@@ -522,7 +523,7 @@ def load_records(cfg, generate) -> tuple[list[BiasRecord], list[str], list[RowRe
     else:
         from pjray.ppjd.perturb import scene_items
 
-        items = scene_items(e.num_items, e.scene_seed, 3, e.image_size, e.scene_kinds, e.scene_objects)
+        items = scene_items(e.num_items, e.scene_seed, 3, e.image_size, e.scene_kinds, e.scene_objects, e.scene_split)
     if e.limit:
         items = items[: e.limit]
     need = [it for it in items if it.image and caption_of(it) is None]
@@ -551,6 +552,10 @@ def evaluate_bias(cfg, generate):
     official = e.bias_convention == "official"
     parse = parse_bias_score if official else parse_bias_score_strict
     records, notes, rejects = load_records(cfg, generate)
+    records = [
+        replace(r, unbiased_image=judged_image(r.unbiased_image, e.image), biased_image=judged_image(r.biased_image, e.image))
+        for r in records
+    ]
     prompts = [p for r in records for p in (judge_prompt(r, biased=False), judge_prompt(r, biased=True))]
     per_seed = []
     unparsed, examples = 0, []

@@ -3,7 +3,8 @@
 A report is a set of named tables (`metric -> row -> Cell`): rows are source datasets (plus
 `overall`) for MLLM-as-a-Judge, rates for the Mode a/b diagnosis, bias types and categories for
 MM-JudgeBias. Each cell carries the seed-aggregated value, its std over seeds, the per-seed
-values, how many items entered it, and how many judge outputs were unreadable.
+values, how many items entered it, and how many judge outputs were unreadable. A report with
+blind passes (`eval.blind`) carries each pass's tables beside its own (`blind`).
 
 Every report names the convention that produced its numbers (`convention`: whose reading and
 whose metric code) and, per table and per summary row, where that number is defined
@@ -34,6 +35,16 @@ class Cell:
     skipped: int = 0  # items left out by the metric's rule (summed over seeds)
 
 
+@dataclass(frozen=True)
+class BlindPass:
+    """The same evaluation judged again with eval.image=<mode> (`eval.blind`)."""
+
+    tables: dict[str, dict[str, Cell]]  # as EvalReport.tables
+    outputs: int
+    unparsed: int
+    unparsed_examples: list[str] = field(default_factory=list)
+
+
 @dataclass
 class EvalReport:
     bench: str
@@ -51,12 +62,16 @@ class EvalReport:
     sources: dict[str, str] = field(default_factory=dict)  # table or summary row -> where it is defined
     # Data rows left out as unusable (within data.max_reject_fraction); also in rejects.jsonl.
     rejects: list[RowReject] = field(default_factory=list)
+    blind: dict[str, BlindPass] = field(default_factory=dict)  # eval.blind mode -> its pass
 
     def flat_metrics(self, prefix: str = "eval/") -> dict[str, float]:
-        """`eval/<table>/<row>` -> value, for W&B (undefined values left out)."""
+        """`eval/<table>/<row>` -> value, and `eval/blind/<mode>/<table>/<row>` for each blind
+        pass, for W&B (undefined values left out)."""
+        passes = {prefix: self.tables, **{f"{prefix}blind/{mode}/": p.tables for mode, p in self.blind.items()}}
         out = {
-            f"{prefix}{table}/{row}": cell.value
-            for table, rows in self.tables.items()
+            f"{at}{table}/{row}": cell.value
+            for at, tables in passes.items()
+            for table, rows in tables.items()
             for row, cell in rows.items()
             if cell.value is not None
         }
@@ -94,11 +109,15 @@ def _fmt(v: float | None) -> str:
 
 
 def to_markdown(report: EvalReport) -> str:
-    """The report as markdown: one row per dataset/bias, one column per metric table."""
+    """The report as markdown: one row per dataset/bias, one column per metric table (each
+    followed by its blind passes' columns); n and unparsed are the main pass's."""
     lines = [f"# Evaluation: {report.bench}", "", f"- judge: `{report.judge}`", f"- data: `{report.data or 'synthetic scenes'}`"]
     lines.append(f"- seeds: {report.seeds}")
     frac = report.unparsed / report.outputs if report.outputs else 0.0
     lines.append(f"- judge outputs: {report.outputs}, unparseable: {report.unparsed} ({frac:.1%})")
+    for mode, blind in report.blind.items():
+        frac = blind.unparsed / blind.outputs if blind.outputs else 0.0
+        lines.append(f"- blind pass [{mode}]: judge outputs {blind.outputs}, unparseable: {blind.unparsed} ({frac:.1%})")
     if report.rejects:
         first = report.rejects[0]
         lines.append(
@@ -110,15 +129,17 @@ def to_markdown(report: EvalReport) -> str:
         lines.append(f"- convention: {report.convention}")
     lines += [f"- {note}" for note in report.notes]
     lines.append("")
-    tables = list(report.tables)
+    # Each blind pass's value sits beside the main one: a `<table> [<mode>]` column after `<table>`.
+    passes = {"": report.tables, **{f" [{mode}]": blind.tables for mode, blind in report.blind.items()}}
+    columns = [(t, suffix) for t in report.tables for suffix in passes]
     rows: list[str] = []
-    for t in tables:
-        rows += [r for r in report.tables[t] if r not in rows]
+    for t, suffix in columns:
+        rows += [r for r in passes[suffix].get(t, {}) if r not in rows]
     std_shown = len(report.seeds) > 1
-    header = "| | " + " | ".join(tables) + " | n | unparsed |"
-    lines += [header, "|" + "---|" * (len(tables) + 3)]
+    header = "| | " + " | ".join(t + suffix for t, suffix in columns) + " | n | unparsed |"
+    lines += [header, "|" + "---|" * (len(columns) + 3)]
     for r in rows:
-        cells = [report.tables[t].get(r) for t in tables]
+        cells = [passes[suffix].get(t, {}).get(r) for t, suffix in columns]
         shown = []
         for c in cells:
             if c is None:

@@ -7,9 +7,11 @@ without a special path. Prompts are spread over `eval.workers` actors in rounds 
 `eval.prompts_per_call` prompts per worker; after each round the outputs are appended to
 `<output_dir>/cache.jsonl`, keyed by a hash of (system, user text, image bytes, judge
 fingerprint, seed, sampling settings), so an interrupted or repeated run judges only what is
-missing. Greedy outputs do not depend on how prompts are batched; sampled ones do (each engine
-call seeds its own stream), so a sampled rerun that mixes cached and new outputs is still
-reproducible per item, not bit-identical to a fresh run.
+missing. A blind pass (`eval.image`, `eval.blind`: pjray.eval.blind) shows other image bytes or
+none, so its outputs never share a key with the normal ones. Greedy outputs do not depend on
+how prompts are batched; sampled ones do (each engine call seeds its own stream), so a sampled
+rerun that mixes cached and new outputs is still reproducible per item, not bit-identical to a
+fresh run.
 """
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class JudgeRunner:
         self.cache_hits = 0
         self.judged = 0
         self.pool: WorkerPool | None = None
+        self.judge_takes_images: bool | None = None  # read from the judge's processor when first needed
 
     def start(self) -> WorkerPool:
         """The judge actors, started on the first prompts that miss the cache: the benchmark's
@@ -156,6 +159,8 @@ class JudgeRunner:
         self.cache_hits += len(prompts) - len(todo)
         if not todo:
             return [self.cache.get(k)["text"] for k in keys]  # type: ignore[index]
+        if any(prompts[i].image is not None for i in todo):
+            self.check_judge_takes_images()
         pool = self.start()
         round_size = self.cfg.eval.prompts_per_call * len(pool)
         for start in range(0, len(todo), round_size):
@@ -171,6 +176,20 @@ class JudgeRunner:
             self.judged += len(batch)
             log.info("judged %d/%d prompts (%.1fs)", min(start + round_size, len(todo)), len(todo), time.perf_counter() - t0)
         return [self.cache.get(k)["text"] for k in keys]  # type: ignore[index]
+
+    def check_judge_takes_images(self) -> None:
+        """Before any actor starts: a text-only judge shown an image would fail in every worker
+        with a message naming data.images, a training key; the eval key is eval.image."""
+        from pjray.models.loading import is_text_only, load_processor
+
+        e = self.cfg.eval
+        if self.judge_takes_images is None:
+            self.judge_takes_images = not is_text_only(load_processor(e.judge))
+        if not self.judge_takes_images:
+            raise ConfigError(
+                f"eval.image={e.image}, eval.blind={list(e.blind)}: the judge {e.judge} is text-only and the "
+                "prompts carry images; it takes only eval.image=none with eval.blind=[]"
+            )
 
     def shutdown(self) -> None:
         if self.pool is not None:
@@ -205,8 +224,43 @@ def run_eval(cfg: Config) -> dict[str, Path]:
     return paths
 
 
+_IMAGE_NOTES = {
+    "grey": "every image the judge saw was a uniform grey image of its size (RGB 128, PNG)",
+    "none": "the judge saw no image (text-only prompts)",
+}
+# Blind, MM-JudgeBias's image-only biases lose what they perturb: their BD / BC then say
+# nothing about the judge, and the report says so beside them.
+_IMAGE_ONLY_BIASES = "text_dominance, image_misalignment, visual_transformation and texture_insertion"
+_MM_JUDGEBIAS_NOTES = {
+    "grey": f"; {_IMAGE_ONLY_BIASES} compare grey images that differ at most in size",
+    "none": f"; {_IMAGE_ONLY_BIASES} and unnecessary_image compare identical inputs",
+}
+
+
+def _image_note(bench: str, mode: str) -> str:
+    return _IMAGE_NOTES[mode] + (_MM_JUDGEBIAS_NOTES[mode] if bench == "mm_judgebias" else "")
+
+
 def evaluate(cfg: Config, generate: Any):
-    """The report of `cfg.eval.bench` given a `generate(prompts, seed) -> texts` function."""
+    """The report of `cfg.eval.bench` with the images as `eval.image` shows them, given a
+    `generate(prompts, seed) -> texts` function; each `eval.blind` mode judges everything again
+    with eval.image=<mode>, its tables and counts in `report.blind[mode]`. The cache keys on the
+    image bytes (`cache_key`), so the passes never share an output."""
+    from pjray.eval.report import BlindPass
+
+    e = cfg.eval
+    report = evaluate_pass(cfg, generate)
+    if e.image != "as_is":
+        report.notes.append(f"eval.image={e.image}: {_image_note(e.bench, e.image)}")
+    for mode in e.blind:
+        blind = evaluate_pass(dataclasses.replace(cfg, eval=dataclasses.replace(e, image=mode)), generate)
+        report.blind[mode] = BlindPass(blind.tables, blind.outputs, blind.unparsed, blind.unparsed_examples)
+        report.notes.append(f"blind pass [{mode}] (eval.blind): {_image_note(e.bench, mode)}")
+    return report
+
+
+def evaluate_pass(cfg: Config, generate: Any):
+    """The report of `cfg.eval.bench` judged once, images shown as `cfg.eval.image`."""
     bench = cfg.eval.bench
     if bench in ("score", "pair", "batch"):
         from pjray.eval.judge_bench import evaluate_bench

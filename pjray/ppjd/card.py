@@ -4,8 +4,8 @@ and publishing it to the hub (`ppjd.push_to_hub`).
 The card's YAML header is what the hub and `datasets` read: the license, the size category, the
 `default` config (split `train` = `ppjd/*.parquet`, so `load_dataset(output_dir)` reads the PPJD
 rows and not the rejects) and `dataset_info` (features, split sizes), written with `datasets`'
-own card helpers. Its text says how the rows were built (source, backends, filters) and the
-counts per stage, all from the manifest.
+own card helpers. Its text says how the rows were built (source, backends, filters), the
+counts per stage and how well the text alone ranks the tuples, all from the manifest.
 """
 
 from __future__ import annotations
@@ -87,8 +87,44 @@ def _filters(cfg: dict[str, Any]) -> list[str]:
     ]
 
 
+def _rate(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def text_only_line(audit: dict[str, Any]) -> str:
+    """The text-only audit (`pjray.ppjd.shortcuts.audit`) in one line: the combined ranker against chance."""
+    return (f"correct-first {_rate(audit['correct_first'])} (chance {_rate(audit['chance_correct_first'])}), "
+            f"exact {_rate(audit['exact'])} (chance {_rate(audit['chance_exact'])}) over {audit['items']} tuples")
+
+
+# The card's names of the audited rankers (`pjray.ppjd.shortcuts.RANKERS`).
+_RANKER_NAMES = {"combined": "both rules", "consistency": "self-consistency", "odd_one_out": "odd one out"}
+
+
+def _text_only(audit: dict[str, Any]) -> list[str]:
+    """The section on the text-only ranker: its scores next to chance, and what they mean."""
+    by_rule = audit["by_rule"]
+    return [
+        "## Can the text alone rank these tuples?",
+        "",
+        "Two rules that never look at the image rank each tuple: an answer whose reasoning contradicts itself goes "
+        "last (self-consistency), and an answer whose stated facts differ from those all the others share goes "
+        "first (odd one out); ties count as broken at random.",
+        "",
+        "| ranker | correct first | exact ranking |",
+        "|---|---|---|",
+        *(f"| {name} | {_rate(by_rule[rule]['correct_first'])} | {_rate(by_rule[rule]['exact'])} |"
+          for rule, name in _RANKER_NAMES.items()),
+        f"| chance | {_rate(audit['chance_correct_first'])} | {_rate(audit['chance_exact'])} |",
+        "",
+        "The further these rankers are above chance, the more of the order a judge can learn from the text "
+        "without looking at the image.",
+    ]
+
+
 def card_text(manifest: dict[str, Any]) -> str:
-    """The card's body: what the rows are, how they were built, the counts, how to load them."""
+    """The card's body: what the rows are, how they were built, the counts, whether the text alone
+    ranks them, how to load them."""
     cfg, counts = manifest["config"], manifest["counts"]
     k = cfg["num_candidates"]
     lines = [
@@ -113,6 +149,8 @@ def card_text(manifest: dict[str, Any]) -> str:
         "| stage | in | rejected | out |",
         "|---|---|---|---|",
         *(f"| {stage} | {e['in']} | {e['rejected']} | {e['out']} |" for stage, e in manifest["stages"].items()),
+        "",
+        *_text_only(manifest["text_only_ranker"]),
         "",
         "## Fields",
         "",

@@ -16,6 +16,15 @@ Ranked levels for K candidates, best -> worst, each level adding one error to th
 (once a question has no perception fact left to change, further levels add reasoning errors),
 so the order is strict in the number of errors and each level's errors include the previous
 level's. K = 3 is the paper's chosen > perception-only > perception+reasoning tuple.
+
+That *nested* construction can be ranked from the text alone: the two wrong candidates state the
+same wrong fact, so the correct one is the odd one out, and the worst one contradicts itself.
+The *independent* construction (`independent_levels`) gives every wrong candidate its own
+decisive perception error with a different wrong value (K = 3: "red" correct, "blue" with its
+reasoning intact, "green" with a reasoning error), so no wrong fact or final answer is shared
+and only the image tells the best candidate from the other intact one. Level l >= 2 adds l - 1
+reasoning errors to its own perception error (then non-decisive perception errors, never a
+fact another level states), so the order stays strict in the number of errors.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from pjray.data.scenes import (
     LOCATIONS,
     SHAPES,
     SIZE_FRACTION,
+    SIZE_QUESTION,
     SIZES,
     SceneQA,
     Seen,
@@ -43,7 +53,7 @@ from pjray.data.scenes import (
     mentioned_attributes,
     object_ref,
     render,
-    sample_qa,
+    split_qas,
     true_view,
 )
 from pjray.types import JudgeItem
@@ -193,7 +203,7 @@ def probe_for(qa: SceneQA, change: Change) -> Probe:
     question = {
         "color": f"What color is the shape at the {o.location}?",
         "shape": f"What shape is at the {o.location}?",
-        "size": f"Is the shape at the {o.location} small or large?",
+        "size": f"Is the shape at the {o.location} {SIZE_QUESTION}?",
         "location": f"Where in the image is the {o.color} {o.shape}?",
     }[change.attribute]
     return Probe(question, change.original, change.obj, change.attribute)
@@ -511,6 +521,83 @@ def ranked_levels(qa: SceneQA, num_candidates: int, rng: random.Random) -> list[
     return levels
 
 
+CONSTRUCTIONS: tuple[str, ...] = ("nested", "independent")
+_TRIES = 64  # draws per level before the independent construction gives up on a question
+
+
+def independent_levels(qa: SceneQA, num_candidates: int, rng: random.Random) -> list[Perturbed]:
+    """Levels 0..K-1 (best -> worst) in which every wrong candidate has its own decisive
+    perception error with a different wrong value, no two candidates state the same wrong fact
+    or the same final answer, and level l has l errors (one perception error, then reasoning
+    errors, then further perception errors). Raises ValueError when the question cannot carry
+    K - 1 distinct wrong answers (a spatial or existence question has one; a size question two)."""
+    if num_candidates < 2:
+        raise ValueError(f"num_candidates must be >= 2, got {num_candidates}")
+    levels = [unperturbed(qa)]
+    finals = {normalize_answer(qa.final)}
+    stated: set[tuple[int, str, str]] = set()  # wrong facts some level states
+    for level in range(1, num_candidates):
+        for _ in range(_TRIES):
+            p = _independent_level(qa, level, stated, rng)
+            if p is not None and normalize_answer(p.final) not in finals:
+                break
+        else:
+            raise ValueError(
+                f"independent construction: a {qa.kind} question has no {num_candidates - 1} wrong answers that "
+                f"differ in fact and final answer ({qa.question!r})"
+            )
+        levels.append(p)
+        finals.add(normalize_answer(p.final))
+        stated |= {(c.obj, c.attribute, c.perturbed) for c in p.changes}
+    return levels
+
+
+def _independent_level(qa: SceneQA, level: int, stated: set[tuple[int, str, str]], rng: random.Random) -> Perturbed | None:
+    """One draw of a level with `level` errors whose perception facts are not in `stated`, or
+    None where this draw ran out of options."""
+
+    def fresh(p: Perturbed) -> list[tuple[Change, ...]]:
+        return [g for g in perception_options(p) if not any((c.obj, c.attribute, c.perturbed) in stated for c in g)]
+
+    p = unperturbed(qa)
+    options = fresh(p)
+    if not options:
+        return None
+    group = rng.choice(options)
+    p = _build(qa, _apply(p.view, group), (group,), ())
+    while p.error_count < level:
+        if _free_break_sites(p):
+            p = add_reasoning_error(p, rng)
+            continue
+        options = fresh(p)
+        if not options:
+            return None
+        group = rng.choice(options)
+        p = _build(qa, _apply(p.view, group), p.errors + (group,), p.breaks)
+    return p
+
+
+def construct_levels(qa: SceneQA, num_candidates: int, rng: random.Random, construction: str = "nested") -> list[Perturbed]:
+    """The ranked levels of `construction` (CONSTRUCTIONS): `ranked_levels` or `independent_levels`."""
+    if construction == "nested":
+        return ranked_levels(qa, num_candidates, rng)
+    if construction == "independent":
+        return independent_levels(qa, num_candidates, rng)
+    raise ValueError(f"unknown PPJD construction {construction!r}; expected one of {CONSTRUCTIONS}")
+
+
+def stated_view(qa: SceneQA, text: str) -> tuple[Seen, ...] | None:
+    """The view an answer to `qa` (in the scene answer format) states: its perception facts as
+    written, not what follows from them; None if the answer cannot be read."""
+    steps, _ = _split(text)
+    if len(steps) != len(qa.steps):
+        return None
+    try:
+        return _stated_view(qa, steps)[0]
+    except (ValueError, IndexError):
+        return None
+
+
 def item_id(qa: SceneQA) -> str:
     """Stable id from the scene seed, image size and question."""
     digest = hashlib.sha1(f"{qa.scene.width}:{qa.question}".encode()).hexdigest()[:8]
@@ -518,10 +605,12 @@ def item_id(qa: SceneQA) -> str:
 
 
 def ranked_item(
-    qa: SceneQA, num_candidates: int = 3, rng: random.Random | None = None, perception: bool = True
+    qa: SceneQA, num_candidates: int = 3, rng: random.Random | None = None, perception: bool = True,
+    construction: str = "nested",
 ) -> JudgeItem:
-    """A ranked PPJD item: chosen > perception-only > perception+reasoning (> more errors ...);
-    with `perception=False`, chosen > one reasoning error > two ... (`reasoning_only_levels`).
+    """A ranked PPJD item: chosen > perception-only > perception+reasoning (> more errors ...),
+    levels built by `construction` (`construct_levels`); with `perception=False`, chosen > one
+    reasoning error > two ... (`reasoning_only_levels`).
 
     Candidates are stored shuffled; `order` lists their indices best -> worst. `meta["levels"]`
     holds each level's perturbation record, best -> worst, with the candidate index it landed at.
@@ -529,7 +618,10 @@ def ranked_item(
     if rng is None:
         # Not seeded by K: the levels of a K-item are then those of the (K-1)-item plus one.
         rng = random.Random(f"pjray.ppjd.rank:{item_id(qa)}")
-    levels = (ranked_levels if perception else reasoning_only_levels)(qa, num_candidates, rng)
+    if perception:
+        levels = construct_levels(qa, num_candidates, rng, construction)
+    else:
+        levels = reasoning_only_levels(qa, num_candidates, rng)
     slots = list(range(num_candidates))
     rng.shuffle(slots)  # level l is stored at candidates[slots[l]]
     candidates = [""] * num_candidates
@@ -537,6 +629,7 @@ def ranked_item(
         candidates[slot] = level.text
     meta = {
         "kind": qa.kind,
+        "construction": construction if perception else "reasoning_only",
         "scene_seed": qa.scene.seed,
         "image_size": qa.scene.width,
         "objects": list(qa.scene.object_range),
@@ -562,11 +655,10 @@ def _scene_seed(seed: int, index: int) -> int:
 
 def scene_items(
     n: int, seed: int = 0, num_candidates: int = 3, image_size: int = 128, kinds: Sequence[str] = KINDS,
-    objects: Sequence[int] = (2, 5),
+    objects: Sequence[int] = (2, 5), split: str = "all", construction: str = "nested",
 ) -> list[JudgeItem]:
-    """`n` ranked scene items; question kinds cycle through `kinds` so they are balanced, and
-    each scene holds `objects` = (min, max) objects."""
-    return [
-        ranked_item(sample_qa(_scene_seed(seed, i), image_size, kinds[i % len(kinds)], *objects), num_candidates)
-        for i in range(n)
-    ]
+    """`n` ranked scene items; question kinds cycle through `kinds` so they are balanced, each
+    scene holds `objects` = (min, max) objects and lies in the content `split`
+    (`pjray.data.scenes.SPLITS`)."""
+    qas = split_qas(n, lambda i: _scene_seed(seed, i), split, image_size, kinds, objects)
+    return [ranked_item(qa, num_candidates, construction=construction) for qa in qas]

@@ -27,7 +27,8 @@ Output (`ppjd.output_dir`):
     ppjd/shard-XXXXX.parquet     PPJD rows (pjray.data.sources.PPJD_SCHEMA), `read_items` reads it
     rejects/shard-XXXXX.parquet  id, source, where, reject_stage, reject_reason, question
     stats/shard-XXXXX.json       per-shard counts and stage seconds
-    manifest.json                counts per stage, per-stage throughput, the config
+    manifest.json                counts per stage, per-stage throughput, the text-only ranker audit
+                                 (pjray.ppjd.shortcuts) of every written row, the config
     README.md                    the dataset card (pjray.ppjd.card): `datasets.load_dataset(output_dir)`
                                  or `load_dataset("parquet", data_dir=output_dir/ppjd)` reads the rows
 
@@ -47,7 +48,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pandas as pd
 import pyarrow as pa
@@ -57,8 +58,9 @@ from pjray.cluster import connect
 from pjray.config import Config, ConfigError, PPJDConfig, RayConfig, to_dict
 from pjray.data.sources import items_to_table
 from pjray.ppjd import llm as llm_prompts
-from pjray.ppjd.card import dataset_card, push_to_hub
+from pjray.ppjd.card import dataset_card, push_to_hub, text_only_line
 from pjray.ppjd.rejects import RejectRateError, RowDataError
+from pjray.ppjd.shortcuts import audit
 from pjray.ppjd.sources import RawRow, read_source
 from pjray.ppjd.verify import (
     EvalIndex,
@@ -217,15 +219,22 @@ def extract_rules(row: dict[str, Any]) -> str | None:
     return None
 
 
-def perturb_rules(row: dict[str, Any], num_candidates: int) -> str | None:
-    """Levels 0..K-1 from a rules rewriter: the scene rewriter for scene rows, else the lexicon one."""
+def perturb_rules(row: dict[str, Any], num_candidates: int, construction: str = "nested") -> str | None:
+    """Levels 0..K-1 from a rules rewriter: the scene rewriter for scene rows (levels built by
+    `construction`), else the lexicon one. A scene question that cannot carry the construction
+    (independent: K - 1 distinct wrong answers) is a reject with the reason."""
     if not row["scene"]:
         return perturb_lexicon(row, num_candidates)
-    from pjray.ppjd.perturb import probe_for, ranked_levels
+    from pjray.ppjd.perturb import construct_levels, probe_for
 
     qa = _scene_qa(row)
     # The same stream as `ranked_item`, so the pipeline and the in-process builder agree.
-    levels = ranked_levels(qa, num_candidates, random.Random(f"pjray.ppjd.rank:{row['id']}"))
+    try:
+        levels = construct_levels(qa, num_candidates, random.Random(f"pjray.ppjd.rank:{row['id']}"), construction)
+    except ValueError as e:
+        if construction == "nested":
+            raise  # every kind supports the nested levels (MAX_CANDIDATES): a failure is a bug
+        return str(e)
     row["levels"] = json.dumps([{"text": p.text, "record": p.to_json()} for p in levels])
     probes = []
     for level, p in enumerate(levels[1:], start=1):
@@ -366,7 +375,7 @@ class CpuStages:
         return _timed("extract", batch, each_live_row("extract", extract_rules))
 
     def perturb(self, batch: pd.DataFrame) -> pd.DataFrame:
-        return _timed("perturb", batch, each_live_row("perturb", lambda r: perturb_rules(r, self.cfg.num_candidates)))
+        return _timed("perturb", batch, each_live_row("perturb", lambda r: perturb_rules(r, self.cfg.num_candidates, self.cfg.construction)))
 
     def check(self, batch: pd.DataFrame) -> pd.DataFrame:
         return _timed("check", batch, each_live_row("check", check_finals))
@@ -638,7 +647,7 @@ def run_ppjd(cfg: Config | PPJDConfig, config_dict: dict[str, Any] | None = None
     _check_job(out, p)
 
     start = time.perf_counter()
-    rows = read_source(p.source, p.paths, p.num_items, p.seed, p.image_size, p.scene_kinds, p.scene_objects)
+    rows = read_source(p.source, p.paths, p.num_items, p.seed, p.image_size, p.scene_kinds, p.scene_objects, p.scene_split)
     shards = _shards(rows, p.shard_size)
     pending = [i for i in range(len(shards)) if not (out / "ppjd" / f"{shard_name(i)}.parquet").exists()]
     log.info("ppjd: %d rows in %d shards, %d to do, %d already written", len(rows), len(shards),
@@ -690,12 +699,22 @@ def build_manifest(
         "counts": {"read": read, "kept": kept, "rejected": sum(s["rejected"] for s in stats),
                    "rejected_by_stage": rejected_by_stage},
         "stages": per_stage,
+        "text_only_ranker": audit(written_texts(out)),
         "wall_seconds": round(wall, 3),
         "rows_per_s": round(processed / wall, 2) if processed and wall > 0 else None,  # this run, end to end
         "output": {"ppjd": str(out / "ppjd"), "rejects": str(out / "rejects"), "card": str(out / "README.md")},
         "config": config,
         "config_hash": hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12],
     }
+
+
+def written_texts(out: Path) -> Iterator[JudgeItem]:
+    """Every written PPJD row, this run's and earlier runs', read back without its image: the
+    text-only audit must not see it, and a shard's images are most of its bytes."""
+    for f in sorted((out / "ppjd").glob("shard-*.parquet")):
+        for r in pq.read_table(f, columns=["id", "question", "candidates", "order", "source", "meta"]).to_pylist():
+            yield JudgeItem(r["id"], b"", r["question"], tuple(r["candidates"]), tuple(r["order"]), r["source"],
+                            json.loads(r["meta"]))
 
 
 def summary(manifest: dict[str, Any]) -> str:
@@ -708,4 +727,5 @@ def summary(manifest: dict[str, Any]) -> str:
         rate = e.get("rows_per_s_per_worker")
         lines.append(f"  {stage:<9} in {e['in']:>6}  rejected {e['rejected']:>5}"
                      + (f"  {rate} rows/s/worker" if rate else ""))
+    lines.append(f"  text-only ranker: {text_only_line(manifest['text_only_ranker'])}")
     return "\n".join(lines)

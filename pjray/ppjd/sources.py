@@ -23,7 +23,7 @@ from typing import Any, Iterator, Sequence
 import pyarrow.parquet as pq
 
 from pjray.config import PathError
-from pjray.data.scenes import KINDS, sample_qa, scene_ref
+from pjray.data.scenes import KINDS, scene_ref, split_qas
 from pjray.ppjd.perturb import _scene_seed, item_id
 
 # The answer field names the released code maps (MMPR files disagree on the name).
@@ -54,13 +54,13 @@ class RawRow:
 
 
 def scene_rows(
-    num_items: int, seed: int, image_size: int, kinds: Sequence[str] = KINDS, objects: Sequence[int] = (2, 5)
+    num_items: int, seed: int, image_size: int, kinds: Sequence[str] = KINDS, objects: Sequence[int] = (2, 5),
+    split: str = "all",
 ) -> list[RawRow]:
     """The same scenes and questions as `pjray.ppjd.perturb.scene_items` (`kinds` cycle, each
-    scene holds `objects` = (min, max) objects)."""
+    scene holds `objects` = (min, max) objects and lies in the content `split`)."""
     rows = []
-    for i in range(num_items):
-        qa = sample_qa(_scene_seed(seed, i), image_size, kinds[i % len(kinds)], *objects)
+    for i, qa in enumerate(split_qas(num_items, lambda j: _scene_seed(seed, j), split, image_size, kinds, objects)):
         rows.append(
             RawRow(
                 id=item_id(qa), source="scenes", question=qa.question, chosen=qa.answer, answer=qa.final,
@@ -167,11 +167,11 @@ def file_rows(paths: Sequence[str | Path], source: str) -> list[RawRow]:
 
 def read_source(
     kind: str, paths: Sequence[str], num_items: int, seed: int, image_size: int, scene_kinds: Sequence[str] = KINDS,
-    scene_objects: Sequence[int] = (2, 5),
+    scene_objects: Sequence[int] = (2, 5), scene_split: str = "all",
 ) -> list[RawRow]:
     """All raw rows of the configured source, in a stable order (shards are cut from it)."""
     if kind == "scenes":
-        return scene_rows(num_items, seed, image_size, scene_kinds, scene_objects)
+        return scene_rows(num_items, seed, image_size, scene_kinds, scene_objects, scene_split)
     if kind == "mmpr":
         return [r for p in paths for r in mmpr_rows(p)]
     if kind in ("jsonl", "parquet"):

@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import ray
 import torch
@@ -64,7 +64,6 @@ FILLER = Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.
 
 # Training rows skipped as unusable, one JSON object a line, in the run directory.
 DATA_REJECTS = "data_rejects.jsonl"
-HELD_OUT_SCENES = 64  # the held-out check of a run from the base judge (Trainer.held_out_check)
 
 # Phases whose work runs in workers that time it themselves (Timed answers).
 COMPUTE_PHASES = ("gen", "reward", "ref", "old_log_prob", "update")
@@ -76,6 +75,9 @@ Generate = Callable[[list[JudgePrompt], int], list[str]]
 # The held-out evaluation run every eval.every_steps steps (pjray.eval.bias.training_eval):
 # (config, generate, step) -> metrics. Handed in, so the driver never imports the evaluation.
 EvalHook = Callable[[Config, Generate, int], dict[str, float]]
+# (base judge, trained judge, the run's training items) -> the held-out check's numbers
+# (pjray.eval.held_out.held_out_check, handed in by the CLI like the evaluation hook).
+HeldOutHook = Callable[[str, str, Sequence[JudgeItem]], dict[str, Any]]
 
 
 class Timer:
@@ -174,7 +176,7 @@ def load_items(cfg: Config) -> Rows[JudgeItem] | DatasetItems:
     out = Path(cfg.trainer.run_dir).resolve() / "data"
     ppjd = PPJDConfig(
         source="scenes", num_items=cfg.data.num_items, image_size=cfg.data.image_size, scene_kinds=cfg.data.scene_kinds,
-        scene_objects=cfg.data.scene_objects,
+        scene_objects=cfg.data.scene_objects, scene_split=cfg.data.scene_split, construction=cfg.data.construction,
         num_candidates=cfg.data.num_candidates, perturb_backend="rules", vqa_backend="oracle",
         output_dir=str(out), seed=cfg.data.seed,
     )
@@ -195,11 +197,12 @@ def mean(values: list[float]) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, evaluate: EvalHook | None = None):
+    def __init__(self, cfg: Config, evaluate: EvalHook | None = None, held_out: HeldOutHook | None = None):
         if cfg.eval.every_steps and evaluate is None:
             raise ConfigError("eval.every_steps: this trainer was given no evaluation hook (evaluate=)")
         self.cfg = cfg
         self.evaluate = evaluate
+        self.held_out = held_out
         self.run_dir = Path(cfg.trainer.run_dir).resolve()
         self.step = 0
         self.checkpointed_step = 0  # the step of the newest checkpoint, saved or resumed from
@@ -354,22 +357,18 @@ class Trainer:
             )
         if cfg.export_hf:
             self.export_hf()
-            if not self.cfg.model.path and self.cfg.model.init == "base_judge":
+            if self.held_out is not None and not self.cfg.model.path and self.cfg.model.init == "base_judge":
                 self.held_out_check()
 
     def held_out_check(self) -> None:
-        """The run's judge against the base judge it started from: greedy batch ranking of both on
-        the base judge report's held-out scenes (asserted disjoint from this run's training
-        scenes), written to held_out.json; `pjray train` prints it at the end. The same prompts
-        for both, so the difference is what the run learned, free of its reward curve's noise."""
-        from pjray.models.base_judge import BaseJudgeRecipe, held_out_ranking
-
-        recipe = BaseJudgeRecipe()
+        """The run's judge against the base judge it started from on scenes held out by content
+        from both judges' training items (`self.held_out`), written to held_out.json; `pjray
+        train` prints it at the end. The same prompts for both, so the difference is what the run
+        learned, free of its reward curve's noise."""
+        assert self.held_out is not None
         items = self.data.rows if isinstance(self.data, Rows) else []
-        seen = {int(it.meta["scene_seed"]) for it in items if "scene_seed" in it.meta}
-        judges = {"base": self.model_path, "trained": str(self.run_dir / "hf_model")}
-        result = {name: held_out_ranking(path, recipe, seen, HELD_OUT_SCENES) for name, path in judges.items()}
-        (self.run_dir / HELD_OUT).write_text(json.dumps({"held_out_scenes": HELD_OUT_SCENES, **result}, indent=2))
+        result = self.held_out(self.model_path, str(self.run_dir / "hf_model"), items)
+        (self.run_dir / HELD_OUT).write_text(json.dumps(result, indent=2))
         log.info("held-out check: %s", json.dumps(result))
 
     def loop(self) -> None:
@@ -693,9 +692,10 @@ class Trainer:
             self.placement.shutdown()  # every learner, rollout and reward actor
 
 
-def train(cfg: Config, evaluate: EvalHook | None = None) -> Path:
-    """Run a whole training job (with `evaluate` every eval.every_steps); returns the run directory."""
-    trainer = Trainer(cfg, evaluate)
+def train(cfg: Config, evaluate: EvalHook | None = None, held_out: HeldOutHook | None = None) -> Path:
+    """Run a whole training job (with `evaluate` every eval.every_steps, and `held_out` at the end
+    of a run from the base judge); returns the run directory."""
+    trainer = Trainer(cfg, evaluate, held_out)
     with trainer.stop:
         try:
             trainer.setup()

@@ -40,13 +40,18 @@ def test_run_summary_names_the_reward_run_dir_export_and_wandb_run(tmp_path):
     assert run_summary(tmp_path, 60.0)[1] == (
         "  reward 0.300 -> 1.000, format 0.575 -> 0.750 (mean of steps 1-5 -> 8-12, 12 steps logged)"
     )
-    stats = {"correct_first": 0.359, "reward": 0.458, "by_the_image": 0.0}
-    check = {"held_out_scenes": 64, "base": stats, "trained": {"correct_first": 0.688, "reward": 0.562, "by_the_image": 0.25}}
-    (tmp_path / "held_out.json").write_text(json.dumps(check))
-    assert run_summary(tmp_path, 60.0)[2] == (
-        "  held-out check (64 scenes, greedy, base judge -> this run): correct answer ranked first 36% -> 69%, "
-        "reward 0.458 -> 0.562, judged by the image 0% -> 25%"
-    )
+    def looks(fact: float, image: float, blind: float) -> dict[str, float]:
+        return {"items": 32, "fact_following": fact, "image_following": image, "blind_correct_first": blind}
+
+    base = {"correct_first": 0.359, "reward": 0.458, "looks": {"color": looks(0, 0, 0.31), "size": looks(0, 0, 0.5)}}
+    trained = {"correct_first": 0.688, "reward": 0.562, "looks": {"color": looks(0.16, 0.1, 0.41), "size": looks(0.95, 0.47, 0.45)}}
+    (tmp_path / "held_out.json").write_text(json.dumps({"held_out_scenes": 64, "base": base, "trained": trained}))
+    assert run_summary(tmp_path, 60.0)[2:5] == [
+        "  held-out check (64 scenes held out by content, greedy, base judge -> this run): correct answer ranked "
+        "first 36% -> 69%, reward 0.458 -> 0.562",
+        "    color (32): fact-following 0% -> 16%, image-following 0% -> 10%, correct first with a grey image 31% -> 41%",
+        "    size (32): fact-following 0% -> 95%, image-following 0% -> 47%, correct first with a grey image 50% -> 45%",
+    ]
     bare = tmp_path / "bare"
     bare.mkdir()
     assert run_summary(bare, 3) == [f"pjray: run finished in 3s: {bare}"]

@@ -78,7 +78,7 @@ def _judge(anchored: bool, probe_right: bool):
 def test_evaluate_modes_canned(anchored, probe_right, want):
     cfg = load(overrides=["eval.num_items=5", "eval.image_size=96", "eval.scene_seed=7", "eval.seeds=[0,1]"])
     generate, truths = _judge(anchored, probe_right)
-    for it in scene_items(5, seed=7, image_size=96):
+    for it in scene_items(5, seed=7, image_size=96, split=cfg.eval.scene_split):  # the items evaluate_modes builds
         d = diagnosis_item(it)
         for i, (_, answer) in enumerate(d.probes):
             truths[f"{d.id}:probe{i}"] = answer

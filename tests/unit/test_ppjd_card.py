@@ -13,8 +13,8 @@ from huggingface_hub import DatasetCard
 
 from pjray.config import ConfigError, PPJDConfig, load
 from pjray.data.sources import PPJD_FEATURES, write_items
-from pjray.ppjd.card import dataset_card, size_category
-from pjray.ppjd.pipeline import build_manifest, job_fingerprint
+from pjray.ppjd.card import card_text, dataset_card, size_category
+from pjray.ppjd.pipeline import build_manifest, job_fingerprint, summary
 from pjray.ppjd.perturb import scene_items
 
 
@@ -68,6 +68,24 @@ def test_the_card_text_says_how_the_rows_were_built_and_counts_each_stage(tmp_pa
     assert "| verify | 10 | 1 | 9 |" in text and "| vqa | 9 | 2 | 7 |" in text
     scenes = dataset_card(tmp_path, ppjd_output(tmp_path / "s", PPJDConfig())).text
     assert "256 synthetic scenes (96 px, 2-5 objects" in scenes and "no decontamination files" in scenes
+
+
+def test_the_manifest_card_and_summary_carry_the_text_only_audit_of_every_written_row(tmp_path):
+    manifest = ppjd_output(tmp_path, PPJDConfig())
+    ranker = manifest["text_only_ranker"]
+    # Both shards' rows, read back from the written files; nested tuples rank from the text alone.
+    assert ranker["items"] == manifest["counts"]["kept"] == 7
+    assert (ranker["correct_first"], ranker["exact"]) == (1.0, 1.0)
+    assert (ranker["chance_correct_first"], ranker["chance_exact"]) == (1 / 3, 1 / 6)
+    assert sum(k["items"] for k in ranker["by_kind"].values()) == 7
+    text = dataset_card(tmp_path, manifest).text
+    assert "## Can the text alone rank these tuples?" in text
+    assert "| both rules | 100.0% | 100.0% |" in text and "| chance | 33.3% | 16.7% |" in text
+    assert "| self-consistency | 50.0% | 50.0% |" in text and "| odd one out | 100.0% | 50.0% |" in text
+    assert ("text-only ranker: correct-first 100.0% (chance 33.3%), exact 100.0% (chance 16.7%) over 7 tuples"
+            in summary(manifest))
+    empty = build_manifest(tmp_path / "none", 0, 0, 0, 1.0, dataclasses.asdict(PPJDConfig()))
+    assert empty["text_only_ranker"]["items"] == 0 and "| both rules | n/a | n/a |" in card_text(empty)
 
 
 def test_size_categories_follow_the_hub_bounds():
