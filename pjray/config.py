@@ -265,8 +265,10 @@ class PPJDConfig:
     scene_objects: list[int] = field(default_factory=lambda: [2, 5])  # scenes: [min, max] objects per scene
     scene_split: str = "train"  # scenes: content split (train | held_out | all), as data.scene_split
     num_candidates: int = 3  # K: chosen + K-1 rejected levels, ordered by error count
-    # rules backend on scenes: nested | independent, as data.construction. A question that cannot
-    # carry the independent construction (spatial and existence: one wrong answer) is a reject.
+    # rules backend: nested | independent, as data.construction, for scene rows and free-text rows
+    # (the lexicon rewriter). Scene kinds that cannot carry the independent construction
+    # (spatial and existence: one wrong answer) fail the config; a free-text row that cannot (a
+    # two-valued final such as left/right, too few values for K) is a reject with the reason.
     construction: str = "nested"
     # rules: model-free rewriters (scene answers from scene facts, free text from a word lexicon)
     # | llm: the released three prompts

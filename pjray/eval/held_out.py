@@ -169,6 +169,24 @@ def looking_stats(engine: Any, items: Sequence[JudgeItem], batch: Sequence[Judge
     the perception-error candidate is right) and on its blind copy (a grey image), with the
     letters of `batch`, beside `texts` (its answers on the original prompts). Per question kind
     and pooled: `follows`'s rates and correct-first with the grey image."""
+    verdicts, blind_right = looking_verdicts(engine, items, batch, texts)
+    out: dict[str, dict[str, float]] = {}
+    for kind in ["pooled", *sorted({v.pair.kind for v in verdicts})]:
+        keep = [i for i, v in enumerate(verdicts) if kind in ("pooled", v.pair.kind)]
+        out[kind] = {
+            "items": len(keep),
+            **follows([verdicts[i] for i in keep]),
+            "blind_correct_first": _mean(blind_right[i] for i in keep),
+        }
+    return out
+
+
+def looking_verdicts(
+    engine: Any, items: Sequence[JudgeItem], batch: Sequence[JudgePrompt], texts: Sequence[str]
+) -> tuple[list[SwapVerdict], list[bool]]:
+    """Per item, what `looking_stats` summarises: the judge's top choices on the original and the
+    swapped image (`SwapVerdict`), and whether it ranks the correct answer first with a grey
+    image (for per-item statistics, e.g. a bootstrap over items)."""
     pairs = [swap_pair(item) for item in items]
     swapped = [render_batch(p.swapped, None, shown=prompt.shown) for p, prompt in zip(pairs, batch)]
     blind = [render_batch(replace(item, image=grey_image(item.image)), None, shown=prompt.shown) for item, prompt in zip(items, batch)]
@@ -177,15 +195,7 @@ def looking_stats(engine: Any, items: Sequence[JudgeItem], batch: Sequence[Judge
     verdicts = [SwapVerdict(p, (top_choice(t, b), top_choice(s, sp)))
                 for p, t, b, s, sp in zip(pairs, texts, batch, swapped_texts, swapped)]  # fmt: skip
     blind_right = [top_choice(t, b) == item.order[0] for t, b, item in zip(blind_texts, blind, items)]
-    out: dict[str, dict[str, float]] = {}
-    for kind in ["pooled", *sorted({p.kind for p in pairs})]:
-        keep = [i for i, p in enumerate(pairs) if kind in ("pooled", p.kind)]
-        out[kind] = {
-            "items": len(keep),
-            **follows([verdicts[i] for i in keep]),
-            "blind_correct_first": _mean(blind_right[i] for i in keep),
-        }
-    return out
+    return verdicts, blind_right
 
 
 def held_out_ranking(path: str, recipe: BaseJudgeRecipe, exclude: Sequence[JudgeItem] = (), n: int = 64) -> dict[str, Any]:
@@ -201,7 +211,7 @@ def held_out_ranking(path: str, recipe: BaseJudgeRecipe, exclude: Sequence[Judge
     return {**ranking_summary(items, batch, texts, 1), "looks": looking_stats(engine, items, batch, texts)}
 
 
-HELD_OUT_SCENES = 64  # the held-out check at the end of a run from the base judge
+HELD_OUT_SCENES = 128  # the held-out check at the end of a run from the base judge: 64 per question kind
 
 
 def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem]) -> dict[str, Any]:

@@ -26,6 +26,15 @@ same random stream.
 
 Ranked levels best -> worst, as for scenes (`pjray.ppjd.perturb`): 0 chosen | 1 P | 2 P+R |
 3 PP+R | 4 PPP+R ...; when no lexeme is left to change, a level adds a reasoning error instead.
+That *nested* construction shares the wrong fact of level 1 with every later level, so the text
+alone ranks it (`pjray.ppjd.shortcuts`). The *independent* one (`independent_rewrites`) gives each
+wrong level its own decisive perception error with a value no other level states (K = 3: "blue"
+correct, "red" with its reasoning intact, "green" with a reasoning error), on the same lexeme
+where it has the values, so no two candidates share a wrong fact, a final answer or the set of
+attribute words they state. Level l >= 2 then adds l - 1 errors: reasoning errors (at least one,
+level 2 is P+R), then perception errors stating no other level's wrong fact. An answer whose
+decisive words offer fewer than K - 1 wrong finals (a final "left" or "large", a letter with one
+other matching option), or that admits no reasoning error, cannot carry it and is rejected.
 
 Limits: these are word lists, not understanding. A lexicon word in another sense is edited as
 an attribute unless it is one of the listed collocations ("right angle", "square root", "is
@@ -43,14 +52,15 @@ can be negated.
 
 from __future__ import annotations
 
+import math
 import operator
 import random
 import re
 import string
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
-from pjray.ppjd.perturb import final_answer, normalize_answer
+from pjray.ppjd.perturb import CONSTRUCTIONS, final_answer, normalize_answer
 from pjray.ppjd.rejects import RowDataError
 
 CLASSES: tuple[str, ...] = ("colour", "count", "relation", "size", "shape", "text")
@@ -545,8 +555,9 @@ def _pick(options: list[Rewrite], rng: random.Random) -> Rewrite:
     return rng.choice([o for o in options if (o.changes[-1].cls, o.changes[-1].original) == lexeme])
 
 
-def perceptual_perturb(src: Source, rng: random.Random) -> Rewrite:
-    """The perception-only counterfactual: one decisive perception error, reasoning intact."""
+def decisive_options(src: Source, rng: random.Random) -> list[Rewrite]:
+    """The chosen answer with one decisive perception error, one per lexeme and value; raises
+    RowDataError when there is none."""
     if not find_mentions(src.chosen):
         raise RowDataError("no perception attribute words (colour, count, relation, size, shape or quoted text) "
                          "in the answer")
@@ -554,7 +565,12 @@ def perceptual_perturb(src: Source, rng: random.Random) -> Rewrite:
     if not options:
         raise RowDataError(f"no decisive perception error: no attribute word the answer mentions changes its "
                          f"final answer {final_answer(src.chosen)!r}")
-    return _pick(options, rng)
+    return options
+
+
+def perceptual_perturb(src: Source, rng: random.Random) -> Rewrite:
+    """The perception-only counterfactual: one decisive perception error, reasoning intact."""
+    return _pick(decisive_options(src, rng), rng)
 
 
 # --------------------------------------------------------------------------- reasoning errors
@@ -669,15 +685,26 @@ def reasoning_perturb(r: Rewrite, rng: random.Random) -> Rewrite:
 # --------------------------------------------------------------------------- ranked levels
 
 
-def ranked_rewrites(question: str, chosen: str, num_candidates: int, rng: random.Random) -> list[Rewrite]:
-    """Levels 0..K-1 (best -> worst): chosen | P | P+R | PP+R | ...; each adds one error to the one before."""
+def ranked_rewrites(question: str, chosen: str, num_candidates: int, rng: random.Random,
+                    construction: str = "nested") -> list[Rewrite]:
+    """Levels 0..K-1 (best -> worst) of `construction` (`CONSTRUCTIONS`): `nested_rewrites` or
+    `independent_rewrites`."""
     if num_candidates < 2:
         raise ValueError(f"num_candidates must be >= 2, got {num_candidates}")
+    if construction not in CONSTRUCTIONS:
+        raise ValueError(f"unknown PPJD construction {construction!r}; expected one of {CONSTRUCTIONS}")
     truth = final_answer(chosen)
     if truth is None:
         raise RowDataError("the chosen answer has no final answer (\\boxed{} or 'Final Answer:')")
     src = Source(question, chosen, truth)
-    levels = [Rewrite(chosen), perceptual_perturb(src, rng)]
+    if construction == "independent":
+        return independent_rewrites(src, num_candidates, rng)
+    return nested_rewrites(src, num_candidates, rng)
+
+
+def nested_rewrites(src: Source, num_candidates: int, rng: random.Random) -> list[Rewrite]:
+    """Levels 0..K-1 (best -> worst): chosen | P | P+R | PP+R | ...; each adds one error to the one before."""
+    levels = [Rewrite(src.chosen), perceptual_perturb(src, rng)]
     while len(levels) < num_candidates:
         last = levels[-1]
         options = perception_options(src, last, rng) if len(levels) > 2 else []  # level 2 is P+R
@@ -689,6 +716,108 @@ def ranked_rewrites(question: str, chosen: str, num_candidates: int, rng: random
             raise RowDataError(f"num_candidates={num_candidates}: this answer supports at most {len(levels)} "
                              f"ranked levels (no perception or reasoning error left to add)")
     return levels
+
+
+_TRIES = 64  # draws per level before the independent construction gives up on an answer
+
+
+def stated_lexemes(text: str) -> frozenset[tuple[str, str]]:
+    """The (class, value) attribute words a text states: what the text-only ranker compares
+    (`pjray.ppjd.shortcuts.stated_fact`)."""
+    return frozenset(lexemes(find_mentions(text)))
+
+
+def _wrong_facts(changes: Iterable[Change]) -> set[tuple[str, str]]:
+    """(class, value) of the wrong fact each change states."""
+    return {(c.cls, _key(c.cls, c.perturbed)) for c in changes}
+
+
+def _decided(r: Rewrite) -> tuple[str, str]:
+    """The lexeme whose change made `r`'s final wrong: its first change."""
+    c = r.changes[0]
+    return c.cls, _key(c.cls, c.original)
+
+
+def _wrong_finals(src: Source, options: list[Rewrite]) -> dict[tuple[str, str], float]:
+    """How many different wrong final answers each decisive lexeme offers; a misreading of quoted
+    text offers any number (each draw misreads it anew)."""
+    option_texts = {_fold(t) for t in choices(src.question).values()}
+    finals: dict[tuple[str, str], set[str]] = {}
+    unbounded = set()
+    for o in options:
+        finals.setdefault(_decided(o), set()).add(normalize_answer(o.final))
+        if o.changes[0].cls == "text" and _fold(o.changes[0].perturbed) not in option_texts:
+            unbounded.add(_decided(o))
+    return {x: math.inf if x in unbounded else len(f) for x, f in finals.items()}
+
+
+def independent_rewrites(src: Source, num_candidates: int, rng: random.Random) -> list[Rewrite]:
+    """Levels 0..K-1 (best -> worst) in which every wrong level has its own decisive perception
+    error, no two levels state the same wrong fact, final answer or set of attribute words, and
+    level l has l errors. Raises RowDataError (a ValueError) when the answer cannot carry it."""
+    levels = [Rewrite(src.chosen)]
+    for level in range(1, num_candidates):
+        for _ in range(_TRIES):
+            r = _independent_level(src, level, levels, num_candidates, rng)
+            if r is not None:
+                break
+        else:
+            raise RowDataError(_why_not_independent(src, level, num_candidates, rng))
+        levels.append(r)
+    return levels
+
+
+def _independent_level(src: Source, level: int, earlier: list[Rewrite], num_candidates: int,
+                       rng: random.Random) -> Rewrite | None:
+    """One draw of a level with `level` errors that states no wrong fact, final answer or set of
+    attribute words of an `earlier` level; None where this draw ran out of options."""
+    taken = _wrong_facts(c for r in earlier for c in r.changes)
+    finals = {normalize_answer(r.final) for r in earlier}
+    fresh = [o for o in decisive_options(src, rng)
+             if not _wrong_facts(o.changes) & taken and normalize_answer(o.final) not in finals]
+    # The lexeme the earlier levels changed, else one that has a wrong value for every level left:
+    # when all wrong levels misstate the same fact, no vote over the facts each candidate states
+    # finds the chosen answer as the one that agrees with the others on every fact.
+    used = {_decided(r) for r in earlier[1:]}
+    wide = {x for x, n in _wrong_finals(src, fresh).items() if n >= num_candidates - level}
+    pool = ([o for o in fresh if _decided(o) in used] or [o for o in fresh if _decided(o) in wide] or fresh)
+    if not pool:
+        return None
+    r = _pick(pool, rng)
+    while len(r.changes) + len(r.slips) < level:
+        if reasoning_sites(r) is not None:
+            r = reasoning_perturb(r, rng)
+            continue
+        if not r.slips:
+            return None  # a level past 1 is perception + reasoning, as in the nested tuple
+        more = [o for o in perception_options(src, r, rng) if not _wrong_facts(o.changes[-1:]) & taken]
+        if not more:
+            return None
+        r = _pick(more, rng)
+    # A later error can move the final (a second word of it) or drop a mention (a skipped step).
+    if normalize_answer(r.final) in finals or stated_lexemes(r.text) in {stated_lexemes(e.text) for e in earlier}:
+        return None
+    return r
+
+
+def _why_not_independent(src: Source, level: int, num_candidates: int, rng: random.Random) -> str:
+    """The reject reason when no draw of `level` worked: too few wrong finals, no reasoning error for
+    a level past 1, else too few errors without repeating another level's."""
+    options = decisive_options(src, rng)
+    wrong: dict[str, Change] = {}
+    for o in options:
+        wrong.setdefault(normalize_answer(o.final), o.changes[0])
+    if len(wrong) < num_candidates - 1 and math.isfinite(sum(_wrong_finals(src, options).values())):
+        found = ", ".join(f"{c.cls} {c.original!r} -> {c.perturbed!r}" for c in wrong.values())
+        return (f"independent construction: {num_candidates - 1} wrong candidates need as many different wrong "
+                f"final answers, and the attribute words that decide the final {src.truth!r} give {len(wrong)} "
+                f"({found})")
+    if level >= 2 and all(reasoning_sites(o) is None for o in options):
+        return (f"independent construction: level {level} is perception + reasoning, and no reasoning error fits "
+                f"this answer (no arithmetic step, comparative, 'is/are' conclusion or three steps to skip one of)")
+    return (f"independent construction: no draw of level {level} has its {level} errors (a decisive perception "
+            f"error, then reasoning errors, then perception errors) without a wrong fact, final answer or set of "
+            f"attribute words another level states")
 
 
 # --------------------------------------------------------------------------- probes

@@ -224,7 +224,7 @@ def perturb_rules(row: dict[str, Any], num_candidates: int, construction: str = 
     `construction`), else the lexicon one. A scene question that cannot carry the construction
     (independent: K - 1 distinct wrong answers) is a reject with the reason."""
     if not row["scene"]:
-        return perturb_lexicon(row, num_candidates)
+        return perturb_lexicon(row, num_candidates, construction)
     from pjray.ppjd.perturb import construct_levels, probe_for
 
     qa = _scene_qa(row)
@@ -246,12 +246,17 @@ def perturb_rules(row: dict[str, Any], num_candidates: int, construction: str = 
     return None
 
 
-def perturb_lexicon(row: dict[str, Any], num_candidates: int) -> str | None:
-    """Free-text levels 0..K-1 from the lexicon rewriter, with one probe per changed fact and level."""
+def perturb_lexicon(row: dict[str, Any], num_candidates: int, construction: str = "nested") -> str | None:
+    """Free-text levels 0..K-1 from the lexicon rewriter (levels built by `construction`), with one
+    probe per changed fact and level. An answer the rewriter cannot perturb, or that cannot carry
+    the construction (independent: K - 1 different wrong finals), is a reject with the reason."""
     from pjray.ppjd.lexicon import probe_question, ranked_rewrites
 
-    levels = ranked_rewrites(row["question"], row["chosen"], num_candidates,
-                             random.Random(f"pjray.ppjd.lexicon:{row['id']}"))
+    try:
+        levels = ranked_rewrites(row["question"], row["chosen"], num_candidates,
+                                 random.Random(f"pjray.ppjd.lexicon:{row['id']}"), construction)
+    except RowDataError as e:
+        return str(e)
     row["levels"] = json.dumps([{"text": r.text, "record": r.to_json()} for r in levels])
     probes = [
         {**ProbeRecord(level, probe_question(c), c.original, c.perturbed).to_json(), "class": c.cls}

@@ -170,6 +170,7 @@ def load_items(cfg: Config) -> Rows[JudgeItem] | DatasetItems:
         rows.check(cfg.data.max_reject_fraction)
         return rows
     from pjray.config import PPJDConfig
+    from pjray.ppjd.card import text_only_line
     from pjray.ppjd.pipeline import run_ppjd
 
     connect(cfg.ray)  # the job runs on the cluster of this training
@@ -181,7 +182,8 @@ def load_items(cfg: Config) -> Rows[JudgeItem] | DatasetItems:
         output_dir=str(out), seed=cfg.data.seed,
     )
     manifest = run_ppjd(ppjd)
-    log.info("PPJD scene data: %d kept of %d read in %s", manifest["counts"]["kept"], manifest["counts"]["read"], out)
+    log.info("PPJD scene data: %d kept of %d read in %s; the text alone ranks them (pjray.ppjd.shortcuts): %s",
+             manifest["counts"]["kept"], manifest["counts"]["read"], out, text_only_line(manifest["text_only_ranker"]))
     rows = scan_items(out / "ppjd", cfg.data.num_candidates)
     rows.check(cfg.data.max_reject_fraction)
     return rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import json
 import random
 import re
 
@@ -24,6 +25,8 @@ from pjray.ppjd.lexicon import (
     reasoning_perturb,
 )
 from pjray.ppjd.perturb import final_answer, normalize_answer
+from pjray.ppjd.pipeline import perturb_rules
+from pjray.ppjd.shortcuts import stated_fact, text_only_ranking
 
 CHART_Q = "Which bar in the chart is the tallest?"
 CHART = """The chart shows four bars. The blue bar on the left reaches 40, and the Blue label sits above it.
@@ -59,8 +62,8 @@ def word_diff(a: str, b: str) -> list[str]:
     return out
 
 
-def levels(question: str, chosen: str, k: int, seed: str = "s") -> list[Rewrite]:
-    return ranked_rewrites(question, chosen, k, random.Random(seed))
+def levels(question: str, chosen: str, k: int, seed: str = "s", construction: str = "nested") -> list[Rewrite]:
+    return ranked_rewrites(question, chosen, k, random.Random(seed), construction)
 
 
 def test_the_classes_are_disjoint_and_cover_the_lexicon():
@@ -248,3 +251,71 @@ def test_probe_questions_blank_the_fact_and_offer_both_values():
     assert "___" in change.context and "red" not in change.context.lower()
     assert q.index(min(change.original, change.perturbed)) < q.index(max(change.original, change.perturbed))
     assert "Which colour" in q
+
+
+# Fixtures with a conclusion a reasoning error can negate: level 2 of a K = 3 tuple is P+R.
+COUNT_SO = COUNT.replace("Counting the apples once more gives Three apples.", "So there are three apples on the plate.")
+SIGN_SO = ('The sign on the left is a large octagon. Its white letters read "STOP", so the word is "STOP".\n'
+           "Final Answer: STOP")
+INDEPENDENT = {"chart": (CHART_Q, CHART, 5), "mc": (MC_Q, MC, 4), "count": (COUNT_Q, COUNT_SO, 3),
+               "sign": (SIGN_Q, SIGN_SO, 5)}  # question, chosen, the most levels tested
+
+
+@pytest.mark.parametrize("name", sorted(INDEPENDENT))
+def test_independent_levels_state_their_own_wrong_fact_and_final(name):
+    question, chosen, most = INDEPENDENT[name]
+    for k in range(3, most + 1):
+        for seed in map(str, range(4)):
+            got = levels(question, chosen, k, seed, "independent")
+            texts = [r.text for r in got]
+            assert texts[0] == chosen and len(set(texts)) == k
+            assert [len(r.changes) + len(r.slips) for r in got] == list(range(k))
+            assert not got[1].slips and all(r.slips for r in got[2:])  # P, then P+R, ...
+            finals = [normalize_answer(r.final) for r in got]
+            assert len(set(finals)) == k  # every wrong final differs from the truth and the others
+            # Each wrong level changes the lexeme of the final (it has the values) to a value of its own,
+            decisive = [r.changes[0] for r in got[1:]]
+            assert len({(c.cls, c.original) for c in decisive}) == 1
+            assert len({c.perturbed.lower() for c in decisive}) == k - 1
+            # and the text says so: no two candidates state the same attribute words or wrong fact.
+            stated = [set(stated_fact(t, None)) for t in texts]
+            assert len({frozenset(x) for x in stated}) == k
+            wrong = [x - stated[0] for x in stated[1:]]
+            assert all(wrong) and all(not a & b for i, a in enumerate(wrong) for b in wrong[i + 1 :])
+            assert text_only_ranking(texts) == [list(range(k))]  # the text-only ranker ties them all
+
+
+def test_independent_levels_are_deterministic_by_seed():
+    def texts(seed: str) -> list[str]:
+        return [r.text for r in levels(CHART_Q, CHART, 4, seed, "independent")]
+
+    assert texts("x") == texts("x") and len({tuple(texts(str(s))) for s in range(6)}) > 1
+
+
+@pytest.mark.parametrize("chosen, reason", [
+    ("The cat sits on the left of the red sofa. The cat is on the left.\nFinal Answer: left",
+     "give 1 (relation 'left' -> 'right')"),
+    ("The ball is large and the box is small. So the ball is large.\nFinal Answer: large",
+     "give 1 (size 'large' -> 'small')"),
+])
+def test_two_valued_finals_cannot_carry_the_independent_construction(chosen, reason):
+    assert len(levels("Which one?", chosen, 3)) == 3  # the nested levels share the one wrong value
+    why = f"the attribute words that decide the final {final_answer(chosen)!r} {reason}"
+    with pytest.raises(ValueError, match=re.escape(f"2 wrong candidates need as many different wrong final answers, "
+                                                   f"and {why}")):
+        levels("Which one?", chosen, 3, construction="independent")
+    # The pipeline records the row as a reject with that reason.
+    row = {"id": "r1", "question": "Which one?", "chosen": chosen, "scene": "", "levels": "[]", "probes": "[]"}
+    assert why in perturb_rules(row, 3, "independent") and row["levels"] == "[]"
+    assert perturb_rules(row, 3, "nested") is None and len(json.loads(row["levels"])) == 3
+
+
+def test_the_independent_construction_names_what_a_row_lacks():
+    with pytest.raises(ValueError, match="level 2 is perception \\+ reasoning, and no reasoning error fits"):
+        levels(COUNT_Q, COUNT, 3, construction="independent")  # no conclusion, comparative or step to break
+    with pytest.raises(ValueError, match="4 wrong candidates need .* give 3 \\(colour 'red' -> "):
+        levels(MC_Q, MC, 5, construction="independent")  # three other options
+    with pytest.raises(ValueError, match="no decisive perception error"):
+        levels("Is the cat red?", "The cat is red.\nFinal Answer: Yes", 3, construction="independent")
+    with pytest.raises(ValueError, match="unknown PPJD construction 'mixed'"):
+        levels(CHART_Q, CHART, 3, construction="mixed")

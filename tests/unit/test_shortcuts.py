@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from fractions import Fraction
 
 import pytest
@@ -19,8 +20,9 @@ from pjray.ppjd.shortcuts import (
     rank,
     scene_qa,
     text_only_ranking,
+    text_signals,
 )
-from pjray.ppjd.sources import scene_rows
+from pjray.ppjd.sources import RawRow, scene_rows
 
 
 def one_object_tuples(construction: str) -> list:
@@ -110,3 +112,41 @@ def test_ppjd_rows_are_audited_from_their_scene_reference():
     assert report == audit(in_process)
     assert (report["items"], report["correct_first"], report["exact"]) == (30, 1.0, 1.0)
     assert sum(k["items"] for k in report["by_kind"].values()) == 30 and len(report["by_kind"]) == 5
+
+
+def free_text_rows(n: int, seed: int = 0) -> list[RawRow]:
+    """Answers about a few coloured shapes, every other one a colour question and a count question;
+    each ends in a conclusion a reasoning error can negate."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        shape = rng.choice(["circle", "square", "triangle", "star"])
+        a, b = rng.sample(["red", "blue", "green", "yellow", "purple", "orange"], 2)
+        if i % 2 == 0:
+            question, answer = f"What colour is the {shape} on the left?", a
+            chosen = (f"The image shows two {shape}s side by side.\nThe {shape} on the left is {a} and the one on the "
+                      f"right is {b}.\nSo the {shape} on the left is {a}.\nFinal Answer: {a}")
+        else:
+            many, few = rng.sample(range(3, 10), 2)
+            question, answer = f"How many {a} {shape}s are there?", str(many)
+            chosen = (f"The picture shows {many} {a} {shape}s and {few} {b} {shape}s.\nI count the {a} {shape}s one by "
+                      f"one.\nSo the number of {a} {shape}s is {many}.\nFinal Answer: \\boxed{{{many}}}")
+        rows.append(RawRow(f"text-{i}", "test", question, chosen, answer))
+    return rows
+
+
+@pytest.mark.parametrize("construction, correct_first", [("nested", 1.0), ("independent", 1 / 3)])
+def test_free_text_tuples_of_the_independent_construction_leave_the_text_only_ranker_at_chance(
+    construction, correct_first
+):
+    items = []
+    for row in _frame(0, free_text_rows(40)).to_dict("records"):
+        assert perturb_rules(row, 3, construction) is None
+        items.append(to_item(row, 3))
+    report = audit(items)
+    # Free text has no reasoning check, so only the odd one out can rank: it always fires on nested
+    # tuples (the two wrong candidates state one wrong value) and never on independent ones.
+    assert report["items"] == 40
+    assert report["correct_first"] == report["by_rule"]["odd_one_out"]["correct_first"] == correct_first
+    if construction == "independent":
+        assert all(text_signals(item.candidates).odd is None for item in items)
