@@ -44,12 +44,14 @@ Every run is the whole system of the default run: `pjray.rl.trainer.train` (Ray 
 DeepSpeed learner that generates with the weights it trains, reward pool, checkpoint, HF
 export). A finished run directory (the study's `hf_model/COMPLETE`, written after the export,
 and `study_run.json` naming the same base judge, by the hash of its weights, variant, seed and
-budget) is reused, so a study run in parts (--variants, --seeds) adds up; any other run
-directory is trained anew.
+budget) is reused, so a study run in parts (--variants, --seeds) adds up; a started run of the
+same key resumes from its checkpoint, if any; a run directory of another key is trained anew.
 
 Evaluation sets (fresh seeds: no committed result used them), all of one-object scenes of the
 **held-out content split** (`pjray.data.scenes.SPLITS`; asserted by content with
-`pjray.eval.held_out.assert_held_out` against the base judge's training items and every run's):
+`pjray.eval.held_out.assert_held_out` against the base judge's judging items and every run's;
+only the base judge's frozen perception front-end saw all content, as a pretrained vision encoder
+does: `BaseJudgeRecipe.vision_split`):
   - diagnosis: score protocol on the correct and the perceptually wrong answer, and the probe;
   - K=3 tuples of the independent construction (and their image swaps and grey-image copies);
   - K=3 tuples of the nested construction of the same scenes.
@@ -188,9 +190,10 @@ def seed_means(values: np.ndarray) -> list[float | None]:
 
 
 def seeds_improved(values: np.ndarray, base: np.ndarray, direction: int) -> int:
-    """How many seeds' means beat the base judge's mean over the same items in `direction`."""
-    base_mean = float(np.nanmean(base)) if not np.all(np.isnan(base)) else np.nan
-    return sum(m is not None and direction * (m - base_mean) > 0 for m in seed_means(values))
+    """How many seeds beat the base judge in `direction`: a mean paired change (over the items
+    defined for both) above 0."""
+    changes = seed_means(np.atleast_2d(values) - np.asarray(base)[None, :])
+    return sum(c is not None and direction * c > 0 for c in changes)
 
 
 def summarise(values: np.ndarray, base: np.ndarray | None, direction: int, reps: int) -> dict[str, Any]:
@@ -577,7 +580,8 @@ def markdown(results: dict[str, Any]) -> str:
     setup = results["setup"]
     lines = [
         "Percent of held-out items: mean [95% CI] over seeds and items (hierarchical bootstrap); for a trained "
-        "judge, Δ: its paired change from the base judge [95% CI], and how many of its seeds beat the base judge.",
+        "judge, Δ: its paired change from the base judge [95% CI], and how many of its seeds beat the base judge. "
+        "n: the (seed, item) values defined for the group's first metric (a score or probe answer can be unreadable).",
         "",
         "## Primary outcomes (declared before the run)",
         "",
@@ -603,7 +607,7 @@ def markdown(results: dict[str, Any]) -> str:
         if g == "diagnosis":
             for name, p in paper.items():
                 rows.append([f"paper, {name}", "-", _pct(p["error_rate"]), "-", _pct(p["mode_b_rate"]), "-", "-"])
-        lines += _table(["judge", "values"] + [LABELS[m] for m in metrics], rows)
+        lines += _table(["judge", "n"] + [LABELS[m] for m in metrics], rows)
     t = setup["seconds"]
     lines += [
         "## Runs and wall time",
@@ -643,10 +647,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_title(f"{LABELS[m]} ({TITLES[g].split(' (')[0].lower()})", fontsize=9)
         ax.set_ylabel("% of held-out items (95% CI, seeds and items)")
         ax.set_ylim(0, 100)
-    for name, p in results["setup"]["paper"].items():
-        axes[1].axhline(100 * p["error_rate"], ls=":", color="grey")
-        axes[1].annotate(f"paper {name}", (len(KINDS) - 0.5, 100 * p["error_rate"]), fontsize=7, color="grey")
+    for (name, p), style in zip(results["setup"]["paper"].items(), (":", "--")):
+        axes[1].axhline(100 * p["error_rate"], ls=style, color="black", lw=1, label=f"paper, {name} (all kinds)")
     axes[0].legend(fontsize=7)
+    axes[1].legend(fontsize=7, handles=axes[1].get_lines()[-2:], loc="upper right")
     fig.suptitle("Primary outcomes per question kind: base judge and GRPO variants (miniature)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -76,18 +76,23 @@ What did not work at this size (measured on held-out scenes, 2 cores):
 Scenes. The judging tasks use one-object scenes and colour and size questions (`objects`,
 `kinds`): every perception error stays verifiable from the facts, and perception is a whole-image
 readout, so the base judge sees well and what it lacks is what the paper's base judges lack:
-using what it sees.
+using what it sees. Three sizes (small, medium, large), so that a size question has two wrong
+answers that differ. The judging data is of the "train" content split (no held-out (shape,
+cell) combination, `pjray.data.scenes.SPLITS`) and its ranked tuples are of the independent
+construction (every wrong candidate its own wrong answer); the front-end sees all content, as a
+pretrained vision encoder would (trained on the train split alone it read shape 6% and size 54%
+right on held-out combinations).
 
-Measured (64 held-out scenes, greedy unless said; `held_out_report`, written to the build's
-`report.json`; 2,056 s to build on 2 cores with other jobs running part of the time, 0.74 s per
-supervised step when quiet): front-end accuracy 1.00 on colour, size, row and column, 0.996 on
-shape; probe accuracy on the judging questions 1.00 (colour and size; the attribute probes on
-shape and location are not trained: 0.00); on batch prompts the format is written on 100%
-greedily and 99.6% sampled at temperature 1, the correct answer is ranked first on 36% greedily
-(41% sampled), and the disposition is "by the image" on 0% greedily and 22% sampled. Sampled,
-judging by the image earns a mean reward of 0.567 against 0.452 by the text: the gap GRPO can
-follow. What limits it is the checks: sampled answers by the image check every candidate right
-on 60% of prompts; the rest misread a candidate.
+Measured (64 scenes of the held-out content split, greedy unless said; `pjray.eval.held_out.
+held_out_report`, written to the build's `report.json`; 2,952 s to build on 2 cores with other
+jobs running beside it): front-end accuracy 1.00 on colour, row and column, 0.98 on size, 0.71
+on shape; probe accuracy on the judging questions 1.00 (colour) and 0.97 (size); on batch
+prompts the format is written on 100% greedily and sampled at temperature 1, the correct answer
+is ranked first on 30% greedily (31% sampled), and the disposition is "by the image" on 0%
+greedily and 18% sampled. Sampled, judging by the image earns a mean reward of 0.391 against
+0.422 by the text: its checks are all right on only 30% of prompts (each candidate states
+another answer, and the check must copy all three). The earlier recipe (two sizes, nested
+tuples, no content split) checked 60% right and earned 0.567 by the image against 0.452.
 
 Every step is deterministic for a seed; the built judge is cached in a directory named by a
 hash of the recipe (`pjray.models.cache`), so a changed recipe builds anew.

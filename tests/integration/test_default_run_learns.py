@@ -65,11 +65,14 @@ def test_the_default_run_writes_the_format_from_step_1_learns_and_trains_the_tex
     first, last = (sum(r["reward/mean"] for r in part) / len(part) for part in (rows[:10], rows[-10:]))
     assert last > first, (first, last)  # the judge learns (the README gives the measured runs)
     assert "pjray: run finished in" in out and "reward " in out  # the summary says what was learned
-    # The held-out check: the same 64 held-out prompts, greedy, before and after the run.
+    # The held-out check: the same held-out prompts (held out by content), greedy, before and
+    # after the run, with the image-swap and grey-image checks per question kind.
     check = json.loads((run_dir / "held_out.json").read_text())
     assert check["trained"]["reward"] > check["base"]["reward"], check
     assert check["trained"]["correct_first"] > check["base"]["correct_first"], check
-    assert "held-out check (64 scenes" in out
+    assert set(check["trained"]["looks"]) == {"pooled", "color", "size"}, check
+    assert f"held-out check ({check['held_out_scenes']} scenes held out by content" in out
+    assert "color (64): fact-following" in out and "size (64): fact-following" in out
     # GRPO moved the text model; the perception front-end stayed frozen.
     base = load_file(build_base_judge(load(None, []), BaseJudgeRecipe(), log=lambda line: None) / "model.safetensors")
     trained = load_file(run_dir / "hf_model" / "model.safetensors")
