@@ -180,11 +180,15 @@ class JudgeRunner:
     def check_judge_takes_images(self) -> None:
         """Before any actor starts: a text-only judge shown an image would fail in every worker
         with a message naming data.images, a training key; the eval key is eval.image."""
-        from pjray.models.loading import is_text_only, load_processor
+        from pjray.models.loading import ModelError, is_text_only, load_processor
 
         e = self.cfg.eval
         if self.judge_takes_images is None:
-            self.judge_takes_images = not is_text_only(load_processor(e.judge))
+            try:
+                self.judge_takes_images = not is_text_only(load_processor(e.judge))
+            except (ModelError, OSError, ValueError):
+                return  # a checkpoint that does not load is reported by the judge actors' loading path
+
         if not self.judge_takes_images:
             raise ConfigError(
                 f"eval.image={e.image}, eval.blind={list(e.blind)}: the judge {e.judge} is text-only and the "

@@ -123,12 +123,13 @@ def test_an_error_in_a_ray_worker_is_its_own_line(ray_local):
 
 def test_an_error_in_an_actor_constructor_is_its_own_line(ray_local, tmp_path, capsys):
     """A judge directory without weights fails in the judge actor's constructor; the user sees
-    pjray's line about the checkpoint, not Ray's account of a dead actor."""
+    pjray's line about the checkpoint, not Ray's account of a dead actor. (Text-only, so judged
+    without images: with images the eval fails before any actor starts, naming eval.image.)"""
     judge = tmp_path / "judge"
     judge.mkdir()
     (judge / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     code = main(["eval", "--judge", str(judge), "--bench", "perceptual_bias", "--output-dir", str(tmp_path / "out"),
-                 "eval.num_items=2"])  # fmt: skip
+                 "eval.num_items=2", "eval.image=none"])  # fmt: skip
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and last.startswith(f"pjray: bad model: {judge}: cannot load the model: "), last
 
