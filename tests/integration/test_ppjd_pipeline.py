@@ -218,7 +218,7 @@ def test_killed_job_resumes_without_duplicates(local_ray, tmp_path):
     rejected = [r["id"] for r in rejects(out)]
     assert len(ids) == len(set(ids)) == manifest["counts"]["kept"]
     assert len(rejected) == len(set(rejected)) == manifest["counts"]["rejected"]
-    assert sorted(ids + rejected) == sorted(r.id for r in scene_rows(240, 0, 256))
+    assert sorted(ids + rejected) == sorted(r.id for r in scene_rows(240, 0, 256, split=cfg.scene_split))
 
 
 def test_train_builds_scene_data_with_the_pipeline(local_ray, tmp_path):
