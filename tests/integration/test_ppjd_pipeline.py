@@ -378,7 +378,7 @@ def test_decontamination_drops_eval_images_and_questions(local_ray, tmp_path):
     from pjray.data.scenes import render
     from pjray.ppjd.verify import normalize_question
 
-    rows = scene_rows(10, 0, 96)
+    rows = scene_rows(10, 0, 96, split=PPJDConfig().scene_split)  # the job's rows
     qa0 = _qa_of(rows[0].scene)
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "img.png").write_bytes(render(qa0.scene))
