@@ -22,7 +22,7 @@ order on both constructions, image-following, same top choice under both images,
 correct-first with a grey image, the probe accuracy, and the teacher-forced probability of the
 "by the image" disposition on score prompts.
 
-Judges: the base judge (`pjray.models.base_judge`, built once and cached) and the base judge
+Judges: the base judge (`pjray.models.base_judge`, the one pjray ships) and the base judge
 after GRPO at the default run's budget (configs/demo.yaml: its steps, prompts per step, group
 size, training items and learning rate), each variant with 5 seeds (`trainer.seed`; the same
 training data, `data.seed=0`):
@@ -93,7 +93,8 @@ from pjray.data.sources import read_items, write_items
 from pjray.eval.bias import DiagnosisItem, diagnose, diagnosis_item, item_prompts
 from pjray.eval.held_out import assert_held_out, looking_verdicts, training_items
 from pjray.eval.swap import follows, swap_pair
-from pjray.models.base_judge import BaseJudgeRecipe, build_base_judge, cache_root, disposition
+from pjray.models.base_judge import BaseJudgeRecipe, disposition
+from pjray.recipes.base_judge import SHIPPED, base_judge, cache_root, recipe_hash
 from pjray.ppjd.perturb import _scene_seed, ranked_item, scene_items
 from pjray.ppjd.shortcuts import audit
 from pjray.reward import judge_reward
@@ -444,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
 
     recipe = BaseJudgeRecipe()
     t0 = time.perf_counter()
-    judge = build_base_judge(load(None, []), recipe)
-    base_id = {"recipe_hash": judge.parent.name, "weights_sha256": weights_digest(judge)}
+    judge = base_judge(load(None, []), recipe)
+    base_id = {"weights_sha256": weights_digest(judge)}  # the weights decide the judge
     timing["base_judge"] = time.perf_counter() - t0
     print(f"base judge: {judge} ({timing['base_judge']:.0f}s)", flush=True)
 
@@ -493,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
     timing["wall"] = time.perf_counter() - started
     results["setup"] = {
         "budget": dataclasses.asdict(budget), "variants": variants, "recipe": recipe.to_dict(),
-        "base_judge": f"<pjray cache>/{judge.relative_to(cache_root())}", "base_judge_id": base_id,  # no machine paths
+        # No machine paths: the shipped judge, or the cache's.
+        "base_judge": "pjray/assets/base_judge" if judge.is_relative_to(SHIPPED) else f"<pjray cache>/{judge.relative_to(cache_root())}",
+        "base_judge_id": {**base_id, "recipe_hash": recipe_hash(recipe)},
         "eval_seeds": {"diagnosis": EVAL_DIAGNOSIS_SEED, "tuples": EVAL_TUPLE_SEED, "letters": EVAL_LETTERS_SEED},
         "eval_items": {"diagnosis": len(sets.diag), **{c: len(v) for c, v in sets.tuples.items()}},
         "held_out_check": held_out, "seconds": timing, "paper": PAPER,

@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 
-from pjray.config import load
+from pjray.config import ConfigError, load
 from pjray.console import VERBOSE_ENV, quiet_stack, run_summary
 from pjray.errors import explain
 from pjray.inputs import check_inputs
@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.group_size=8")
     sft = add("sft", "supervised fine-tuning of a judge (no model.path: build the base judge)")
     sft.add_argument("--config", help="YAML file merged onto the defaults")
+    sft.add_argument("--ship", action="store_true",
+                     help="with no model.path: copy the built base judge over the one pjray ships (pjray/assets/base_judge)")
     sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.steps=200 model.path=DIR")
     ppjd = add("ppjd", "build the PPJD dataset with Ray Data")
     ppjd.add_argument("--config", help="YAML file merged onto the defaults, e.g. configs/ppjd_scenes.yaml")
@@ -125,13 +127,19 @@ def run_command(args: argparse.Namespace) -> int:
         print("\n".join(run_summary(run_dir, time.perf_counter() - start)))
     elif args.command == "sft":
         if cfg.model.path:
+            if args.ship:
+                raise ConfigError("--ship copies the base judge's build; it takes no model.path")
             from pjray.rl.sft import run_sft
 
             export = run_sft(cfg, cfg.model.path)
         else:
-            from pjray.models.base_judge import BaseJudgeRecipe, build_base_judge
+            from pjray.models.base_judge import BaseJudgeRecipe
+            from pjray.recipes.base_judge import SHIPPED, build_base_judge, ship
 
-            export = build_base_judge(cfg, BaseJudgeRecipe())
+            export = build_base_judge(cfg, BaseJudgeRecipe())  # into the cache, whatever is shipped
+            if args.ship:
+                record = ship(export.parent)
+                print(f"pjray: shipped {record['recipe_hash']} into {SHIPPED}; commit it")
         print(f"pjray: sft finished: {export}")
     elif args.command == "ppjd":
         from pjray.ppjd.pipeline import run_ppjd, summary

@@ -93,22 +93,18 @@ Sampled, judging by the image earns a mean reward of 0.566 against 0.420 by the 
 GRPO can follow; its checks are all right on 86% of prompts (held-out nested tuples, where the
 correct answer is also the odd one out).
 
-Every step is deterministic for a seed; the built judge is cached in a directory named by a
-hash of the recipe (`pjray.models.cache`), so a changed recipe builds anew.
+Every step is deterministic for a seed. The built judge ships with pjray, and a build is cached
+in a directory named by a hash of the recipe, so a changed recipe builds anew
+(`pjray.recipes.base_judge`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import os
 import random
-import shutil
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from functools import partial
 from typing import Any
 
@@ -455,105 +451,3 @@ def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: An
         pixels, grid, targets = batch(held_out)
         out = logits(pixels, grid)
     return {name: float((out[i].argmax(-1) == targets[:, i]).float().mean()) for i, (name, _) in enumerate(AUX_TARGETS)}
-
-
-# --------------------------------------------------------------------------- the cached build
-
-
-# The modules whose code decides the training data of a build (scenes, prompts, targets): their
-# syntax trees are hashed. Changes elsewhere that alter what a build produces (the tiny model
-# builders, the SFT loop, the learner's loss) bump RECIPE_VERSION instead.
-RECIPE_MODULES = ("pjray.models.base_judge", "pjray.data.scenes", "pjray.data.prompts", "pjray.ppjd.perturb")
-RECIPE_VERSION = 3
-
-
-def code_fingerprint(module: str) -> str:
-    """A hash of a module's syntax tree without docstrings: edits to comments and docs keep it."""
-    import ast
-    import importlib.util
-
-    spec = importlib.util.find_spec(module)
-    assert spec is not None and spec.origin is not None, module
-    tree = ast.parse(Path(spec.origin).read_text())
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(body, list) and body and _is_docstring(body[0]):
-            node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
-
-
-def _is_docstring(node: Any) -> bool:
-    import ast
-
-    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
-
-
-def recipe_hash(recipe: BaseJudgeRecipe) -> str:
-    """Names the cache directory: the recipe's fields, RECIPE_VERSION and the code of
-    `RECIPE_MODULES`."""
-    code = {m: code_fingerprint(m) for m in RECIPE_MODULES}
-    payload = json.dumps({"recipe": recipe.to_dict(), "version": RECIPE_VERSION, "code": code}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-
-def cache_root() -> Path:
-    """`$PJRAY_CACHE`, else `$XDG_CACHE_HOME/pjray`, else `~/.cache/pjray`."""
-    if os.environ.get("PJRAY_CACHE"):
-        return Path(os.environ["PJRAY_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pjray"
-
-
-def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, log: Any = print) -> Path:
-    """The base judge of `recipe`: from the cache, or built into it (perception front-end in this
-    process, then `pjray sft` on the learner), with `report.json` (probe accuracies) beside it.
-
-    `cfg` supplies the Ray settings of the SFT stage.
-    """
-    from pjray.config import SFTConfig
-    from pjray.eval.held_out import held_out_report
-    from pjray.models.loading import load_judge
-    from pjray.rl.sft import run_sft
-
-    target = cache_root() / "base_judge" / recipe_hash(recipe)
-    if (target / "hf_model" / "COMPLETE").exists():
-        return target / "hf_model"
-    started = time.perf_counter()
-    log(f"pjray: building the base judge once into {target} (about 25 min on 2 cores; then cached)")
-    work = target.with_name(target.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    (work / "untrained").mkdir(parents=True)
-    build_untrained(str(work / "untrained"), recipe)
-    model, processor = load_judge(work / "untrained")
-    vision = pretrain_vision(model, processor, recipe, log=log)
-    model.save_pretrained(work / "untrained")
-    del model
-    log(f"pjray: perception front-end trained in {time.perf_counter() - started:.0f}s; held-out cell accuracy {vision}")
-
-    sft_cfg = dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(cfg.model, path=str(work / "untrained"), freeze_vision=True, dtype="float32"),
-        sft=SFTConfig(
-            source="base_judge", num_scenes=recipe.sft_scenes, steps=recipe.sft_steps,
-            batch_size=recipe.sft_batch, lr=recipe.sft_lr,
-        ),
-        # One rank with two CPUs: Ray then gives its torch two threads (a 1.5x faster step).
-        learner=dataclasses.replace(
-            cfg.learner, num_ranks=1, num_cpus_per_rank=2, zero_stage=0, bf16=False, micro_batch_size=recipe.sft_micro_batch
-        ),
-        trainer=dataclasses.replace(cfg.trainer, run_dir=str(work / "sft"), seed=recipe.seed),
-        tracking=dataclasses.replace(cfg.tracking, wandb=False),  # a cached artefact: metrics.jsonl only
-    )  # fmt: skip
-    export = run_sft(sft_cfg, str(work / "untrained"), sft_examples(recipe, recipe.sft_scenes, recipe.seed))
-    held_out = held_out_report(str(export), recipe, temperature=cfg.rollout.temperature)
-    log(f"pjray: base judge on held-out scenes: {json.dumps(held_out)}")
-    report = {
-        "recipe": recipe.to_dict(), "vision_cell_accuracy": vision, **held_out,
-        "build_seconds": time.perf_counter() - started,
-    }  # fmt: skip
-    (work / "report.json").write_text(json.dumps(report, indent=2))
-    shutil.move(str(export), str(work / "hf_model"))
-    (work / "hf_model" / "COMPLETE").touch()
-    shutil.rmtree(target, ignore_errors=True)
-    work.rename(target)
-    log(f"pjray: base judge built in {time.perf_counter() - started:.0f}s: {target / 'hf_model'}")
-    return target / "hf_model"

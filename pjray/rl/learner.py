@@ -47,6 +47,7 @@ from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
 from pjray.console import quiet_actor_warnings
 from pjray.models.loading import continued_positions, load_judge, mm_token_type_ids, processor_inputs, prompt_positions
 from pjray.models.lora import apply_lora, base_model
+from pjray.rl.ds_ops import prepare_ops
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, sft_loss, token_logprobs
 from pjray.rl.placement import split_evenly
 from pjray.rl.rollout import HFEngine
@@ -477,6 +478,7 @@ class LearnerRank(WeightSender):
             self.device = torch.device("cuda", 0)
         else:
             self.device = torch.device("cpu")
+        prepare_ops()  # DeepSpeed's JIT-built op: this environment's directory, no stale lock
         deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
 
         self.zero3 = learner_cfg.zero_stage == 3

@@ -288,14 +288,14 @@ class Trainer:
         )
 
     def resolve_model(self) -> str:
-        """The judge's path; with none configured, the cached base judge (built on first use)
-        or a tiny random judge built in the run dir, as `model.init` says."""
+        """The judge's path; with none configured, the base judge (shipped, else cached, else
+        built) or a tiny random judge built in the run dir, as `model.init` says."""
         if self.cfg.model.path:
             return self.cfg.model.path
         if self.cfg.model.init == "base_judge":
-            from pjray.models.base_judge import BaseJudgeRecipe, build_base_judge
+            from pjray.recipes.base_judge import base_judge
 
-            return str(build_base_judge(self.cfg, BaseJudgeRecipe()))
+            return str(base_judge(self.cfg))
         from pjray.models.tiny import build_tiny_judge
 
         target = self.run_dir / "base_model"

@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 
 from pjray.config import ModelConfig, RolloutConfig, load
 from pjray.data.prompts import render_batch
-from pjray.models.base_judge import BaseJudgeRecipe, build_base_judge, judge_scenes
+from pjray.models.base_judge import BaseJudgeRecipe, judge_scenes
+from pjray.recipes.base_judge import build_base_judge
 from pjray.rl.rollout import HFEngine
 
 pytestmark = pytest.mark.slow

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from pjray.config import load
-from pjray.models.base_judge import BaseJudgeRecipe, build_base_judge
+from pjray.recipes.base_judge import base_judge
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ def default_run(tmp_path_factory) -> tuple[Path, str]:
 
 
 def test_the_base_judge_perceives_and_writes_the_format_on_held_out_scenes(default_run):
-    judge = build_base_judge(load(None, []), BaseJudgeRecipe(), log=lambda line: None)  # from the cache
+    judge = base_judge(load(None, []), log=lambda line: None)  # the one the run started from
     report = json.loads((judge.parent / "report.json").read_text())
     greedy, sampled = report["batch_ranking"]["greedy"], report["batch_ranking"]["sampled"]
     assert greedy["format"] >= 0.9 and sampled["format"] >= 0.9, report
@@ -74,7 +74,7 @@ def test_the_default_run_writes_the_format_from_step_1_learns_and_trains_the_tex
     assert f"held-out check ({check['held_out_scenes']} scenes held out by content" in out
     assert "color (64): fact-following" in out and "size (64): fact-following" in out
     # GRPO moved the text model; the perception front-end stayed frozen.
-    base = load_file(build_base_judge(load(None, []), BaseJudgeRecipe(), log=lambda line: None) / "model.safetensors")
+    base = load_file(base_judge(load(None, []), log=lambda line: None) / "model.safetensors")
     trained = load_file(run_dir / "hf_model" / "model.safetensors")
     assert trained.keys() == base.keys()
     changed = {k for k in base if not torch.equal(base[k], trained[k])}

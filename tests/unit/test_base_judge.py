@@ -13,18 +13,17 @@ from pjray.models.base_judge import (
     SCORE_CONSISTENT,
     SCORE_MISMATCH,
     BaseJudgeRecipe,
-    code_fingerprint,
     disposition,
     disposition_keep_rate,
     judge_scenes,
     object_targets,
     ranking_target,
-    recipe_hash,
     score_target,
     sft_examples,
     training_scene_seeds,
 )
 from pjray.ppjd.perturb import final_answer, ranked_item
+from pjray.recipes.base_judge import code_fingerprint, recipe_hash
 from pjray.reward import judge_reward
 from pjray.reward.parse import parse_score
 

@@ -1,5 +1,6 @@
 """Where responsibilities live: one module connects to Ray, the driver does not import the
-evaluation, the learner file holds no weight transport, one chunking helper, one EOS constant."""
+evaluation, the models do not import the trainer, the learner file holds no weight transport, one
+chunking helper, one EOS constant."""
 
 from __future__ import annotations
 
@@ -32,6 +33,14 @@ def test_the_driver_does_not_import_the_evaluation():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     assert not re.search(r"^\s*(from|import) pjray\.eval", (PACKAGE / "rl" / "trainer.py").read_text(), re.M)
+
+
+def test_the_models_do_not_run_the_trainer():
+    """A recipe that runs training (pjray.recipes) sits above the models and the trainer: no
+    module of pjray.models imports pjray.rl, so no cycle models -> sft -> models."""
+    importers = [name for name, text in _sources().items()
+                 if name.startswith("pjray/models/") and re.search(r"^\s*(from|import) pjray\.(rl|recipes)\b", text, re.M)]
+    assert importers == []
 
 
 def test_weight_transports_live_beside_sync():
