@@ -9,12 +9,13 @@ not set.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
 
 from pjray.config import RayConfig
-from pjray.console import ACTOR_WARNING_FILTERS, verbose
+from pjray.console import ACTOR_WARNING_FILTERS, NO_PROGRESS_BARS_ENV, verbose
 
 __all__ = ["actor_env", "connect", "job_env_vars"]
 
@@ -31,7 +32,9 @@ def connect(ray_cfg: RayConfig) -> None:
     # ray.init replaces the SIGTERM handler with sys.exit; keep a handler the caller installed
     # (pjray.signals: `ray job stop` stops a training at a checkpoint).
     sigterm = signal.getsignal(signal.SIGTERM)
-    ray.init(address=address, runtime_env={"env_vars": actor_env()}, log_to_driver=True, **kwargs)
+    # Ray's own INFO lines (the local instance and its dashboard address) only with --verbose.
+    level = logging.INFO if verbose() else logging.WARNING
+    ray.init(address=address, runtime_env={"env_vars": actor_env()}, log_to_driver=True, logging_level=level, **kwargs)
     if callable(sigterm) and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, sigterm)
 
@@ -47,6 +50,7 @@ def actor_env() -> dict[str, str]:
     }
     if not verbose():
         defaults["PYTHONWARNINGS"] = ACTOR_WARNING_FILTERS
+        defaults[NO_PROGRESS_BARS_ENV] = "1"
     # Under `ray job submit` the job's runtime env already reaches every actor, and ray.init
     # refuses a driver env that names one of its variables again: leave those to the job.
     job_vars = job_env_vars()

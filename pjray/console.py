@@ -3,17 +3,22 @@ the notices of the stack below that a user can do nothing about (`--verbose` kee
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import os
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 # Set by `--verbose`; read here and by pjray.cluster.actor_env, so actors keep their warnings too.
 VERBOSE_ENV = "PJRAY_VERBOSE"
+# huggingface_hub's switch for its progress bars, which transformers' follow (model loads, shard writes).
+NO_PROGRESS_BARS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"
 
 # Warnings the actors print on every run, about choices pjray made on purpose: weight buckets
 # are sent zero-copy and only ever copied by receivers (pjray.rl.sync). PYTHONWARNINGS syntax:
@@ -48,11 +53,13 @@ class _DropNotice(logging.Filter):
 def quiet_stack() -> None:
     """Silence the driver-side notices (`--verbose` leaves them): Ray's note that a local
     cluster uses token authentication (its default; the warning that auth is *disabled* stays),
-    Ray Data's operator-name truncation warning, and, when the console is not a terminal, the
-    colours of the actors' log prefixes and `datasets`' progress bars (preparing and reading a
-    dataset). Actor warnings: pjray.cluster.actor_env."""
+    Ray Data's operator-name truncation warning, transformers' per-load progress bars (also in
+    the actors: pjray.cluster.actor_env), and, when the console is not a terminal, the colours of
+    the actors' log prefixes and `datasets`' progress bars (preparing and reading a dataset).
+    Ray's and Ray Data's INFO lines: pjray.cluster.connect and `quiet_ray_data`."""
     if verbose():
         return
+    os.environ.setdefault(NO_PROGRESS_BARS_ENV, "1")  # read by huggingface_hub and transformers on import
     if not sys.stderr.isatty():
         import datasets
 
@@ -62,6 +69,32 @@ def quiet_stack() -> None:
         _DropNotice("Token authentication is enabled")
     )
     logging.getLogger("ray.data._internal.progress.utils").addFilter(_DropNotice("Truncating long operator name"))
+
+
+@contextlib.contextmanager
+def quiet_prints() -> Iterator[None]:
+    """Drops what a library call prints to stdout (not its warnings, logs or errors), unless
+    `--verbose`: DeepSpeed prints that its shared-memory op was "built successfully" at every
+    learner start, whether it built or only loaded it."""
+    if verbose():
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield
+
+
+def quiet_ray_data() -> None:
+    """Ray Data's INFO lines (execution plans, progress blocks) stay in the session's
+    ray-data.log, off the console, unless `--verbose`; pjray logs its own progress lines.
+    Call after `import ray.data` (which sets up its console handler)."""
+    if verbose():
+        return
+    from ray.data import DataContext
+
+    DataContext.get_current().enable_progress_bars = False
+    for handler in logging.getLogger("ray.data").handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.setLevel(logging.WARNING)
 
 
 def duration(seconds: float) -> str:

@@ -56,6 +56,7 @@ import pyarrow.parquet as pq
 
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, PPJDConfig, RayConfig, to_dict
+from pjray.console import quiet_ray_data
 from pjray.data.sources import items_to_table
 from pjray.ppjd import llm as llm_prompts
 from pjray.ppjd.card import dataset_card, push_to_hub, text_only_line
@@ -594,8 +595,9 @@ def _shards(rows: list[RawRow], size: int) -> list[list[RawRow]]:
 
 def build_dataset(frames: list[pd.DataFrame], cfg: PPJDConfig, eval_index: EvalIndex):
     """The lazy Ray Dataset of the whole job over `frames` (one pandas frame per pending shard)."""
-    import ray
+    import ray.data
 
+    quiet_ray_data()
     stages = CpuStages(cfg, eval_index)
     common = {"batch_format": "pandas", "batch_size": None}
     actor = {
@@ -661,10 +663,14 @@ def run_ppjd(cfg: Config | PPJDConfig, config_dict: dict[str, Any] | None = None
     if pending:
         connect(cfg.ray if isinstance(cfg, Config) else RayConfig())
         ds = build_dataset([_frame(i, shards[i]) for i in pending], p, eval_index)
+        todo, rows_done, started = sum(len(shards[i]) for i in pending), 0, time.perf_counter()
         for done, row in enumerate(ds.iter_rows(), start=1):
             stats = json.loads(row["stats"])
-            log.info("ppjd: %s written (%d kept, %d rejected) [%d/%d]", shard_name(stats["shard"]),
-                     stats["kept"], stats["rejected"], done, len(pending))
+            rows_done += stats["read"]
+            rate = rows_done / max(time.perf_counter() - started, 1e-9)
+            log.info("ppjd: %s written (%d kept, %d rejected) [%d/%d shards, %d/%d rows, %.1f rows/s]",
+                     shard_name(stats["shard"]), stats["kept"], stats["rejected"], done, len(pending),
+                     rows_done, todo, rate)
     wall = time.perf_counter() - start
     processed = sum(len(shards[i]) for i in pending)
     manifest = build_manifest(out, len(shards), len(pending), processed, wall, config_dict)

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
-from pjray.console import quiet_actor_warnings
+from pjray.console import quiet_actor_warnings, quiet_prints
 from pjray.models.loading import continued_positions, load_judge, mm_token_type_ids, processor_inputs, prompt_positions
 from pjray.models.lora import apply_lora, base_model
 from pjray.rl.ds_ops import prepare_ops
@@ -479,7 +479,8 @@ class LearnerRank(WeightSender):
         else:
             self.device = torch.device("cpu")
         prepare_ops()  # DeepSpeed's JIT-built op: this environment's directory, no stale lock
-        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
+        with quiet_prints():
+            deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
 
         self.zero3 = learner_cfg.zero_stage == 3
         ds_config = self._ds_config(ds_config_overrides or {})

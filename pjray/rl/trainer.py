@@ -181,9 +181,12 @@ def load_items(cfg: Config) -> Rows[JudgeItem] | DatasetItems:
         num_candidates=cfg.data.num_candidates, perturb_backend="rules", vqa_backend="oracle",
         output_dir=str(out), seed=cfg.data.seed,
     )
+    started = time.perf_counter()
     manifest = run_ppjd(ppjd)
-    log.info("PPJD scene data: %d kept of %d read in %s; the text alone ranks them (pjray.ppjd.shortcuts): %s",
-             manifest["counts"]["kept"], manifest["counts"]["read"], out, text_only_line(manifest["text_only_ranker"]))
+    seconds = time.perf_counter() - started
+    log.info("PPJD scene data: %d kept of %d read in %.0fs (%.0f rows/s) into %s; the text alone ranks them "
+             "(pjray.ppjd.shortcuts): %s", manifest["counts"]["kept"], manifest["counts"]["read"], seconds,
+             manifest["counts"]["read"] / max(seconds, 1e-9), out, text_only_line(manifest["text_only_ranker"]))
     rows = scan_items(out / "ppjd", cfg.data.num_candidates)
     rows.check(cfg.data.max_reject_fraction)
     return rows

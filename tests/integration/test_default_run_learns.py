@@ -65,6 +65,10 @@ def test_the_default_run_writes_the_format_from_step_1_learns_and_trains_the_tex
     first, last = (sum(r["reward/mean"] for r in part) / len(part) for part in (rows[:10], rows[-10:]))
     assert last > first, (first, last)  # the judge learns (the README gives the measured runs)
     assert "pjray: run finished in" in out and "reward " in out  # the summary says what was learned
+    # A quiet start: none of the stack's INFO lines, progress bars or build notices.
+    noise = ("\tINFO ", "Started a local Ray instance", "Execution plan", "Loading weights", "Writing model shards",
+             "built successfully", "Setting accelerator to CPU")
+    assert not [line for line in out.splitlines() if any(n in line for n in noise)], out[:3000]
     # The held-out check: the same held-out prompts (held out by content), greedy, before and
     # after the run, with the image-swap and grey-image checks per question kind.
     check = json.loads((run_dir / "held_out.json").read_text())

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -169,12 +168,10 @@ def test_load_weights_in_buckets(engine: VllmEngine, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    # DeepSpeed JIT-builds its shm op per environment: a cache of this venv's own keeps the
-    # two venvs from rebuilding (and locking) each other's copy. Reward workers import the
-    # test reward from this directory.
-    extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
+    # Reward workers import the test reward from this directory. (DeepSpeed's JIT-built op goes
+    # to a directory of this venv's own: pjray.rl.ds_ops.)
     path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-    env = {**actor_env(), "TORCH_EXTENSIONS_DIR": extensions, "PYTHONPATH": path}
+    env = {**actor_env(), "PYTHONPATH": path}
     ray.init(num_cpus=2, runtime_env={"env_vars": env})
     yield
     ray.shutdown()

@@ -7,7 +7,18 @@ import logging
 import os
 
 from pjray.cluster import actor_env
-from pjray.console import ACTOR_WARNING_FILTERS, VERBOSE_ENV, PhaseClock, duration, quiet_stack, run_summary, step_line
+from pjray.console import (
+    ACTOR_WARNING_FILTERS,
+    NO_PROGRESS_BARS_ENV,
+    VERBOSE_ENV,
+    PhaseClock,
+    duration,
+    quiet_prints,
+    quiet_ray_data,
+    quiet_stack,
+    run_summary,
+    step_line,
+)
 
 METRICS = {"reward/mean": 0.4123, "reward/format_mean": 0.95, "reward/ranking_mean": 0.4333, "timing_s/step": 1.14}
 
@@ -64,8 +75,10 @@ def test_stack_notices_are_dropped_unless_verbose(monkeypatch, caplog):
     monkeypatch.setattr(auth, "filters", [])
     monkeypatch.setenv("RAY_COLOR_PREFIX", "")
     monkeypatch.delenv("RAY_COLOR_PREFIX")  # restored to what it was after the test
+    monkeypatch.delenv(NO_PROGRESS_BARS_ENV, raising=False)
     quiet_stack()
     assert os.environ["RAY_COLOR_PREFIX"] == "0"  # the captured stderr is no terminal
+    assert os.environ[NO_PROGRESS_BARS_ENV] == "1" and actor_env()[NO_PROGRESS_BARS_ENV] == "1"
     with caplog.at_level(logging.WARNING):
         auth.warning("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt out.")
         auth.warning("Token authentication is disabled for this Ray cluster. Anyone with network access ...")
@@ -87,3 +100,31 @@ def test_set_up_phases_of_a_second_or_more_are_logged(monkeypatch, caplog):
         clock.done("learners")  # 2.2 s
         clock.done("workers")  # 0.4 s: quiet
     assert [r.getMessage() for r in caplog.records] == ["set-up: learners 2.2s"]
+
+
+def test_library_prints_are_dropped_unless_verbose(monkeypatch, capsys):
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    with quiet_prints():
+        print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
+    monkeypatch.setenv(VERBOSE_ENV, "1")
+    with quiet_prints():
+        print("kept with --verbose")
+    assert capsys.readouterr().out == "kept with --verbose\n"
+
+
+def test_ray_data_info_lines_stay_off_the_console_unless_verbose(monkeypatch):
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    consoles = [h for h in logging.getLogger("ray.data").handlers
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    assert consoles  # Ray Data's own console handler, set up on import
+    for handler in consoles:
+        monkeypatch.setattr(handler, "level", logging.INFO)
+    monkeypatch.setattr(context, "enable_progress_bars", True)
+    monkeypatch.setenv(VERBOSE_ENV, "1")
+    quiet_ray_data()
+    assert context.enable_progress_bars and all(h.level == logging.INFO for h in consoles)
+    monkeypatch.delenv(VERBOSE_ENV)
+    quiet_ray_data()
+    assert not context.enable_progress_bars and all(h.level == logging.WARNING for h in consoles)
