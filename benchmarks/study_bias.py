@@ -334,7 +334,7 @@ def image_disposition(engine: Any, sets: EvalSets, chunk: int = 32) -> np.ndarra
     import torch
 
     from pjray.models.loading import render_chat
-    from pjray.rl.learner import collate, forward_logprobs
+    from pjray.rl.logprobs import collate, forward_logprobs
     from pjray.types import Experience
 
     tok = engine.processor.tokenizer

@@ -1,0 +1,70 @@
+"""A learner rank's weights out: the HF export and DeepSpeed checkpoints.
+
+`RankCheckpoints` is mixed into `pjray.rl.learner.LearnerRank` (as `pjray.rl.sync.WeightSender`
+is): it reads the rank's DeepSpeed engine (`engine`, `_ds`), `processor`, `rank`, `world_size`,
+`lora`, `zero3`, and the full-weight buckets of `WeightSender._full_buckets`. Every method is
+called on all ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from pjray.models.lora import base_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+_CLIENT_STATE_KEY = "pjray_client_state"
+
+
+class RankCheckpoints:
+    """HF export (`save_hf`) and DeepSpeed checkpoints (`save_checkpoint`, `load_checkpoint`)."""
+
+    def save_hf(self, path: str) -> None:
+        """Write an HF model directory (weights, config, processor) at `path` from rank 0.
+
+        Loadable by `transformers` and by `load_judge`. With LoRA the weights are merged, and the
+        adapter itself is written to `<path>/adapter` (PEFT's format, e.g. for vLLM's LoRA
+        serving). Call on all ranks (ZeRO-3 gathers).
+        """
+        state: dict[str, Tensor] = {}
+        for _, tensors in self._full_buckets(256 << 20):
+            if self.rank == 0:
+                state.update({name: t.detach().cpu().clone() for name, t in tensors.items()})
+        if self.lora:
+            adapters = [p for n, p in self.engine.module.named_parameters() if ".lora_" in n]
+            gathered = self._ds.zero.GatheredParameters(adapters, modifier_rank=None) if self.zero3 else contextlib.nullcontext()
+            with gathered:
+                if self.rank == 0:
+                    self.engine.module.save_pretrained(os.path.join(path, "adapter"))
+        if self.rank == 0:
+            module: PreTrainedModel = base_model(self.engine.module)
+            module.save_pretrained(path, state_dict=state)
+            self.processor.save_pretrained(path)
+        if self.world_size > 1:
+            # Nobody reads the directory before it is complete.
+            self._ds.comm.barrier()
+
+    def save_checkpoint(self, path: str, client_state: dict[str, Any] | None = None) -> None:
+        """Model, optimizer and LR-scheduler state of every rank under `path` (shared storage).
+
+        `client_state` (e.g. the trainer's step and RNG) is stored with it and returned by
+        `load_checkpoint`. Call on all ranks.
+        """
+        # Nested under one key: DeepSpeed returns its own bookkeeping (module state, config,
+        # ...) in the same dict on load, and the caller should get back only what it saved.
+        self.engine.save_checkpoint(path, client_state={_CLIENT_STATE_KEY: dict(client_state or {})})
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restore what `save_checkpoint` wrote (the latest tag under `path`); returns client_state."""
+        load_path, client_state = self.engine.load_checkpoint(
+            path, load_optimizer_states=True, load_lr_scheduler_states=True
+        )
+        if load_path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}")
+        return dict((client_state or {}).get(_CLIENT_STATE_KEY, {}))

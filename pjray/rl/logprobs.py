@@ -1,0 +1,321 @@
+"""The learner's batch layout and log-prob forward, as pure functions of a model and a batch.
+
+`collate` lays prompt + response sequences out as one right-padded `TrainBatch` (images through
+the judge's processor); `forward_logprobs` runs a model over it and returns the per-token
+log-probs of the responses (of the logits divided by the rollout's temperature), forwarding each
+distinct prompt once when rows share it (`can_share_prefix`); `forwarded_positions` counts what
+a forward ran through the model. The learner (`pjray.rl.learner`) and the tests of served
+against learner log-probs use them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from pjray.models.loading import continued_positions, mm_token_type_ids, processor_inputs, prompt_positions
+from pjray.rl.grpo import token_logprobs
+from pjray.types import Experience, TrainBatch
+
+if TYPE_CHECKING:
+    from transformers.processing_utils import ProcessorMixin
+
+__all__ = ["can_share_prefix", "collate", "forward_logprobs", "forwarded_positions", "model_inputs"]
+
+
+def collate(
+    processor: ProcessorMixin, experiences: Sequence[Experience], pad_to: int | None = None
+) -> TrainBatch:
+    """Model inputs for prompt + response sequences, right-padded to one length.
+
+    The prompts go through the processor together (it expands each image placeholder into the
+    image's pad tokens), the processor's padding is stripped by its attention mask (so left- and
+    right-padded prompts both work), the response ids are appended, and each row is right-padded.
+    Right padding keeps every real token at the position it has in an unpadded sequence, for
+    1-D RoPE and for Qwen-VL's M-RoPE alike (the model computes M-RoPE positions over the
+    attended tokens only).
+
+    Args:
+        processor: the judge's processor (`pjray.models.loading.load_processor`).
+        experiences: B sequences; `prompt_text` holds one placeholder iff `image` is set.
+        pad_to: pad every row to exactly this many tokens (ValueError if one is longer);
+            None pads to the longest row.
+
+    Returns:
+        TrainBatch with input_ids / attention_mask / response_mask / old_logprobs [B, T]
+        (response_mask is 1 on the response tokens that `loss_mask` keeps; old_logprobs holds
+        the given values on response positions, NaN where an experience has none, meaning "use
+        the current policy"), advantages [B], per-row pixel_values [P_b, D] and image_grid_thw [n_b, 3]
+        (empty for rows without an image), ref_logprobs / rollout_logprobs [B, T] when any
+        experience has them (NaN on the response positions of those that do not), prompt_lens
+        [B] and prompt_group [B] (the first row with the same prompt text and image).
+    """
+    if not experiences:
+        raise ValueError("collate: no experiences")
+    for i, e in enumerate(experiences):
+        n = len(e.response_ids)
+        for field_name in ("old_logprobs", "ref_logprobs", "rollout_logprobs", "loss_mask"):
+            values = getattr(e, field_name)
+            if values is not None and len(values) != n:
+                raise ValueError(
+                    f"experience {i}: {field_name} has {len(values)} values for {n} response tokens"
+                )
+
+    enc = processor_inputs(
+        processor, [e.prompt_text for e in experiences], [e.image for e in experiences], padding_side="right"
+    )
+    prompt_ids: Tensor = enc["input_ids"]  # [B, P] padded
+    prompt_mask: Tensor = enc["attention_mask"]  # [B, P]
+    pad_id = processor.tokenizer.pad_token_id
+
+    # Per-row pixel values: the processor concatenates the images' patches in row order.
+    pixel_values: Tensor | None = enc["pixel_values"]
+    grid_thw: Tensor | None = enc["image_grid_thw"]
+    dim = pixel_values.shape[-1] if pixel_values is not None else 0
+    row_pixels: list[Tensor] = []
+    row_grids: list[Tensor] = []
+    image_index, patch_offset = 0, 0
+    for e in experiences:
+        if e.image is None:
+            row_pixels.append(torch.zeros(0, dim, dtype=torch.float32))
+            row_grids.append(torch.zeros(0, 3, dtype=torch.long))
+            continue
+        assert pixel_values is not None and grid_thw is not None
+        grid = grid_thw[image_index : image_index + 1]
+        patches = int(grid.prod(-1).sum())
+        row_pixels.append(pixel_values[patch_offset : patch_offset + patches])
+        row_grids.append(grid)
+        image_index += 1
+        patch_offset += patches
+
+    rows: list[Tensor] = []
+    prompt_lens: list[int] = []
+    first_row: dict[tuple[str, bytes | None], int] = {}
+    prompt_group = [first_row.setdefault((e.prompt_text, e.image), i) for i, e in enumerate(experiences)]
+    for i, e in enumerate(experiences):
+        prompt = prompt_ids[i][prompt_mask[i].bool()]
+        response = torch.tensor(e.response_ids, dtype=torch.long)
+        row = torch.cat([prompt, response])
+        if row.numel() == 0:
+            # A row with no attended token can make attention produce NaN, which 0 * NaN would
+            # carry into the loss; one attended pad token keeps the row harmless.
+            row = torch.tensor([pad_id], dtype=torch.long)
+        rows.append(row)
+        prompt_lens.append(prompt.numel())
+
+    longest = max(r.numel() for r in rows)
+    if pad_to is not None and longest > pad_to:
+        raise ValueError(f"collate: a sequence has {longest} tokens, more than pad_to={pad_to}")
+    length = longest if pad_to is None else pad_to
+    batch_size = len(experiences)
+
+    input_ids = torch.full((batch_size, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(batch_size, length, dtype=torch.long)
+    response_mask = torch.zeros(batch_size, length, dtype=torch.float32)
+    old_logprobs = torch.zeros(batch_size, length, dtype=torch.float32)
+    optional = {
+        name: torch.zeros(batch_size, length, dtype=torch.float32)
+        for name in ("ref_logprobs", "rollout_logprobs")
+        if any(getattr(e, name) is not None for e in experiences)
+    }
+    for i, (e, row, start) in enumerate(zip(experiences, rows, prompt_lens)):
+        input_ids[i, : row.numel()] = row
+        attention_mask[i, : row.numel()] = 1
+        end = start + len(e.response_ids)
+        response_mask[i, start:end] = 1.0 if e.loss_mask is None else torch.tensor(e.loss_mask, dtype=torch.float32)
+        for name, values in [("old_logprobs", old_logprobs), *optional.items()]:
+            given = getattr(e, name)
+            values[i, start:end] = torch.tensor(given, dtype=torch.float32) if given is not None else math.nan
+
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        response_mask=response_mask,
+        old_logprobs=old_logprobs,
+        advantages=torch.tensor([float(e.advantage) for e in experiences], dtype=torch.float32),
+        pixel_values=row_pixels,
+        image_grid_thw=row_grids,
+        ref_logprobs=optional.get("ref_logprobs"),
+        rollout_logprobs=optional.get("rollout_logprobs"),
+        prompt_lens=torch.tensor(prompt_lens, dtype=torch.long),
+        prompt_group=torch.tensor(prompt_group, dtype=torch.long),
+    )
+
+
+def model_inputs(
+    processor: ProcessorMixin, batch: TrainBatch, device: torch.device
+) -> dict[str, Tensor | None]:
+    """Keyword arguments for a Qwen-VL forward of `batch` on `device`.
+
+    A sampled response may contain an image or video pad id (a random or badly behaved policy
+    can emit one). The model treats every such id as a slot for image features and would fail
+    (or misplace features), so on response positions it is fed as the pad token instead: its
+    own log-prob is still read against the real id, only later tokens see the substitute.
+    """
+    ids = batch.input_ids
+    if processor.image_token_id is None:
+        # A text-only judge (a causal LM): token ids and the mask are all it takes.
+        return {"input_ids": ids.to(device), "attention_mask": batch.attention_mask.to(device)}
+    model_ids = _image_pads_as_pad(processor, ids, batch.response_mask > 0)
+    with_images = [i for i, g in enumerate(batch.image_grid_thw) if g.numel() > 0]
+    pixel_values = torch.cat([batch.pixel_values[i] for i in with_images]) if with_images else None
+    grid_thw = torch.cat([batch.image_grid_thw[i] for i in with_images]) if with_images else None
+    return {
+        "input_ids": model_ids.to(device),
+        "attention_mask": batch.attention_mask.to(device),
+        "mm_token_type_ids": mm_token_type_ids(processor, model_ids).to(device),
+        "pixel_values": pixel_values.to(device) if pixel_values is not None else None,
+        "image_grid_thw": grid_thw.to(device) if grid_thw is not None else None,
+    }
+
+
+def _image_pads_as_pad(processor: ProcessorMixin, ids: Tensor, where: Tensor) -> Tensor:
+    """`ids` with the image and video pad ids at `where` replaced by the pad token."""
+    placeholder = (ids == processor.image_token_id) | (ids == processor.video_token_id)
+    return torch.where(placeholder & where, torch.full_like(ids, processor.tokenizer.pad_token_id), ids)
+
+
+def forward_logprobs(
+    model: torch.nn.Module,
+    processor: ProcessorMixin,
+    batch: TrainBatch,
+    device: torch.device | str = "cpu",
+    temperature: float = 1.0,
+    shared_prefix: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Log-prob of each next token under logits / temperature, and the scaled logits of the
+    positions that predict a response token.
+
+    Only what the response needs goes through the output projection: the prompt, with its image
+    tokens, is most of a judge's sequence, and its [T, V] logits (kept for backward) would be
+    most of the activation memory. With `shared_prefix` (and rows that share a prompt, as a
+    GRPO group's samples do), each distinct prompt is forwarded once and its keys and values
+    serve every response to it (`_shared_prefix_logits`): the same numbers as one forward per
+    row, with a fraction of the compute.
+
+    Args:
+        model: a Qwen-VL judge or a causal LM (or a DeepSpeed engine wrapping one).
+        batch: from `collate`, B rows of padded length T.
+        temperature: the rollout's sampling temperature, so that the log-probs (and an entropy
+            of the returned logits) are of the distribution the responses were sampled from.
+        shared_prefix: forward a prompt that several rows share once (falls back to one forward
+            per row when no prompt is shared, or under gradient checkpointing in training, which
+            keeps no cache).
+
+    Returns:
+        (logp [B, T-1] float32, logits [N, V] detached): logp[:, t] = log pi_T(input_ids[:, t+1]
+        | ...), so response_mask[:, 1:] selects the response tokens (other positions hold 0);
+        the logits are those of the N positions where response_mask[:, 1:] > 0, in row-major
+        order (for entropies and accuracies).
+    """
+    device = torch.device(device)
+    predicts = batch.response_mask[:, 1:] > 0  # [B, T-1]: position t predicts a response token
+    if shared_prefix and can_share_prefix(model, batch):
+        return _shared_prefix_logits(model, processor, batch, device, temperature)
+    length = predicts.shape[1]
+    hits = predicts.any(0).nonzero()
+    first = int(hits[0]) if len(hits) else max(length - 1, 0)
+    keep = length - first
+    out = model(**model_inputs(processor, batch, device), use_cache=False, logits_to_keep=keep + 1)
+    logits = out.logits[:, :-1]  # [B, keep, V]: positions first .. T-2
+    if temperature != 1.0:
+        # In place: a second [B, K, V] tensor would double the largest activation. The lm_head's
+        # backward does not read its output, so autograd allows it.
+        logits.div_(temperature)
+    kept = token_logprobs(logits, batch.input_ids[:, first + 1 :].to(device))
+    logp = torch.cat([torch.zeros(kept.shape[0], first, dtype=kept.dtype, device=kept.device), kept], dim=1)
+    return logp, logits.detach()[predicts[:, first:].to(device)]
+
+
+def forwarded_positions(batch: TrainBatch, shared: bool) -> tuple[int, int]:
+    """(padding positions, all positions) that `forward_logprobs` runs through the model for
+    `batch`: B x T rows, or with a shared prefix U distinct prompts x P plus B responses x R."""
+    if not shared:
+        return int((batch.attention_mask == 0).sum()), batch.attention_mask.numel()
+    heads, plens, rlens = _prefix_layout(batch)
+    total = len(heads) * int(plens[heads].max()) + plens.numel() * max(int(rlens.max()), 1)
+    return total - int(plens[heads].sum()) - int(rlens.sum()), total
+
+
+def _prefix_layout(batch: TrainBatch) -> tuple[list[int], Tensor, Tensor]:
+    """(the first row of each distinct prompt, prompt lengths [B], response lengths [B])."""
+    plens = batch.prompt_lens
+    return sorted(set(batch.prompt_group.tolist())), plens, batch.attention_mask.sum(-1) - plens
+
+
+def can_share_prefix(model: torch.nn.Module, batch: TrainBatch) -> bool:
+    """Whether some rows share a prompt and the model can carry its keys and values over."""
+    if batch.prompt_group is None or batch.prompt_lens is None:
+        return False
+    if len(set(batch.prompt_group.tolist())) == batch.prompt_group.numel() or int(batch.prompt_lens.min()) < 1:
+        return False
+    hf = getattr(model, "module", model)  # a DeepSpeed engine wraps the HF (or PEFT) model
+    return not (hf.training and getattr(hf, "is_gradient_checkpointing", False))
+
+
+def _shared_prefix_logits(
+    model: torch.nn.Module, processor: ProcessorMixin, batch: TrainBatch, device: torch.device, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """`forward_logprobs` with each distinct prompt forwarded once.
+
+    1. The U distinct prompts, left-padded to P tokens, go through the model with their images;
+       it returns their keys and values and the logits at their last token (which predict each
+       response's first token).
+    2. The cache is indexed out to the B rows (autograd sums the rows' gradients into the one
+       prompt forward), and the right-padded responses [B, R] are forwarded on top of it, with
+       explicit positions that continue each prompt's (for Qwen-VL, its M-RoPE positions from
+       the model's own `get_rope_index`), so every token sees the keys and positions it sees in
+       the unshared forward.
+    """
+    B, T = batch.input_ids.shape
+    pad_id = processor.tokenizer.pad_token_id
+    heads, plens, rlens = _prefix_layout(batch)
+    index = torch.tensor([heads.index(g) for g in batch.prompt_group.tolist()], dtype=torch.long)  # row -> prompt
+    P, R = int(plens[heads].max()), max(int(rlens.max()), 1)
+
+    ids = torch.full((len(heads), P), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(heads), P, dtype=torch.long)
+    for u, h in enumerate(heads):
+        n = int(plens[h])
+        ids[u, P - n :], mask[u, P - n :] = batch.input_ids[h, :n], 1
+    prompt: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
+    if processor.image_token_id is not None:
+        images = [h for h in heads if batch.image_grid_thw[h].numel() > 0]
+        prompt["mm_token_type_ids"] = mm_token_type_ids(processor, ids)
+        if images:
+            prompt["pixel_values"] = torch.cat([batch.pixel_values[h] for h in images])
+            prompt["image_grid_thw"] = torch.cat([batch.image_grid_thw[h] for h in images])
+    # [3, U, P] for Qwen-VL (M-RoPE), [U, P] for a causal LM; following [U]: the position after each prompt
+    prompt["position_ids"], following = prompt_positions(model, prompt)
+    out = model(**{k: v.to(device) for k, v in prompt.items()}, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_select_indices(index.to(device))
+
+    steps = torch.arange(R)
+    real = steps[None, :] < rlens[:, None]  # [B, R]
+    cols = (plens[:, None] + steps[None, :]).clamp(max=T - 1)
+    response = torch.where(real, batch.input_ids.gather(1, cols), torch.full_like(cols, pad_id))
+    fed = response
+    if processor.image_token_id is not None:  # as in `model_inputs`: a sampled image pad is fed as pad
+        fed = _image_pads_as_pad(processor, response, real)
+    positions = continued_positions(prompt["position_ids"], following[index], R)
+    out2 = model(
+        input_ids=fed.to(device), attention_mask=torch.cat([mask[index], real.long()], 1).to(device),
+        position_ids=positions.to(device), past_key_values=cache, use_cache=True,
+    )  # fmt: skip
+    # logits[:, j] predicts response token j: the prompt's last logits, then the responses'.
+    logits = torch.cat([out.logits[index.to(device)], out2.logits[:, : R - 1]], dim=1)  # [B, R, V]
+    if temperature != 1.0:
+        logits.div_(temperature)
+    lp = token_logprobs(logits, response.to(device))  # [B, R]
+    rows = torch.arange(B)[:, None].expand(B, R)
+    at = (rows[real], cols[real] - 1)  # logp[:, t] predicts token t + 1
+    logp = torch.zeros(B, T - 1, dtype=lp.dtype, device=device).index_put(
+        tuple(i.to(device) for i in at), lp[real.to(device)]
+    )
+    trained = (batch.response_mask.gather(1, cols) > 0) & real
+    return logp, logits.detach()[trained.to(device)]
