@@ -198,14 +198,9 @@ def looking_verdicts(
     return verdicts, blind_right
 
 
-def held_out_ranking(path: str, recipe: BaseJudgeRecipe, exclude: Sequence[JudgeItem] = (), n: int = 64) -> dict[str, Any]:
-    """`ranking_summary` and `looking_stats` of the judge at `path`, greedy, on the report's
-    held-out scenes (also disjoint by content from the items in `exclude`: a GRPO run's). The
-    end of `pjray train` from the base judge runs it on the base judge and on the trained one:
-    the same prompts, so the difference is what the run learned, without the sampling noise of
-    its reward curve."""
-    pairs, batch = held_out_batch(recipe, n, exclude)
-    items = [item for _, item in pairs]
+def held_out_ranking(path: str, items: Sequence[JudgeItem], batch: Sequence[JudgePrompt]) -> dict[str, Any]:
+    """`ranking_summary` and `looking_stats` of the judge at `path`, greedy, on held-out items
+    and their prompts (`held_out_batch`)."""
     engine = _engine(path, top_k=1)
     texts = [c.text for c in engine.generate(batch, 1, seed=0)]
     return {**ranking_summary(items, batch, texts, 1), "looks": looking_stats(engine, items, batch, texts)}
@@ -216,11 +211,13 @@ HELD_OUT_SCENES = 128  # the held-out check at the end of a run from the base ju
 
 def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem]) -> dict[str, Any]:
     """`held_out_ranking` of the base judge at `base` and the judge trained from it at `trained`
-    on the same held-out scenes, held out by content from the base judge's training items and
-    the run's (`exclude`)."""
-    recipe = BaseJudgeRecipe()
+    on the same prompts of held-out scenes, held out by content from the base judge's training
+    items and the run's (`exclude`). The end of `pjray train` from the base judge runs it: the
+    difference is what the run learned, without the sampling noise of its reward curve."""
+    pairs, batch = held_out_batch(BaseJudgeRecipe(), HELD_OUT_SCENES, exclude)
+    items = [item for _, item in pairs]
     judges = {"base": base, "trained": trained}
-    return {"held_out_scenes": HELD_OUT_SCENES, **{name: held_out_ranking(path, recipe, exclude, HELD_OUT_SCENES) for name, path in judges.items()}}
+    return {"held_out_scenes": HELD_OUT_SCENES, **{name: held_out_ranking(path, items, batch) for name, path in judges.items()}}
 
 
 def _engine(path: str, temperature: float = 1.0, top_k: int = 0) -> Any:
