@@ -496,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         "budget": dataclasses.asdict(budget), "variants": variants, "recipe": recipe.to_dict(),
         # No machine paths: the shipped judge, or the cache's.
         "base_judge": "pjray/assets/base_judge" if judge.is_relative_to(SHIPPED) else f"<pjray cache>/{judge.relative_to(cache_root())}",
-        "base_judge_id": {**base_id, "recipe_hash": recipe_hash(recipe)},
+        "base_judge_id": base_id, "base_judge_recipe_hash": recipe_hash(recipe),
         "eval_seeds": {"diagnosis": EVAL_DIAGNOSIS_SEED, "tuples": EVAL_TUPLE_SEED, "letters": EVAL_LETTERS_SEED},
         "eval_items": {"diagnosis": len(sets.diag), **{c: len(v) for c, v in sets.tuples.items()}},
         "held_out_check": held_out, "seconds": timing, "paper": PAPER,
