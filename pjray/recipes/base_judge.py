@@ -108,12 +108,6 @@ def shipped_record(root: Path | None = None) -> dict[str, Any]:
     return record
 
 
-def shipped_judge(recipe: BaseJudgeRecipe) -> Path | None:
-    """The shipped judge's directory when it was built from `recipe` on this code, else None."""
-    record = shipped_record()
-    return SHIPPED / "hf_model" if record["recipe_hash"] == recipe_hash(recipe) else None
-
-
 def ship(built: Path, root: Path | None = None) -> dict[str, Any]:
     """Copies a finished build (`<cache>/base_judge/<hash>`) over the shipped judge and writes its
     record; returns the record."""
@@ -145,15 +139,15 @@ def ship(built: Path, root: Path | None = None) -> dict[str, Any]:
 def base_judge(cfg: Any, recipe: BaseJudgeRecipe | None = None, log: Callable[[str], None] = print) -> Path:
     """The judge of `recipe` (default: the recipe on this checkout): shipped, cached or built."""
     recipe = recipe or BaseJudgeRecipe()
-    shipped = shipped_judge(recipe)
-    if shipped is not None:
-        return shipped
-    target = cached_dir(recipe)
+    shipped, current = shipped_record()["recipe_hash"], recipe_hash(recipe)
+    if shipped == current:
+        return SHIPPED / "hf_model"
+    target = cache_root() / "base_judge" / current
     if (target / "hf_model" / "COMPLETE").exists():
         return target / "hf_model"
     if recipe == BaseJudgeRecipe():
-        log(f"pjray: the shipped base judge was built from another recipe ({shipped_record()['recipe_hash']}, "
-            f"this code: {target.name}); building this one")  # fmt: skip
+        log(f"pjray: the shipped base judge was built from another recipe ({shipped}, this code: {current}); "
+            "building this one")
     return build_base_judge(cfg, recipe, log=log)
 
 
