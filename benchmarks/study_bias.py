@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import shutil
 import sys
@@ -94,7 +93,7 @@ from pjray.eval.bias import DiagnosisItem, diagnose, diagnosis_item, item_prompt
 from pjray.eval.held_out import assert_held_out, looking_verdicts, training_items
 from pjray.eval.swap import follows, swap_pair
 from pjray.models.base_judge import BaseJudgeRecipe, disposition
-from pjray.recipes.base_judge import SHIPPED, base_judge, cache_root, recipe_hash
+from pjray.recipes.base_judge import SHIPPED, base_judge, cache_root, recipe_hash, weights_sha256
 from pjray.ppjd.perturb import _scene_seed, ranked_item, scene_items
 from pjray.ppjd.shortcuts import audit
 from pjray.reward import judge_reward
@@ -361,13 +360,6 @@ def image_disposition(engine: Any, sets: EvalSets, chunk: int = 32) -> np.ndarra
 # --------------------------------------------------------------------------- training
 
 
-def weights_digest(model_dir: Path) -> str:
-    h = hashlib.sha256()
-    for f in sorted(model_dir.glob("*.safetensors")):
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def grpo_config(recipe: BaseJudgeRecipe, variant: str, seed: int, budget: Budget, run_dir: Path, judge: str, data: str) -> Config:
     """The embedded default run's config, from the base judge, at the study's budget."""
     overrides = [
@@ -446,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     recipe = BaseJudgeRecipe()
     t0 = time.perf_counter()
     judge = base_judge(load(None, []), recipe)
-    base_id = {"weights_sha256": weights_digest(judge)}  # the weights decide the judge
+    base_id = {"weights_sha256": weights_sha256(judge)[:16]}  # the weights decide the judge
     timing["base_judge"] = time.perf_counter() - t0
     print(f"base judge: {judge} ({timing['base_judge']:.0f}s)", flush=True)
 
