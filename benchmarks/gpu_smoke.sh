@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU smoke check of the production path: two GRPO steps of a tiny random Qwen2-VL judge with
+# GPU smoke check of the production path: first the VL engine checks on the GPU (below), then
+# three GRPO steps of a tiny random Qwen2-VL judge on images with
 # vLLM rollouts and a DeepSpeed learner, colocated on one GPU (CUDA-IPC weight sync, vLLM
 # sleeping while the learner trains), then split over two GPUs (NCCL broadcast) when there are
 # two. Prints each mode's per-phase timings (timing_s/*) and the weight-sync time.
@@ -17,10 +18,18 @@ if [ "$GPUS" -lt 1 ]; then
   exit 1
 fi
 
+# The vision-language engine checks on the GPU, no Ray or DeepSpeed needed (vLLM's GPU build, Model
+# Runner V2 where Triton is present): per tiny VL arch, sampling on images, served vs learner
+# log-probs, and the stale-encoder-cache check after a sync of every weight (bytes and shared
+# memory). One line per check with its figure.
+echo "== VL engine checks (tests/integration/test_vllm_vl_cpu.py on cuda)"
+PJRAY_VLLM_DEVICE=cuda "$PY" -m pytest -q -s -p no:cacheprovider tests/integration/test_vllm_vl_cpu.py -k "not grpo" 2>&1 \
+  | grep -E "d logprob|after the bytes sync|passed|failed|Error" || true
+
 COMMON=(
   model.init=tiny model.tiny_arch=qwen2_vl rollout.backend=vllm rollout.device=cuda rollout.max_model_len=2048
-  rollout.max_new_tokens=64 data.num_items=32 data.image_size=96 algo.group_size=4
-  trainer.prompts_per_step=4 trainer.steps=2 trainer.save_every=0 trainer.export_hf=false
+  rollout.max_new_tokens=64 data.num_items=4 data.image_size=96 algo.group_size=4
+  trainer.prompts_per_step=4 trainer.steps=3 trainer.save_every=0 trainer.export_hf=false
   trainer.resume=disable learner.micro_batch_size=4 learner.lr=1e-4 tracking.wandb=false
 )
 
@@ -40,6 +49,8 @@ print(f"{'step':>4} " + " ".join(f"{p.split('/', 1)[1]:>9}" for p in phases))
 for row in rows:
     print(f"{int(row['training/global_step']):>4} " + " ".join(f"{row.get(p, 0.0):>9.3f}" for p in phases))
 print("sync time per step (s):", ", ".join(f"{row['timing_s/sync']:.3f}" for row in rows))
+# The same 4 images every step: a stale encoder cache after a sync shows here.
+print("rollout vs learner logprob_diff_max per step:", ", ".join(f"{row['rollout/logprob_diff_max']:.2e}" for row in rows))
 PY
 }
 

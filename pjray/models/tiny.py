@@ -6,7 +6,9 @@ chat template, and an image-only processor with a PIL image processor. The direc
 through `pjray.models.loading` exactly like a real checkpoint.
 
 `arch="qwen2"` builds a text-only judge (Qwen2ForCausalLM, same tokenizer and chat template, no
-vision tower): the model vLLM's CPU build can serve, for CPU tests of the vLLM rollout path.
+vision tower), e.g. for the PPJD job's text LLM. Every text model has heads of 32 wide, which
+vLLM's CPU attention kernels accept (they have no head_dim 16), so vLLM's CPU build serves all
+four archs.
 
 Nothing here imports torchvision or touches the network.
 """
@@ -169,20 +171,20 @@ def _config(arch: str, tok: PreTrainedTokenizerFast) -> Any:
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        # 2 heads of 32 (1 key-value head): vLLM's CPU attention kernels have no head_dim 16.
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
         "max_position_embeddings": 4096,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
+        # M-RoPE (t, h, w) sections over the head's 16 frequencies.
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 6, 6]},
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
         "tie_word_embeddings": False,
     }
     if arch == "qwen2":
-        # A plain 1-D RoPE causal LM: the text part of the VLMs above, with head_dim 32 (2 heads)
-        # because vLLM's CPU attention kernels have no head_dim 16.
+        # A plain 1-D RoPE causal LM: the text part of the VLMs above.
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4}
-        text["num_attention_heads"], text["num_key_value_heads"] = 2, 1
         return AutoConfig.for_model("qwen2", **text)
     if arch == "qwen2_vl":
         vision: dict[str, Any] = {
@@ -201,7 +203,7 @@ def _config(arch: str, tok: PreTrainedTokenizerFast) -> Any:
             "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
             "num_position_embeddings": 64, "deepstack_visual_indexes": [0],
         }  # fmt: skip
-        text["head_dim"] = 16
+        text["head_dim"] = 32
         text["rope_parameters"]["mrope_interleaved"] = True
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS + TEXT_ONLY_ARCHS}")

@@ -48,7 +48,7 @@ import torch
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
 from pjray.console import quiet_actor_warnings, quiet_prints
-from pjray.models.loading import load_judge
+from pjray.models.loading import load_judge, placeholder_ids
 from pjray.models.lora import apply_lora, base_model
 from pjray.rl.checkpoint import RankCheckpoints
 from pjray.rl.ds_ops import prepare_ops
@@ -147,6 +147,9 @@ class LearnerRank(WeightSender, RankCheckpoints):
         self.zero3 = learner_cfg.zero_stage == 3
         config = ds_config(learner_cfg, grad_accum_steps, world_size, ds_config_overrides or {})
         model, self.processor = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=True)
+        # The distribution the engines sample from has no placeholder tokens; the log-probs here
+        # are of that same distribution.
+        self.banned = placeholder_ids(self.processor)
         # A text-only judge has no vision tower, so there is nothing for freeze_vision to freeze.
         if model_cfg.freeze_vision and self.processor.image_token_id is not None:
             visual = vision_tower(model)
@@ -237,7 +240,9 @@ class LearnerRank(WeightSender, RankCheckpoints):
                 for start in range(0, len(experiences), mbs):
                     chunk = experiences[start : start + mbs]
                     batch = collate(self.processor, chunk)
-                    logp, _ = forward_logprobs(model, self.processor, batch, self.device, self.temperature, self.learner_cfg.shared_prefix)
+                    logp, _ = forward_logprobs(
+                        model, self.processor, batch, self.device, self.temperature, self.learner_cfg.shared_prefix, self.banned
+                    )
                     logp = logp.float().cpu()
                     mask = batch.response_mask[:, 1:].bool()
                     results.extend(tuple(logp[i][mask[i]].tolist()) for i in range(len(chunk)))
@@ -330,7 +335,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
         for index, chunk in enumerate(chunks):
             batch = collate(self.processor, chunk)
             shared = self.learner_cfg.shared_prefix and can_share_prefix(self.engine, batch)
-            logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device, self.temperature, shared)
+            logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device, self.temperature, shared, self.banned)
             mask = batch.response_mask[:, 1:].to(self.device)
             old = batch.old_logprobs[:, 1:].to(self.device)
             # NaN marks "no rollout log-prob": on-policy, so the ratio is exactly 1.
@@ -438,6 +443,8 @@ class LearnerRank(WeightSender, RankCheckpoints):
         chunks = split_evenly(experiences, self.grad_accum_steps)
         for index, chunk in enumerate(chunks):
             batch = collate(self.processor, chunk)
+            # Unbanned: teacher forcing on fixed targets samples nothing (and the shipped base
+            # judge was built this way).
             logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device, shared_prefix=self.learner_cfg.shared_prefix)
             mask = batch.response_mask[:, 1:].to(self.device)
             loss = sft_loss(logp, mask, float(global_tokens), self.world_size)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from pjray.models.loading import continued_positions, mm_token_type_ids, processor_inputs, prompt_positions
-from pjray.rl.grpo import token_logprobs
+from pjray.rl.grpo import ban_tokens, token_logprobs
 from pjray.types import Experience, TrainBatch
 
 if TYPE_CHECKING:
@@ -186,6 +186,7 @@ def forward_logprobs(
     device: torch.device | str = "cpu",
     temperature: float = 1.0,
     shared_prefix: bool = True,
+    banned: Sequence[int] = (),
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of each next token under logits / temperature, and the scaled logits of the
     positions that predict a response token.
@@ -205,6 +206,9 @@ def forward_logprobs(
         shared_prefix: forward a prompt that several rows share once (falls back to one forward
             per row when no prompt is shared, or under gradient checkpointing in training, which
             keeps no cache).
+        banned: token ids taken out of the distribution (`ban_tokens`) before the log-softmax:
+            the learner passes the judge's placeholder ids (`placeholder_ids`), which every
+            rollout engine bans when it samples, so both sides compute the same distribution.
 
     Returns:
         (logp [B, T-1] float32, logits [N, V] detached): logp[:, t] = log pi_T(input_ids[:, t+1]
@@ -214,8 +218,9 @@ def forward_logprobs(
     """
     device = torch.device(device)
     predicts = batch.response_mask[:, 1:] > 0  # [B, T-1]: position t predicts a response token
+    ban = torch.tensor(list(banned), dtype=torch.long)
     if shared_prefix and can_share_prefix(model, batch):
-        return _shared_prefix_logits(model, processor, batch, device, temperature)
+        return _shared_prefix_logits(model, processor, batch, device, temperature, ban)
     length = predicts.shape[1]
     hits = predicts.any(0).nonzero()
     first = int(hits[0]) if len(hits) else max(length - 1, 0)
@@ -226,6 +231,7 @@ def forward_logprobs(
         # In place: a second [B, K, V] tensor would double the largest activation. The lm_head's
         # backward does not read its output, so autograd allows it.
         logits.div_(temperature)
+    ban_tokens(logits, ban)
     kept = token_logprobs(logits, batch.input_ids[:, first + 1 :].to(device))
     logp = torch.cat([torch.zeros(kept.shape[0], first, dtype=kept.dtype, device=kept.device), kept], dim=1)
     return logp, logits.detach()[predicts[:, first:].to(device)]
@@ -258,7 +264,12 @@ def can_share_prefix(model: torch.nn.Module, batch: TrainBatch) -> bool:
 
 
 def _shared_prefix_logits(
-    model: torch.nn.Module, processor: ProcessorMixin, batch: TrainBatch, device: torch.device, temperature: float
+    model: torch.nn.Module,
+    processor: ProcessorMixin,
+    batch: TrainBatch,
+    device: torch.device,
+    temperature: float,
+    ban: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """`forward_logprobs` with each distinct prompt forwarded once.
 
@@ -311,6 +322,7 @@ def _shared_prefix_logits(
     logits = torch.cat([out.logits[index.to(device)], out2.logits[:, : R - 1]], dim=1)  # [B, R, V]
     if temperature != 1.0:
         logits.div_(temperature)
+    ban_tokens(logits, ban)
     lp = token_logprobs(logits, response.to(device))  # [B, R]
     rows = torch.arange(B)[:, None].expand(B, R)
     at = (rows[real], cols[real] - 1)  # logp[:, t] predicts token t + 1

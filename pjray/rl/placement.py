@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
 import ray
@@ -58,6 +58,9 @@ class RoleResources:
     # Another role whose bundles this role's actors share (actor i in that role's bundle i), so
     # both hold fractions of the same GPU: colocated learner ranks and vLLM engines.
     share_with: str | None = None
+    # Custom Ray resources per actor (`ray start --resources`): the bundles, and so the actors,
+    # go to nodes that offer them.
+    resources: dict[str, float] = field(default_factory=dict)
 
 
 class Placement:
@@ -73,6 +76,8 @@ class Placement:
                     raise ValueError(f"{role}: {res.count} actors cannot share {len(host)} {res.share_with} bundles")
                 for index in host[: res.count]:
                     bundles[index]["CPU"] += res.num_cpus
+                    for name, amount in res.resources.items():
+                        bundles[index][name] = bundles[index].get(name, 0.0) + amount
                     if res.num_gpus:
                         # Both shares live on one whole GPU (colocated validation: sum <= 1).
                         bundles[index]["GPU"] = 1.0
@@ -80,7 +85,7 @@ class Placement:
                 continue
             start = len(bundles)
             for _ in range(res.count):
-                bundle = {"CPU": res.num_cpus}
+                bundle = {"CPU": res.num_cpus, **res.resources}
                 if res.num_gpus:
                     bundle["GPU"] = res.num_gpus
                 bundles.append(bundle)
@@ -93,7 +98,7 @@ class Placement:
             total = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
             raise RuntimeError(
                 f"placement group not ready after {timeout_s:.0f}s: it needs {total['CPU']:g} CPUs "
-                f"and {total['GPU']:g} GPUs in bundles {bundles}; the cluster has "
+                f"and {total['GPU']:g} GPUs (and any custom resources named) in bundles {bundles}; the cluster has "
                 f"{ray.cluster_resources()}"
             )
 
@@ -107,7 +112,7 @@ class Placement:
         """Start `cls` as an actor in the `index`-th bundle of `role`."""
         res = self.roles[role]
         actor = (
-            ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus)(cls)
+            ray.remote(num_cpus=res.num_cpus, num_gpus=res.num_gpus, resources=dict(res.resources) or None)(cls)
             .options(scheduling_strategy=self.strategy(role, index), max_concurrency=1)
             .remote(*args, **kwargs)
         )

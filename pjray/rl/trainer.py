@@ -241,11 +241,14 @@ class Trainer:
         clock.done("judge")
 
         roles = {
-            "learner": RoleResources(cfg.learner.num_ranks, cfg.learner.num_cpus_per_rank, cfg.learner.num_gpus_per_rank),
+            "learner": RoleResources(
+                cfg.learner.num_ranks, cfg.learner.num_cpus_per_rank, cfg.learner.num_gpus_per_rank,
+                resources=dict(cfg.learner.resources),
+            ),
             # Colocated: rollout worker i runs in learner rank i's GPU bundle.
             "rollout": RoleResources(
                 cfg.rollout.num_workers, cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker,
-                share_with="learner" if cfg.rollout.colocate else None,
+                share_with="learner" if cfg.rollout.colocate else None, resources=dict(cfg.rollout.resources),
             ),
             "reward": RoleResources(cfg.reward.num_workers, cfg.reward.num_cpus_per_worker, 0.0),
         }
@@ -570,8 +573,12 @@ class Trainer:
         if backend == "auto":
             learner_node = ray.get(self.learners[0].node_id.remote())
             workers = ray.get([w.node_id.remote() for w in self.rollout.actors])
-            backend = auto_transport(self.cfg.rollout.backend, learner_node, workers)
-            log.info("weight sync: %s (trainer.sync_backend=auto)", backend)
+            learner_gpus = self.cfg.learner.num_gpus_per_rank > 0
+            backend = auto_transport(self.cfg.rollout, learner_gpus, learner_node, workers)
+            log.info(
+                "weight sync: %s (trainer.sync_backend=auto; learner rank 0 on node %s, rollout workers on %s)",
+                backend, learner_node[:8], [w[:8] for w in workers],
+            )  # fmt: skip
         self.sync_backend = backend
         if backend not in ("gloo", "nccl"):
             return

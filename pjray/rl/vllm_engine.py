@@ -4,9 +4,14 @@
 documents for engines (sampling exactly from RolloutConfig, stop only at EOS, placeholder
 tokens never sampled, completions ordered by prompt and sample, deterministic in the seed), so
 the driver and the reward never see which backend ran. Log-probs are vLLM's "processed" ones:
-of logits / temperature, as the learner computes them; with top-k or top-p on they are of the
-truncated distribution (and the ban of placeholder tokens renormalises them), a difference the
-driver's `rollout/logprob_diff_*` then shows.
+of logits / temperature with the placeholder ids banned (a logit bias, which vLLM applies
+before it computes them), as the learner computes them (`forward_logprobs(banned=...)`); with
+top-k or top-p on they are of the truncated distribution, a difference the driver's
+`rollout/logprob_diff_*` then shows.
+
+vLLM's engine core runs in a process of its own (vLLM's default, on GPU and on CPU), so every
+argument of `collective_rpc` crosses a process boundary, where vLLM decodes a tensor argument as
+a list: plans, handles and weights cross as bytes (`dumps`, `flat_bytes`) or as paths.
 
 Images: vLLM gets the raw `render_chat` text (ONE un-expanded placeholder) plus the decoded
 image as `multi_modal_data` (`vllm_request`), and expands the placeholder itself. It never
@@ -14,11 +19,13 @@ sees processor-expanded ids, so the double expansion of image tokens (an M-RoPE 
 silently corrupted prompt in other frameworks) cannot happen here; the learner builds its own
 inputs (pixel values, grid sizes) from the same text and image with the HF processor.
 
-Weights, one call per sync from the driver, in one of three transports (trainer.sync_backend):
+Weights, one call per sync from the driver, in one of four transports (trainer.sync_backend):
 
 * object_store: `load_weights(plan, refs)`, fetching one bucket at a time from the Ray object
-  store and handing it to every vLLM worker (`collective_rpc`, one per bucket). The CPU path,
-  and the fallback that works for any layout (also used to bring one rebuilt worker up to date).
+  store and handing its bytes to every vLLM worker (`collective_rpc`, one per bucket). Works
+  for any layout (also used to bring one rebuilt worker up to date).
+* shm: `load_shared(plan, paths)`: every vLLM worker maps learner rank 0's shared-memory
+  buffers (same node) and copies from them; only the paths cross the RPC.
 * gloo / nccl: `init_weight_sync(...)` once, then `receive_weights(plan)` per sync: one
   `collective_rpc` in which every vLLM rank receives all buckets by broadcast from learner
   rank 0 (`pjray.rl.sync`).
@@ -28,8 +35,10 @@ Weights, one call per sync from the driver, in one of three transports (trainer.
 Each vLLM worker loads buckets with the model's own `load_weights` (HF names in, vLLM's fused
 layout out) inside vLLM's layerwise in-place reload (`pjray_begin_update` /
 `pjray_finish_update`), which re-runs the post-load processing of every layer (e.g. repacked CPU
-linear weights), and the engine resets the prefix cache after every sync: cached KV blocks were
-computed by the old weights. Colocated engines run with sleep mode: `sleep()` frees weights and
+linear weights). After every sync the engine resets its encoder cache (the vision tower's
+embeddings of images it has seen, computed with the old weights) and its prefix cache (KV
+blocks of the old weights). vLLM's multimodal processor cache is kept: it holds the processor's
+outputs (pixel values, grid sizes), which no weight changes. Colocated engines run with sleep mode: `sleep()` frees weights and
 KV cache while the learner trains; a sync wakes the weights alone and loads them, and the KV
 cache wakes only when the driver calls `wake_up()`, after the learner has released its packed
 copy of the weights and its allocator's cached blocks (`pjray.rl.sync.WeightSender`).
@@ -51,8 +60,8 @@ import torch
 from pjray.config import ModelConfig, RolloutConfig
 from pjray.data.prompts import EOS_TOKEN
 from pjray.models.loading import decode_image, is_text_only, load_processor, render_chat
-from pjray.rl.sync import WeightSyncGroup, dumps, loads, open_ipc_handle, receive_buckets
-from pjray.rl.weights import Bucket, state_checksums, unpack
+from pjray.rl.sync import SharedBucketReader, WeightSyncGroup, dumps, loads, open_ipc_handle, receive_buckets
+from pjray.rl.weights import Bucket, flat_bytes, from_bytes, state_checksums, unpack
 from pjray.types import Completion, JudgePrompt
 
 __all__ = ["VllmEngine", "WeightSyncExtension", "vllm_request"]
@@ -84,8 +93,9 @@ class WeightSyncExtension:
     """Methods added to every vLLM worker (`worker_extension_cls`), called by `collective_rpc`.
 
     `self` is the vLLM worker: `self.model_runner.model` is the served model, `self.rank` the
-    worker's rank inside its engine, `self.device` its device. Plans and handles arrive pickled
-    (`pjray.rl.sync.dumps`): vLLM's RPC encoder takes only plain types and tensors.
+    worker's rank inside its engine, `self.device` its device. Arguments are plain types: plans
+    and handles pickled (`pjray.rl.sync.dumps`), weights as raw bytes or shared-memory paths (an
+    engine core in its own process decodes a tensor argument as a list).
     """
 
     def pjray_init_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> int:
@@ -128,10 +138,23 @@ class WeightSyncExtension:
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.model)
 
-    def pjray_load_bucket(self, bucket: bytes, flat: torch.Tensor) -> None:
-        """Load one flat bucket sent through the RPC itself (the object-store path), between
-        `pjray_begin_update` and `pjray_finish_update`."""
-        self._pjray_load(loads(bucket), flat.to(self.device))
+    def pjray_load_bucket(self, bucket: bytes, data: bytes) -> None:
+        """Load one bucket sent through the RPC itself as raw bytes (the object-store path),
+        between `pjray_begin_update` and `pjray_finish_update`. Bytes, not a tensor: an engine
+        core in a process of its own decodes an RPC's tensor arguments as lists."""
+        plan_entry = loads(bucket)
+        self._pjray_load(plan_entry, from_bytes(plan_entry, data).to(self.device))
+
+    def pjray_load_shared(self, plan: bytes, paths: list[str]) -> None:
+        """Same-node sync: map learner rank 0's shared-memory buffers (once per path) and load
+        them (one update). Only the paths cross the RPC."""
+        if not hasattr(self, "_pjray_shared"):
+            self._pjray_shared = SharedBucketReader()
+        buckets = loads(plan)
+        self.pjray_begin_update()
+        for bucket, view in zip(buckets, self._pjray_shared.views(buckets, paths)):
+            self._pjray_load(bucket, view.to(self.device))
+        self.pjray_finish_update()
 
     def pjray_finish_update(self) -> None:
         from vllm.config import set_current_vllm_config
@@ -152,14 +175,14 @@ class WeightSyncExtension:
 
 
 def cpu_engine_env() -> None:
-    """Settings for vLLM's CPU build, made before `vllm` is imported: the engine core in this
-    process (one process per worker on a small CPU box) and a 1 GiB KV cache. A user's wins."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    """Settings for vLLM's CPU build, made before `vllm` is imported: a 1 GiB KV cache (a user's
+    setting wins). The engine core runs in a process of its own, as vLLM runs it on GPUs, so
+    the CPU tests take the path GPU runs take (every RPC argument crosses a process boundary)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 class VllmEngine:
-    """Rollouts with `vllm.LLM` (GPU; or vLLM's CPU build for text-only judges).
+    """Rollouts with `vllm.LLM` (GPU, or vLLM's CPU build).
 
     The engine lives inside a `RolloutWorker` actor, which holds rollout.tensor_parallel_size
     GPUs (split mode) or a share of one learner GPU (colocated, with sleep mode).
@@ -169,7 +192,6 @@ class VllmEngine:
         self.model_cfg, self.rollout_cfg = model_cfg, rollout_cfg
         on_cpu = rollout_cfg.device == "cpu"
         if on_cpu:
-            # collective_rpc then calls the worker extension directly.
             cpu_engine_env()
         from vllm import LLM  # noqa: PLC0415  (imported only when this backend is chosen)
 
@@ -261,18 +283,22 @@ class VllmEngine:
         """Logprob of each token of `continuation` after `prompt` under the served weights.
 
         One prefill with prompt logprobs (no sampling): how tests compare the engine with the
-        learner after a sync.
+        learner after a sync. They are vLLM's prompt logprobs: of the raw logits (temperature
+        1, no placeholder ban), the learner's `forward_logprobs` with no `banned` ids. An image
+        prompt goes in as token ids with ONE un-expanded placeholder beside its image, which
+        vLLM expands as it does the text; the continuation is the prompt's last tokens, so
+        expansion does not move it.
         """
         from vllm import SamplingParams
 
+        if not continuation:
+            return []
         request = vllm_request(self.processor, prompt, self.model_cfg.think_prefix)
-        prompt_ids = self.processor.tokenizer(request["prompt"], add_special_tokens=False)["input_ids"]
-        full = {"prompt_token_ids": list(prompt_ids) + list(continuation)}
-        if "multi_modal_data" in request:
-            raise ValueError("continuation_logprobs: text-only prompts (token ids cannot carry an image)")
+        prompt_ids = self.processor.tokenizer(request.pop("prompt"), add_special_tokens=False)["input_ids"]
+        request["prompt_token_ids"] = list(prompt_ids) + list(continuation)
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
-        out = self.llm.generate([full], params, use_tqdm=False)[0]
-        steps = out.prompt_logprobs[len(prompt_ids) :]
+        out = self.llm.generate([request], params, use_tqdm=False)[0]
+        steps = out.prompt_logprobs[-len(continuation) :]
         return [float(step[tok].logprob) for step, tok in zip(steps, continuation)]
 
     # -- weights --------------------------------------------------------------------------
@@ -285,9 +311,17 @@ class VllmEngine:
         self.llm.collective_rpc("pjray_begin_update")
         for bucket, ref in zip(plan, refs):
             flat = ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
-            self.llm.collective_rpc("pjray_load_bucket", args=(dumps(bucket), flat))
+            self.llm.collective_rpc("pjray_load_bucket", args=(dumps(bucket), flat_bytes(flat)))
             del flat
         self.llm.collective_rpc("pjray_finish_update")
+        self._after_load()
+
+    def load_shared(self, plan: list[Bucket], paths: list[str]) -> None:
+        """Same-node sync: every vLLM worker maps learner rank 0's shared-memory buffers."""
+        if len(plan) != len(paths):
+            raise ValueError(f"load_shared: {len(plan)} buckets in the plan but {len(paths)} buffers")
+        self._before_load()
+        self.llm.collective_rpc("pjray_load_shared", args=(dumps(plan), list(paths)))
         self._after_load()
 
     def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
@@ -316,6 +350,9 @@ class VllmEngine:
             self.sleeping.discard("weights")
 
     def _after_load(self) -> None:
+        # Encoder outputs (the vision tower's embeddings of images already seen) are cached per
+        # image: they were computed with the old weights.
+        self.llm.llm_engine.reset_encoder_cache()
         if "kv_cache" not in self.sleeping:
             # Cached KV blocks were computed with the old weights (a sleeping cache is reset
             # when it wakes).
@@ -324,6 +361,11 @@ class VllmEngine:
     def checksums(self) -> dict[str, str]:
         """`state_checksums` of vLLM's own parameters on its rank 0 (vLLM's names)."""
         return self.llm.collective_rpc("pjray_checksums")[0]
+
+    def close(self) -> None:
+        """Stop vLLM's engine core (its process, when it runs in one) now, not at garbage
+        collection."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
         """Release weights and KV cache (colocated engines); a no-op without sleep mode."""

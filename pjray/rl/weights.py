@@ -146,6 +146,20 @@ def unpack(bucket: Bucket, flat: Tensor) -> dict[str, Tensor]:
     }
 
 
+def flat_bytes(flat: Tensor) -> bytes:
+    """The raw bytes of a packed bucket (one copy), for transports that carry only plain
+    types: vLLM's engine core, in a process of its own, decodes an RPC's tensor arguments
+    as lists."""
+    return flat.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def from_bytes(bucket: Bucket, data: bytes | bytearray | memoryview) -> Tensor:
+    """The flat buffer of `bucket` from `flat_bytes` (a copy: writable, its own memory)."""
+    if len(data) != bucket.nbytes:
+        raise ValueError(f"from_bytes: {len(data)} bytes, bucket needs {bucket.nbytes}")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(bucket.dtype)
+
+
 def tensor_checksum(t: Tensor) -> str:
     """sha256 hex digest of a tensor's dtype, shape and raw bytes.
 

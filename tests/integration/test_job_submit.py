@@ -1,4 +1,6 @@
-"""`ray job submit -- pjray train` and `-- pjray ppjd` against a local Ray cluster.
+"""`ray job submit -- pjray train` and `-- pjray ppjd` against a local Ray cluster, and a
+training job on a two-node cluster (two raylets on this machine) whose learner and rollout
+workers run on different nodes.
 
 The cluster is started with `ray start --head --block` in its own process session, on free
 ports and a private temp dir, and stopped by signalling that session. `ray stop` is not used:
@@ -9,8 +11,10 @@ token written by an earlier `ray.init()` would otherwise switch the new cluster 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -88,26 +92,48 @@ def ray_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def cluster():
     """A local head node; yields the dashboard (job API) address."""
+    with local_cluster() as address:
+        yield address
+
+
+@contextlib.contextmanager
+def local_cluster(head_resources: dict[str, float] | None = None, worker_resources: dict[str, float] | None = None):
+    """A head node (and, with `worker_resources`, a second node joined to it, 2 CPUs each);
+    yields the dashboard (job API) address."""
     # Unix socket paths are limited to ~107 bytes: keep the session dir short.
     temp_dir = tempfile.mkdtemp(prefix="pjr", dir="/tmp")
-    dashboard = free_port()
+    dashboard, gcs = free_port(), free_port()
     # Every port with a fixed default is chosen here, so a second cluster on the machine
     # (another test run, another user) cannot collide with this one.
     command = [
         str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--num-gpus=0",
-        f"--port={free_port()}", f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1",
+        f"--port={gcs}", f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1",
         f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
         f"--temp-dir={temp_dir}", "--include-dashboard=true", "--disable-usage-stats",
     ]
-    log = open(Path(temp_dir) / "head.log", "w")
-    head = subprocess.Popen(command, env=ray_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dashboard}"
+    if head_resources:
+        command.append(f"--resources={json.dumps(head_resources)}")
+    sessions = []
+    logs = []
     try:
-        wait_for_jobs_api(address, head, Path(temp_dir) / "head.log")
+        logs.append(open(Path(temp_dir) / "head.log", "w"))
+        sessions.append(subprocess.Popen(command, env=ray_env(), stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+        address = f"http://127.0.0.1:{dashboard}"
+        wait_for_jobs_api(address, sessions[0], Path(temp_dir) / "head.log")
+        if worker_resources is not None:
+            worker = [
+                str(BIN / "ray"), "start", "--block", f"--address=127.0.0.1:{gcs}", "--num-cpus=2", "--num-gpus=0",
+                f"--resources={json.dumps(worker_resources)}", f"--dashboard-agent-listen-port={free_port()}",
+                f"--temp-dir={temp_dir}", "--disable-usage-stats",
+            ]  # fmt: skip
+            logs.append(open(Path(temp_dir) / "worker.log", "w"))
+            sessions.append(subprocess.Popen(worker, env=ray_env(), stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
         yield address
     finally:
-        stop_session(head)
-        log.close()
+        for session in reversed(sessions):
+            stop_session(session)
+        for log in logs:
+            log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -219,3 +245,31 @@ def test_sweep_submits_trials_as_concurrent_jobs(cluster, tmp_path, monkeypatch)
     first, second = jobs["submitted--seed-0"], jobs["submitted--seed-1"]
     assert str(first.status).endswith("SUCCEEDED") and str(second.status).endswith("SUCCEEDED")
     assert max(first.start_time, second.start_time) < min(first.end_time, second.end_time)  # they overlapped
+
+
+@pytest.mark.slow
+def test_learner_and_rollout_on_two_nodes(working_dir, tmp_path):
+    """Two raylets on this machine, each offering its own custom resource; the learner rank asks
+    for one and the HF rollout worker for the other (`learner.resources`, `rollout.resources`),
+    so they run on different nodes. The placement group spans both, `auto` picks the object
+    store (no shared memory across nodes), weights cross between the nodes' object stores every
+    step, and the checkpoint and HF export land where the driver reads them."""
+    run_dir = tmp_path / "two_nodes"
+    with local_cluster(head_resources={"pjray_learner": 1}, worker_resources={"pjray_rollout": 1}) as address:
+        result = submit(
+            address, working_dir,
+            ["pjray", "train", "--config", "configs/demo.yaml", *TRAIN, "rollout.backend=hf",
+             "learner.resources.pjray_learner=1", "rollout.resources.pjray_rollout=1",
+             f"trainer.run_dir={run_dir}"],
+            timeout=420.0,
+        )  # fmt: skip
+    out = result.stdout + result.stderr
+    chosen = re.search(r"weight sync: (\w+) \(trainer.sync_backend=auto; learner rank 0 on node (\w+), rollout workers on \['(\w+)'\]\)", out)
+    assert chosen, out[-3000:]
+    backend, learner_node, rollout_node = chosen.groups()
+    assert backend == "object_store" and learner_node != rollout_node
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+    assert all(json.loads(line)["timing_s/sync"] > 0 for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    assert (run_dir / "hf_model" / "config.json").is_file()
+    assert (run_dir / "checkpoints" / "global_step_2" / "COMPLETE").is_file()

@@ -533,7 +533,8 @@ def _sharpen(path: Path) -> None:
 def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, rank_env: None) -> None:
     """Responses sampled by the HF engine at T=0.7: the learner's current and reference
     log-probs of them equal the engine's, and so does the forward of train_step (its
-    rollout/logprob_diff_max ~ 0, its entropy that of logits / T); raw logits are far off."""
+    rollout/logprob_diff_max ~ 0, its entropy that of logits / T without the placeholders,
+    which both sides ban); raw logits are far off."""
     judge = build_tiny_judge(tmp_path / "judge", seed=0)
     _sharpen(judge)
     engine = HFEngine(str(judge), ModelConfig(), RolloutConfig(max_new_tokens=8, temperature=0.7))
@@ -560,7 +561,7 @@ def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, ra
         mask = batch.response_mask[:, 1:].bool()
         with torch.no_grad():
             raw, _ = forward_logprobs(rank.engine, rank.processor, batch, temperature=1.0)
-            _, scaled = forward_logprobs(rank.engine, rank.processor, batch, temperature=0.7)
+            _, scaled = forward_logprobs(rank.engine, rank.processor, batch, temperature=0.7, banned=rank.banned)
             entropy = float(entropy_from_logits(scaled).mean())
         exps = [dataclasses.replace(e, ref_logprobs=r) for e, r in zip(exps, ref)]
         metrics = rank.train_step(exps, *_counts(exps))

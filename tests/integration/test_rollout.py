@@ -144,7 +144,8 @@ def test_generate_shapes_order_and_finish(stopping_engine: HFEngine):
 
 def _assert_teacher_forced(engine: HFEngine, completions: list[Completion], temperature: float | None = None) -> None:
     """Each completion's logprobs equal one unpadded full forward pass over prompt + response,
-    at the engine's sampling temperature (log softmax of logits / T) unless another is given."""
+    at the engine's sampling temperature (log softmax of logits / T, over the vocabulary
+    without the banned placeholder ids: the distribution sampled from) unless another is given."""
     temperature = engine.rollout_cfg.temperature if temperature is None else temperature
     model, processor = engine.model, engine.processor
     for c in completions:
@@ -162,6 +163,7 @@ def _assert_teacher_forced(engine: HFEngine, completions: list[Completion], temp
             kwargs["image_grid_thw"] = inputs["image_grid_thw"]
         with torch.no_grad():
             logits = model(**kwargs).logits[0, prompt_len - 1 : -1].float() / temperature
+        logits[:, list(engine.banned_ids)] = float("-inf")
         expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-4, rtol=0)
 

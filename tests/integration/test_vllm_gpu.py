@@ -1,8 +1,9 @@
 """The GPU production path: vLLM rollouts of a tiny VLM judge, colocated (CUDA IPC + sleep mode)
 and split (NCCL broadcast), with a DeepSpeed learner. Skipped without CUDA or without vLLM.
 
-After two GRPO steps the engine must serve the learner's weights: its logprobs of a fixed
-continuation equal the learner's. `benchmarks/gpu_smoke.sh` runs the same layouts with timings.
+After three GRPO steps on the same two images (so a stale encoder cache after a sync would show
+in every step's logprob_diff) the engine must serve the learner's weights: its logprobs of a
+fixed continuation equal the learner's. `benchmarks/gpu_smoke.sh` runs the same layouts with timings.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from pjray.types import Experience, JudgePrompt  # noqa: E402
 
 COMMON = [
     "model.init=tiny", "model.tiny_arch=qwen2_vl", "rollout.backend=vllm", "rollout.device=cuda", "rollout.max_model_len=2048",
-    "rollout.max_new_tokens=32", "data.num_items=16", "data.image_size=64", "algo.group_size=4",
-    "trainer.prompts_per_step=2", "trainer.steps=2", "trainer.save_every=0", "trainer.export_hf=false",
+    "rollout.max_new_tokens=32", "data.num_items=2", "data.image_size=64", "algo.group_size=4",
+    "trainer.prompts_per_step=2", "trainer.steps=3", "trainer.save_every=0", "trainer.export_hf=false",
     "learner.micro_batch_size=4", "learner.lr=0.05", "tracking.wandb=false",
 ]  # fmt: skip
 COLOCATED = [
@@ -67,12 +68,12 @@ def test_grpo_steps_and_sync_on_gpu(local_ray, tmp_path: Path, layout: str) -> N
             item_id="t", system="Judge.", user="Rank the answers.", image=None, protocol="batch",
             style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC",
         )  # fmt: skip
-        continuation = tuple(ray.get(worker.generate.remote([prompt], 1, 0))[0].token_ids)
+        # The sampled tokens' log-probs (placeholders banned, as the learner bans them).
+        sampled = ray.get(worker.generate.remote([prompt], 1, 0))[0]
         text = render_chat(trainer.processor, prompt, think_prefix=cfg.model.think_prefix)
-        experience = Experience(prompt_text=text, image=None, response_ids=continuation, advantage=0.0)
+        experience = Experience(prompt_text=text, image=None, response_ids=sampled.token_ids, advantage=0.0)
         learner = ray.get(trainer.learners[0].compute_logprobs.remote([experience], "policy"))[0]
-        served = ray.get(worker.continuation_logprobs.remote(prompt, continuation))
-        assert served == pytest.approx(list(learner), abs=5e-3)
+        assert list(sampled.logprobs) == pytest.approx(list(learner), abs=5e-3)
         # The rollout engine and the learner agree per sampled token on each step's first update.
         metrics = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
         assert all(m["rollout/logprob_diff_max"] < 5e-3 for m in metrics), metrics

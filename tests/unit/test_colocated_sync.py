@@ -5,7 +5,9 @@ Colocated, the learner and the engine share one GPU. After the update the engine
 take back its weights only and load the new ones while its KV cache stays released; the KV cache
 may wake only when the driver says so, after the learner freed its packed copy of the weights.
 The driver's side of the order is checked in tests/integration/test_trainer.py. Neither has run
-on a GPU here.
+on a GPU here. In every layout and transport, a load resets the encoder cache (the vision
+tower's embeddings of images already seen were computed with the old weights); the real engine's
+side of that is tests/integration/test_vllm_vl_cpu.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ class RecordingLLM:
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.llm_engine = self  # `LLM.llm_engine.reset_encoder_cache`
+
+    def reset_encoder_cache(self) -> None:
+        self.calls.append(("reset_encoder_cache",))
 
     def sleep(self, level: int) -> None:
         self.calls.append(("sleep", level))
@@ -46,7 +52,9 @@ def test_colocated_load_wakes_weights_only_and_the_kv_cache_on_wake_up():
     engine = _engine(sleep_enabled=True)
     engine.sleep()
     engine.load_ipc([], [])
-    assert engine.llm.calls == [("sleep", 1), ("wake_up", ("weights",)), ("rpc", "pjray_load_ipc")]
+    assert engine.llm.calls == [
+        ("sleep", 1), ("wake_up", ("weights",)), ("rpc", "pjray_load_ipc"), ("reset_encoder_cache",),
+    ]  # fmt: skip
     assert engine.sleeping == {"kv_cache"}  # still released while the learner frees its copy
     engine.llm.calls.clear()
     engine.wake_up()
@@ -57,12 +65,28 @@ def test_colocated_load_wakes_weights_only_and_the_kv_cache_on_wake_up():
     assert engine.llm.calls == [] and not engine.sleeping
 
 
+TRANSPORTS = (
+    lambda e: e.load_weights([], []),
+    lambda e: e.load_shared([], []),
+    lambda e: e.receive_weights([]),
+    lambda e: e.load_ipc([], []),
+)
+
+
 def test_every_transport_keeps_the_kv_cache_asleep_until_wake_up():
-    for load in (lambda e: e.load_weights([], []), lambda e: e.receive_weights([]), lambda e: e.load_ipc([], [])):
+    for load in TRANSPORTS:
         engine = _engine(sleep_enabled=True)
         engine.sleep()
         load(engine)
         assert ("wake_up", ("kv_cache",)) not in engine.llm.calls and engine.sleeping == {"kv_cache"}
+        assert engine.llm.calls[-1] == ("reset_encoder_cache",)
+
+
+def test_every_transport_resets_the_encoder_cache_after_its_load_in_split_layouts():
+    for load in TRANSPORTS:
+        engine = _engine(sleep_enabled=False)
+        load(engine)
+        assert engine.llm.calls[-2:] == [("reset_encoder_cache",), ("reset_prefix_cache",)]
 
 
 def test_split_engines_never_sleep_and_reset_the_prefix_cache_after_a_load():
@@ -70,4 +94,4 @@ def test_split_engines_never_sleep_and_reset_the_prefix_cache_after_a_load():
     engine.sleep()
     engine.load_ipc([], [])
     engine.wake_up()
-    assert engine.llm.calls == [("rpc", "pjray_load_ipc"), ("reset_prefix_cache",)]
+    assert engine.llm.calls == [("rpc", "pjray_load_ipc"), ("reset_encoder_cache",), ("reset_prefix_cache",)]

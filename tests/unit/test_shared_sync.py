@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from pjray.config import RolloutConfig
 from pjray.rl.sync import SharedBucketReader, SharedBuckets, auto_transport, remove_stale_buffers
 from pjray.rl.weights import pack, plan_buckets, state_checksums, unpack
 
@@ -111,8 +112,20 @@ def test_pack_into_a_given_buffer_checks_it():
         pack(bucket, tensors, out=torch.empty(bucket.numel + 1, dtype=bucket.dtype))
 
 
-def test_auto_picks_shared_memory_only_for_hf_engines_on_the_learners_node():
-    assert auto_transport("hf", "n0", ["n0", "n0"]) == "shm"
-    assert auto_transport("hf", "n0", ["n0", "n1"]) == "object_store"
-    assert auto_transport("vllm", "n0", ["n0"]) == "object_store"
-    assert auto_transport("hf", "n0", []) == "object_store"
+def test_auto_transport_per_layout():
+    hf, vllm_cpu = RolloutConfig(backend="hf"), RolloutConfig(backend="vllm", device="cpu")
+    vllm_gpu = RolloutConfig(backend="vllm", num_gpus_per_worker=1)
+    colocated = RolloutConfig(backend="vllm", num_gpus_per_worker=0.4, colocate=True)
+    # Same node: shared memory, for either engine on CPU.
+    assert auto_transport(hf, False, "n0", ["n0", "n0"]) == "shm"
+    assert auto_transport(vllm_cpu, False, "n0", ["n0"]) == "shm"
+    # Another node (or nothing to ask): the object store.
+    assert auto_transport(hf, False, "n0", ["n0", "n1"]) == "object_store"
+    assert auto_transport(vllm_cpu, False, "n0", ["n1"]) == "object_store"
+    assert auto_transport(hf, False, "n0", []) == "object_store"
+    # vLLM on GPUs: NCCL on any node pair, CUDA IPC when colocated.
+    assert auto_transport(vllm_gpu, True, "n0", ["n0"]) == "nccl"
+    assert auto_transport(vllm_gpu, True, "n0", ["n1"]) == "nccl"
+    assert auto_transport(colocated, True, "n0", ["n0"]) == "ipc"
+    # A CPU learner cannot join NCCL: vLLM's GPU engines then take the node rule.
+    assert auto_transport(vllm_gpu, False, "n0", ["n0"]) == "shm"

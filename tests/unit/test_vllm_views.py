@@ -118,6 +118,9 @@ COLOCATED = SPLIT[:-1] + [
 
 def test_good_layouts_load() -> None:
     assert load(overrides=VLLM_CPU + ["trainer.sync_backend=gloo"]).rollout.device == "cpu"
+    # vLLM's CPU build serves the vision judges too: the base judge and every tiny VL arch.
+    assert load(overrides=VLLM_CPU[1:3]).model.init == "base_judge"
+    assert load(overrides=VLLM_CPU[:3] + ["model.tiny_arch=qwen3_vl"]).data.images
     assert load(overrides=SPLIT + ["trainer.sync_backend=nccl", "ray.num_gpus=4"]).trainer.sync_backend == "nccl"
     assert load(overrides=COLOCATED + ["ray.num_gpus=2"]).rollout.colocate
 
@@ -126,8 +129,6 @@ def test_good_layouts_load() -> None:
     "overrides, key",
     [
         (["rollout.backend=vllm"], "rollout.num_gpus_per_worker"),
-        (VLLM_CPU[1:3] + ["data.images=false"], "model.init=base_judge"),
-        (VLLM_CPU[:3] + ["data.images=false"], "model.tiny_arch"),
         (VLLM_CPU[:4], "data.images"),
         (VLLM_CPU + ["rollout.num_gpus_per_worker=1"], "rollout.device=cpu"),
         (VLLM_CPU + ["rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size"),
@@ -142,6 +143,8 @@ def test_good_layouts_load() -> None:
         (COLOCATED + ["rollout.num_workers=1"], "rollout.num_workers"),
         (COLOCATED + ["ray.num_gpus=1"], "ray.num_gpus"),
         (["rollout.backend=hf", "rollout.colocate=true"], "rollout.colocate"),
+        (["learner.resources.GPU=1"], "learner.resources.GPU"),
+        (["rollout.backend=hf", "rollout.resources.rollout_node=0"], "rollout.resources.rollout_node"),
     ],
 )
 def test_bad_layouts_name_the_key(overrides: list[str], key: str) -> None:

@@ -1,0 +1,278 @@
+"""The vision-language path on vLLM's CPU build, as GPU runs take it: the three tiny Qwen-VL
+judges (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) served on images, vLLM's engine core in a process of
+its own (its default, and the GPU default), weights synced into it, and GRPO with a trainable
+vision tower.
+
+Runs only where vLLM imports (`.venv-vllm`, built by `tests/vllm_cpu_env.sh`; CI runs it with
+`-m vllm`). With PJRAY_VLLM_DEVICE=cuda (`benchmarks/gpu_smoke.sh`) the engine checks 1-3 run
+on a GPU instead (vLLM's GPU build; the HF reference stays on the CPU). Per architecture:
+
+1. `VllmEngine` samples n answers per image prompt, in order, deterministic in the seed.
+2. Its log-probs equal the learner's teacher-forced ones (`forward_logprobs`, the placeholder
+   ids banned on both sides) within 1e-4; without the learner's ban they differ by the banned
+   placeholders' mass, which is how the two sides drifted apart before.
+3. After a sync that changes every weight, vision tower included, the engine's log-probs on
+   images it has already encoded equal the updated HF model's: vLLM's encoder cache is reset
+   at every load. Both transports that reach a separate engine-core process run: bytes through
+   the RPC (the object-store path) and shared memory (only paths cross).
+4. Three GRPO steps with rollout.backend=vllm, images on and the vision tower trainable: the
+   rollout's log-probs stay within 1e-3 of the DeepSpeed learner's at every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+vllm = pytest.importorskip(
+    "vllm",
+    reason="vllm is not importable here: the vLLM CPU tests run in .venv-vllm "
+    "(tests/vllm_cpu_env.sh builds it; CI runs them there with -m vllm)",
+)
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from pjray.cluster import actor_env  # noqa: E402
+from pjray.config import load  # noqa: E402
+from pjray.models.loading import load_judge, placeholder_ids, render_chat  # noqa: E402
+from pjray.models.tiny import TINY_ARCHS, build_tiny_judge  # noqa: E402
+from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
+from pjray.rl.sync import SharedBuckets  # noqa: E402
+from pjray.rl.trainer import Trainer  # noqa: E402
+from pjray.rl.vllm_engine import VllmEngine  # noqa: E402
+from pjray.rl.weights import pack, plan_buckets  # noqa: E402
+from pjray.types import Experience, JudgePrompt  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::DeprecationWarning"),
+]
+
+TESTS_DIR = Path(__file__).resolve().parent
+MAX_NEW = 12
+
+
+def _png(rgb: tuple[int, int, int], size: int = 64) -> bytes:
+    image = Image.new("RGB", (size, size), rgb)
+    image.paste((255 - rgb[0], 255 - rgb[1], 255 - rgb[2]), (8, 8, size // 2, size // 2))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _prompt(user: str, rgb: tuple[int, int, int]) -> JudgePrompt:
+    return JudgePrompt(
+        item_id=user[:8], system="You are a careful judge.", user=user, image=_png(rgb), protocol="batch",
+        style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC",
+    )  # fmt: skip
+
+
+PROMPTS = [
+    _prompt("Which answer is right? A: red B: blue C: green", (200, 30, 30)),
+    _prompt("Rank the three answers by the image.", (30, 60, 200)),
+]
+
+
+DEVICE = os.environ.get("PJRAY_VLLM_DEVICE", "cpu")
+ON_DEVICE = (
+    ["rollout.device=cpu"]
+    if DEVICE == "cpu"
+    else ["rollout.device=cuda", "rollout.num_gpus_per_worker=1", "rollout.gpu_memory_utilization=0.3"]
+)
+
+
+def _overrides(arch: str) -> list[str]:
+    return [
+        "model.init=tiny", f"model.tiny_arch={arch}", "rollout.backend=vllm", *ON_DEVICE,
+        "rollout.max_model_len=1024", f"rollout.max_new_tokens={MAX_NEW}",
+    ]  # fmt: skip
+
+
+class Served(NamedTuple):
+    arch: str
+    path: str
+    engine: VllmEngine
+
+
+@pytest.fixture(scope="module", params=TINY_ARCHS)
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    arch = request.param
+    path = str(build_tiny_judge(tmp_path_factory.mktemp(arch), arch=arch, seed=0))
+    cfg = load(overrides=_overrides(arch))
+    engine = VllmEngine(path, cfg.model, cfg.rollout)
+    yield Served(arch, path, engine)
+    engine.close()
+
+
+def _learner_logprobs(path: str, prompts: list[JudgePrompt], completions, temperature: float, banned: bool) -> list[torch.Tensor]:
+    """The learner's teacher-forced log-probs of each completion (its own forward function)."""
+    model, processor = load_judge(path, trainable=False)
+    experiences = [
+        Experience(prompt_text=render_chat(processor, prompts[c.prompt_index]), image=prompts[c.prompt_index].image,
+                   response_ids=c.token_ids, advantage=0.0)
+        for c in completions
+    ]  # fmt: skip
+    batch = collate(processor, experiences)
+    with torch.no_grad():
+        logp, _ = forward_logprobs(
+            model, processor, batch, temperature=temperature, banned=placeholder_ids(processor) if banned else ()
+        )
+    mask = batch.response_mask[:, 1:].bool()
+    return [logp[i][mask[i]] for i in range(len(completions))]
+
+
+def _learner_logprobs_on(model, processor, prompts, continuations) -> list[torch.Tensor]:
+    """HF log-probs of each continuation after its prompt at temperature 1, nothing banned:
+    what vLLM's prompt log-probs (`continuation_logprobs`) are."""
+    experiences = [
+        Experience(prompt_text=render_chat(processor, p), image=p.image, response_ids=tuple(c), advantage=0.0)
+        for p, c in zip(prompts, continuations)
+    ]
+    batch = collate(processor, experiences)
+    with torch.no_grad():
+        logp, _ = forward_logprobs(model, processor, batch)
+    mask = batch.response_mask[:, 1:].bool()
+    return [logp[i][mask[i]] for i in range(len(experiences))]
+
+
+def _max_gap(a: list[float] | torch.Tensor, b: torch.Tensor) -> float:
+    return float((torch.as_tensor(a, dtype=torch.float32) - b.float()).abs().max())
+
+
+def test_samples_images_in_order_and_in_the_seed(served: Served) -> None:
+    engine, n = served.engine, 3
+    out = engine.generate(PROMPTS, n=n, seed=7)
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(len(PROMPTS)) for s in range(n)]
+    for c in out:
+        assert 1 <= len(c.token_ids) <= MAX_NEW and len(c.logprobs) == len(c.token_ids)
+        assert all(-1e9 < lp <= 0 for lp in c.logprobs)
+        assert not set(c.token_ids) & set(engine.banned_ids)  # placeholders are never sampled
+    assert len({c.token_ids for c in out}) > 1
+    assert engine.generate(PROMPTS, n=n, seed=7) == out
+    assert engine.generate(PROMPTS, n=n, seed=8) != out
+
+
+def test_served_logprobs_equal_the_learners(served: Served) -> None:
+    """Sampled at T=0.7 on images: vLLM's log-probs are the learner's, with the placeholder ban
+    on both sides (1e-4); the learner without the ban is off by the banned mass."""
+    saved = served.engine.rollout_cfg
+    served.engine.rollout_cfg = dataclasses.replace(saved, temperature=0.7)  # read per request
+    try:
+        out = served.engine.generate(PROMPTS, n=2, seed=5)
+    finally:
+        served.engine.rollout_cfg = saved
+    banned = _learner_logprobs(served.path, PROMPTS, out, 0.7, banned=True)
+    unbanned = _learner_logprobs(served.path, PROMPTS, out, 0.7, banned=False)
+    gap = max(_max_gap(c.logprobs, lp) for c, lp in zip(out, banned))
+    gap_unbanned = max(_max_gap(c.logprobs, lp) for c, lp in zip(out, unbanned))
+    print(f"\n{served.arch}: served vs learner max |d logprob| {gap:.2e} (banned both sides), {gap_unbanned:.2e} (learner unbanned)")
+    assert gap <= 1e-4, gap
+    assert gap_unbanned > 1e-3, gap_unbanned  # the ban matters for a random judge: the check can fail
+
+    # Prompt log-probs on images (raw logits, nothing banned) are the HF model's too.
+    model, processor = load_judge(served.path, trainable=False)
+    continuation = out[0].token_ids
+    served_lp = served.engine.continuation_logprobs(PROMPTS[0], continuation)
+    (expected,) = _learner_logprobs_on(model, processor, PROMPTS[:1], [continuation])
+    assert _max_gap(served_lp, expected) <= 1e-4
+
+
+def _named(path: str) -> tuple[dict[str, torch.Tensor], object, object]:
+    model, processor = load_judge(path, trainable=False)
+    return {k: v.detach() for k, v in model.named_parameters()}, model, processor
+
+
+def test_sync_of_every_weight_resets_the_encoder_cache(served: Served, tmp_path: Path) -> None:
+    """Images encoded before a sync are encoded again with the new vision tower: after loading
+    another seed's weights (every tensor differs, the vision tower's too) the engine's log-probs
+    on the same images equal the new HF model's, then back again through shared memory."""
+    engine = served.engine
+    continuations = [engine.generate([p], n=1, seed=0)[0].token_ids for p in PROMPTS]
+    before = [engine.continuation_logprobs(p, c) for p, c in zip(PROMPTS, continuations)]  # encoder cache warm
+
+    new, new_model, processor = _named(str(build_tiny_judge(tmp_path / "other", arch=served.arch, seed=1)))
+    old, old_model, _ = _named(served.path)
+    with torch.no_grad():  # another seed, and what it initialises alike (norms) moved too
+        noise = torch.Generator().manual_seed(0)
+        for name, value in new.items():
+            if torch.equal(value, old[name]):
+                value.add_(0.1 * torch.randn(value.shape, generator=noise))
+    assert any(k.startswith("model.visual") for k in new) and all(not torch.equal(new[k], old[k]) for k in new)
+    plan = plan_buckets([(k, v.shape, v.dtype) for k, v in new.items()], 64 << 10)
+    assert len(plan) > 3
+
+    # Object-store path: each bucket crosses into the engine-core process as bytes.
+    engine.load_weights(plan, [pack(b, new) for b in plan])
+    expected = _learner_logprobs_on(new_model, processor, PROMPTS, continuations)
+    after = [engine.continuation_logprobs(p, c) for p, c in zip(PROMPTS, continuations)]
+    gaps = [_max_gap(a, e) for a, e in zip(after, expected)]
+    moved = [_max_gap(a, torch.tensor(b)) for a, b in zip(after, before)]
+    print(f"\n{served.arch}: after the bytes sync, served vs new HF {max(gaps):.2e}; moved {min(moved):.2e}")
+    assert max(gaps) <= 1e-4, gaps
+    assert min(moved) > 1e-2, moved
+
+    # Shared memory: the engine core maps the learner's buffers; back to the old weights.
+    shared = SharedBuckets(tmp_path)
+    try:
+        plan_old, paths = shared.write((b, old) for b in plan_buckets([(k, v.shape, v.dtype) for k, v in old.items()], 64 << 10))
+        engine.load_shared(plan_old, paths)
+    finally:
+        shared.close()
+    expected_old = _learner_logprobs_on(old_model, processor, PROMPTS, continuations)
+    back = [engine.continuation_logprobs(p, c) for p, c in zip(PROMPTS, continuations)]
+    assert max(_max_gap(a, e) for a, e in zip(back, expected_old)) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+    ray.init(num_cpus=2, runtime_env={"env_vars": {**actor_env(), "PYTHONPATH": path}})
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the GPU layouts' GRPO runs are tests/integration/test_vllm_gpu.py")
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_grpo_with_images_and_a_trainable_vision_tower(local_ray, arch: str, tmp_path: Path) -> None:
+    """Three GRPO steps: vLLM rollouts on images (engine core in its own process), DeepSpeed
+    learner training every weight (vision tower included), sync by trainer.sync_backend=auto
+    (shared memory: one node). At every step the rollout's log-probs are the learner's, on
+    images the engine already encoded with the previous step's weights."""
+    cfg = load(
+        overrides=_overrides(arch) + [
+            f"trainer.run_dir={tmp_path / 'run'}", "model.freeze_vision=false",
+            "trainer.steps=3", "trainer.prompts_per_step=4", "trainer.save_every=0", "trainer.export_hf=false",
+            "trainer.sync_bucket_mb=1", "reward.function=learnable_rewards:starts_with_space",
+            "algo.group_size=4", "learner.micro_batch_size=8", "learner.lr=0.05",
+            "rollout.num_cpus_per_worker=0.5", "learner.num_cpus_per_rank=0.5",
+            # 4 items, 4 prompts a step: every step judges the same images again, so a stale
+            # encoder cache after a sync would show in logprob_diff.
+            "data.num_items=4", "data.image_size=64", "tracking.wandb=false",
+        ]
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        trainer.setup()
+        assert trainer.sync_backend == "shm"
+        visual_before = ray.get(trainer.learners[0].checksums.remote())
+        trainer.run()
+        metrics = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [m["training/global_step"] for m in metrics] == [1, 2, 3]
+        diffs = [m["rollout/logprob_diff_max"] for m in metrics]
+        print(f"\n{arch}: GRPO rollout vs learner logprob_diff_max per step {diffs}")
+        assert all(0 <= d <= 1e-3 for d in diffs), diffs
+        visual_after = ray.get(trainer.learners[0].checksums.remote())
+        changed = [k for k in visual_before if k.startswith("model.visual") and visual_before[k] != visual_after[k]]
+        assert changed, "the vision tower did not train"
+    finally:
+        trainer.shutdown()
+        os.environ.pop("MASTER_PORT", None)
