@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
-from pjray.models.loading import load_judge, render_chat
+from pjray.models.loading import load_judge, placeholder_ids, render_chat
 from pjray.models.tiny import build_tiny_judge
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from pjray.rl.learner import LearnerRank, collate, forward_logprobs, forwarded_positions, lr_multiplier
@@ -387,7 +387,8 @@ def _plain_torch_step(judge_dir: str, exps: list[Experience]) -> tuple[float, fl
     model, processor = load_judge(judge_dir)
     model.model.visual.requires_grad_(False)
     batch = collate(processor, exps)
-    logp, _ = forward_logprobs(model, processor, batch)
+    # The learner's distribution: the placeholder ids banned, as every rollout engine bans them.
+    logp, _ = forward_logprobs(model, processor, batch, banned=placeholder_ids(processor))
     mask = batch.response_mask[:, 1:]
     loss, _ = grpo_loss(logp, logp.detach(), None, batch.advantages, mask, 0.0, global_tokens=tokens, global_seqs=seqs)
     loss.backward()
@@ -485,7 +486,7 @@ def test_checkpoint_and_hf_export(judge_dir: str, rank_env: None, tmp_path: Path
     model, processor = load_judge(str(tmp_path / "hf"), trainable=False)
     batch = collate(processor, exps)
     with torch.no_grad():
-        logp, _ = forward_logprobs(model, processor, batch)
+        logp, _ = forward_logprobs(model, processor, batch, banned=placeholder_ids(processor))
     mask = batch.response_mask[:, 1:].bool()
     for i, expected in enumerate(policy_logprobs):
         # Same weights (the checksums above are exact); the batch's shape differs from the
@@ -693,7 +694,7 @@ def test_two_ranks_match_one_rank(judge_dir: str, zero_stage: int, ray_local: No
     policy = [lp for part in _call(pair, "compute_logprobs", shards(exps), "policy") for lp in part]
     batch = collate(processor, exps)
     with torch.no_grad():
-        logp, _ = forward_logprobs(reloaded.eval(), processor, batch)
+        logp, _ = forward_logprobs(reloaded.eval(), processor, batch, banned=placeholder_ids(processor))
     mask = batch.response_mask[:, 1:].bool()
     for i, expected in enumerate(policy):
         assert logp[i][mask[i]].tolist() == pytest.approx(list(expected), abs=1e-6)
@@ -858,7 +859,7 @@ def test_lora_trains_only_adapters_and_exports_merged_weights(judge_dir: str, ra
     assert state_checksums(exported.named_parameters()) == state_checksums(merged)
     batch = collate(processor, exps)
     with torch.no_grad():
-        logp, _ = forward_logprobs(exported, processor, batch, temperature=0.7)
+        logp, _ = forward_logprobs(exported, processor, batch, temperature=0.7, banned=placeholder_ids(processor))
     mask = batch.response_mask[:, 1:].bool()
     for i, expected in enumerate(policy):
         torch.testing.assert_close(logp[i][mask[i]], torch.tensor(expected), atol=1e-5, rtol=0)
