@@ -59,7 +59,7 @@ import torch
 
 from pjray.config import ModelConfig, RolloutConfig
 from pjray.data.prompts import EOS_TOKEN
-from pjray.models.loading import decode_image, is_text_only, load_processor, render_chat
+from pjray.models.loading import decode_image, is_text_only, load_processor, placeholder_ids, render_chat
 from pjray.rl.sync import SharedBucketReader, WeightSyncGroup, dumps, loads, open_ipc_handle, receive_buckets
 from pjray.rl.weights import Bucket, flat_bytes, from_bytes, state_checksums, unpack
 from pjray.types import Completion, JudgePrompt
@@ -203,8 +203,7 @@ class VllmEngine:
         if not eos:
             raise ValueError(f"{model_path}: no EOS token ({EOS_TOKEN} unknown and no eos_token)")
         self.eos_ids: tuple[int, ...] = tuple(sorted(eos))
-        placeholders = (self.processor.image_token_id, self.processor.video_token_id)
-        self.banned_ids: tuple[int, ...] = tuple(sorted(i for i in placeholders if i is not None))
+        self.banned_ids: tuple[int, ...] = placeholder_ids(self.processor)
         self.sleep_enabled = rollout_cfg.colocate
         self.sleeping: set[str] = set()  # what sleep() released and no wake-up brought back yet
 
