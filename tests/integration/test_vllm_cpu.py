@@ -37,7 +37,6 @@ vllm = pytest.importorskip(
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from pjray.cluster import actor_env  # noqa: E402
 from pjray.config import PPJDConfig, load  # noqa: E402
 from pjray.models.loading import load_judge, processor_inputs, render_chat  # noqa: E402
 from pjray.models.tiny import build_tiny_judge  # noqa: E402
@@ -75,7 +74,6 @@ def _prompt(user: str) -> JudgePrompt:
     )  # fmt: skip
 
 
-TESTS_DIR = Path(__file__).resolve().parent
 PROMPTS = [_prompt("Which answer is right? A: red B: blue C: green"), _prompt("Rank the three answers.")]
 
 
@@ -166,17 +164,6 @@ def test_load_weights_in_buckets(engine: VllmEngine, tmp_path: Path) -> None:
     )
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    # Reward workers import the test reward from this directory. (DeepSpeed's JIT-built op goes
-    # to a directory of this venv's own: pjray.rl.ds_ops.)
-    path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-    env = {**actor_env(), "PYTHONPATH": path}
-    ray.init(num_cpus=2, runtime_env={"env_vars": env})
-    yield
-    ray.shutdown()
-
-
 def _served_matches_learner(trainer: Trainer, prompt: JudgePrompt, continuation: tuple[int, ...]) -> list[float]:
     """The engine's logprobs of `continuation`, checked equal to the DeepSpeed learner's."""
     text = render_chat(trainer.processor, prompt, think_prefix=trainer.cfg.model.think_prefix)
@@ -187,7 +174,7 @@ def _served_matches_learner(trainer: Trainer, prompt: JudgePrompt, continuation:
     return served
 
 
-def test_grpo_steps_and_weight_sync_with_vllm(local_ray, tmp_path: Path) -> None:
+def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None:
     """GRPO with vLLM rollouts end to end, syncing over the gloo broadcast group for two steps
     and then over the object store for a third (one setup, both transports of Trainer.sync_weights).
     The reward (a leading space, ~0.2 for the random judge) has variance, so weights move."""

@@ -40,7 +40,6 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from pjray.cluster import actor_env  # noqa: E402
 from pjray.config import load  # noqa: E402
 from pjray.models.loading import load_judge, placeholder_ids, render_chat  # noqa: E402
 from pjray.models.tiny import TINY_ARCHS, build_tiny_judge  # noqa: E402
@@ -57,7 +56,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::DeprecationWarning"),
 ]
 
-TESTS_DIR = Path(__file__).resolve().parent
 MAX_NEW = 12
 
 
@@ -232,17 +230,9 @@ def test_sync_of_every_weight_resets_the_encoder_cache(served: Served, tmp_path:
     assert max(_max_gap(a, e) for a, e in zip(back, expected_old)) <= 1e-4
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    path = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, runtime_env={"env_vars": {**actor_env(), "PYTHONPATH": path}})
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.skipif(DEVICE != "cpu", reason="the GPU layouts' GRPO runs are tests/integration/test_vllm_gpu.py")
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_grpo_with_images_and_a_trainable_vision_tower(local_ray, arch: str, tmp_path: Path) -> None:
+def test_grpo_with_images_and_a_trainable_vision_tower(ray_local, arch: str, tmp_path: Path) -> None:
     """Three GRPO steps: vLLM rollouts on images (engine core in its own process), DeepSpeed
     learner training every weight (vision tower included), sync by trainer.sync_backend=auto
     (shared memory: one node). At every step the rollout's log-probs are the learner's, on
