@@ -25,7 +25,6 @@ from pjray.ppjd.sources import scene_rows
 from support.ppjd import only_attribute_words_differ
 
 
-
 def scene_cfg(out: Path, **kw) -> PPJDConfig:
     return PPJDConfig(**{"source": "scenes", "num_items": 20, "image_size": 96, "shard_size": 6,
                          "output_dir": str(out), **kw})
