@@ -49,6 +49,12 @@ class _DropNotice(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith(self.prefix)
 
+    def __eq__(self, other: object) -> bool:  # so that a second call adds no second filter
+        return isinstance(other, _DropNotice) and other.prefix == self.prefix
+
+    def __hash__(self) -> int:
+        return hash(self.prefix)
+
 
 def quiet_stack() -> None:
     """Silence the driver-side notices (`--verbose` leaves them): Ray's note that a local
@@ -84,14 +90,17 @@ def quiet_prints() -> Iterator[None]:
 
 
 def quiet_ray_data() -> None:
-    """Ray Data's INFO lines (execution plans, progress blocks) stay in the session's
-    ray-data.log, off the console, unless `--verbose`; pjray logs its own progress lines.
+    """Ray Data's INFO lines (execution plans, progress blocks) and its notice that progress
+    bars are off stay in the session's ray-data.log, off the console, unless `--verbose`; pjray
+    logs its own progress lines.
     Call after `import ray.data` (which sets up its console handler)."""
     if verbose():
         return
     from ray.data import DataContext
 
     DataContext.get_current().enable_progress_bars = False
+    # Its warning that progress bars are off: pjray turned them off, for its own lines.
+    logging.getLogger("ray.data._internal.progress").addFilter(_DropNotice("Progress bars disabled"))
     for handler in logging.getLogger("ray.data").handlers:
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
             handler.setLevel(logging.WARNING)

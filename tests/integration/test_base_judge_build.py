@@ -1,7 +1,8 @@
-"""The base judge build at a reduced size (200 supervised steps instead of 600): deterministic,
-cached, its supervised stage learned, the judge's tags written on held-out prompts, and its
-held-out report written. The full recipe's quality (the format on held-out prompts, probe
-accuracy) and a GRPO run from it are tested in test_default_run_learns.py."""
+"""The base judge build at a reduced size (200 supervised steps instead of 2000): cached, its
+supervised stage learned, the judge's tags written on held-out prompts, and its held-out report
+written; and two builds of one recipe give the same weights (checked on a smaller recipe still,
+which runs every stage: determinism does not depend on how long each trains). The shipped
+judge's quality is tested in test_default_run_learns.py, its rebuild by `pytest -m rebuild`."""
 
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ from pjray.rl.rollout import HFEngine
 pytestmark = pytest.mark.slow
 
 SMALL = BaseJudgeRecipe(vision_steps=40, vision_batch=16, sft_scenes=600, sft_steps=200, sft_batch=8)
+SMALLER = BaseJudgeRecipe(vision_steps=4, vision_batch=8, sft_scenes=32, sft_steps=8, sft_batch=8)
 HELD_OUT_SEED = 424242
 
 
-def build(root: Path, lines: list[str]) -> Path:
+def build(root: Path, lines: list[str], recipe: BaseJudgeRecipe = SMALL) -> Path:
     cfg = load(None, ["tracking.wandb=false"])
-    return build_base_judge(cfg, SMALL, log=lines.append)
+    return build_base_judge(cfg, recipe, log=lines.append)
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +56,11 @@ def test_build_is_cached_and_deterministic(built, tmp_path: Path, monkeypatch):
     again: list[str] = []
     assert build(root, again) == path and not again  # from the cache, silently
 
-    monkeypatch.setenv("PJRAY_CACHE", str(tmp_path))
-    other = build(tmp_path, [])
-    a, b = load_file(path / "model.safetensors"), load_file(other / "model.safetensors")
+    builds = []
+    for cache in (tmp_path / "a", tmp_path / "b"):
+        monkeypatch.setenv("PJRAY_CACHE", str(cache))
+        builds.append(load_file(build(cache, [], SMALLER) / "model.safetensors"))
+    a, b = builds
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a), "two builds of one recipe differ"
 

@@ -213,8 +213,11 @@ def thinking_judge(path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("transport", ["auto", "object_store"])
-def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path, transport):
+def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
+    """The object store (the transport every layout has), then shared memory (what `auto` picks
+    for HF engines on the learner's node): after each sync, and after dead workers are rebuilt
+    (a rollout worker brought to the current weights through each), every engine holds the
+    learner's weights."""
     # A thinking template with model.think_prefix=false: the prompts still open <think>.
     cfg = load(
         overrides=TINY
@@ -228,35 +231,42 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path, transp
             "trainer.steps=3",
             "learner.lr=1e-2",
             "trainer.sync_bucket_mb=1",
-            f"trainer.sync_backend={transport}",
+            "trainer.sync_backend=auto",
         ]
     )
     trainer = Trainer(cfg)
-    try:
-        trainer.setup()
-        # auto: HF engines on the learner's node sync through shared memory.
-        assert trainer.sync_backend == ("shm" if transport == "auto" else "object_store")
-        trainer.step = 1
-        trainer.train_step()
-        # After a sync every rollout engine holds exactly the learner's weights.
+
+    def engines_hold_the_learners_weights() -> None:
         learner_sums = ray.get(trainer.learners[0].checksums.remote())
         for worker in trainer.rollout.actors:
             assert ray.get(worker.checksums.remote()) == learner_sums
 
-        # Kill one rollout worker and the reward worker between steps: the next step rebuilds
-        # them, gives the new rollout worker the current weights and completes, counting each
-        # prompt once.
-        consumed = trainer.sampler.state.consumed
+    try:
+        trainer.setup()
+        # auto: HF engines on the learner's node sync through shared memory (set up here).
+        assert trainer.sync_backend == "shm"
+        trainer.sync_backend = "object_store"  # for steps 1 and 2
+        trainer.step = 1
+        trainer.train_step()
+        engines_hold_the_learners_weights()
         ray.kill(trainer.rollout.actors[1], no_restart=True)
-        ray.kill(trainer.reward.actors[0], no_restart=True)
         trainer.step = 2
+        assert trainer.train_step()["rollout/worker_restarts"] == 1
+        engines_hold_the_learners_weights()
+
+        # Shared memory. Kill one rollout worker and the reward worker between steps: the next
+        # step rebuilds them, gives the new rollout worker the current weights and completes,
+        # counting each prompt once.
+        trainer.sync_backend = "shm"
+        consumed = trainer.sampler.state.consumed
+        ray.kill(trainer.rollout.actors[0], no_restart=True)
+        ray.kill(trainer.reward.actors[0], no_restart=True)
+        trainer.step = 3
         metrics = trainer.train_step()
-        assert metrics["rollout/worker_restarts"] == 2
+        assert metrics["rollout/worker_restarts"] == 3  # the run's restarts so far
         assert metrics["rollout/groups_kept"] == cfg.trainer.prompts_per_step
         assert trainer.sampler.state.consumed == consumed + cfg.trainer.prompts_per_step
-        learner_sums = ray.get(trainer.learners[0].checksums.remote())
-        for worker in trainer.rollout.actors:
-            assert ray.get(worker.checksums.remote()) == learner_sums
+        engines_hold_the_learners_weights()
 
         # The reward reads the think prefill from each prompt's text, not model.think_prefix:
         # the template opened <think>, so a response must close it without opening it again.
@@ -270,10 +280,10 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path, transp
         completions[3] = dataclasses.replace(completions[3], finish_reason="length")
         results = trainer.score(prompts, texts, completions, Timer())
         assert [r.total for r in results] == [1.0, 0.0, 0.0, 0.0], [r.reason for r in results]
-        buffers = ray.get(trainer.learners[0].export_shared.remote(1 << 20))[1] if transport == "auto" else []
+        buffers = ray.get(trainer.learners[0].export_shared.remote(1 << 20))[1]
     finally:
         trainer.shutdown()
-    assert bool(buffers) == (transport == "auto")
+    assert buffers
     assert not [p for p in buffers if Path(p).exists()]  # the trainer removed its shared buffers
 
 

@@ -125,6 +125,12 @@ def test_ray_data_info_lines_stay_off_the_console_unless_verbose(monkeypatch):
     monkeypatch.setenv(VERBOSE_ENV, "1")
     quiet_ray_data()
     assert context.enable_progress_bars and all(h.level == logging.INFO for h in consoles)
+    progress = logging.getLogger("ray.data._internal.progress")
+    monkeypatch.setattr(progress, "filters", [])
+    notice = progress.makeRecord(progress.name, logging.WARNING, __file__, 0, "Progress bars disabled. To enable, ...", (), None)
+    assert progress.filter(notice)
     monkeypatch.delenv(VERBOSE_ENV)
     quiet_ray_data()
+    quiet_ray_data()
     assert not context.enable_progress_bars and all(h.level == logging.WARNING for h in consoles)
+    assert not progress.filter(notice) and len(progress.filters) == 1  # its notice dropped, once
