@@ -24,6 +24,7 @@ import fcntl
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -41,10 +42,15 @@ STALE_AFTER_S = 15 * 60  # a build of the op takes about a minute on 2 cores
 
 
 def environment_key() -> str:
-    """Tells apart the environments whose builds must not mix: interpreter, torch, DeepSpeed, CPU."""
+    """Tells apart the environments whose builds must not mix: interpreter, torch, DeepSpeed, CPU,
+    and the ninja that builds (the first on PATH). Two ninja releases read each other's build log
+    as changed commands and rebuild the op, a minute each time they alternate: a venv's ninja
+    (pip's `ninja`, first on PATH under `ray job submit` or with the venv activated) and the
+    system's (the venv's python run without activating it)."""
     from deepspeed import __version__ as ds_version
 
-    parts = (sys.prefix, sys.version, torch.__version__, ds_version, platform.machine())
+    ninja = shutil.which("ninja") or "no ninja"
+    parts = (sys.prefix, sys.version, torch.__version__, ds_version, platform.machine(), ninja)
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
 
 

@@ -1,8 +1,9 @@
 """The base judge build at a reduced size (200 supervised steps instead of 2000): cached, its
 supervised stage learned, the judge's tags written on held-out prompts, and its held-out report
 written; and two builds of one recipe give the same weights (checked on a smaller recipe still,
-which runs every stage: determinism does not depend on how long each trains). The shipped
-judge's quality is tested in test_default_run_learns.py, its rebuild by `pytest -m rebuild`."""
+which runs every stage: an unseeded draw or an order that changes shows in a few steps as in
+many). The shipped judge's quality is tested in test_default_run_learns.py, its rebuild by
+`pytest -m rebuild`."""
 
 from __future__ import annotations
 

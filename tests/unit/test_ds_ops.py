@@ -46,6 +46,21 @@ def test_the_directory_is_per_environment_unless_the_user_sets_one(tmp_path, mon
     assert extensions_dir() == (tmp_path / "mine", False)
 
 
+def test_each_ninja_builds_in_a_directory_of_its_own(tmp_path, monkeypatch):
+    """Two ninja releases would rebuild over each other's objects in one directory."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    monkeypatch.setenv("PJRAY_CACHE", str(tmp_path))
+    dirs = []
+    for name in ("venv", "system"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "ninja").write_text("#!/bin/sh\n")
+        (tmp_path / name / "ninja").chmod(0o755)
+        monkeypatch.setenv("PATH", str(tmp_path / name))
+        dirs.append(extensions_dir()[0])
+    assert dirs[0] != dirs[1]
+    assert extensions_dir()[0] == dirs[1]  # the same ninja, the same directory
+
+
 def _hold_then_die(path, ready):
     with held(path):
         ready.set()
