@@ -1,4 +1,4 @@
-"""Where pjray keeps what it builds once per machine (base judges, JIT-built ops)."""
+"""Where pjray keeps what it builds once per machine (base judges)."""
 
 from __future__ import annotations
 

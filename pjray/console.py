@@ -3,15 +3,12 @@ the notices of the stack below that a user can do nothing about (`--verbose` kee
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import logging
 import os
 import sys
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,18 +72,6 @@ def quiet_stack() -> None:
         _DropNotice("Token authentication is enabled")
     )
     logging.getLogger("ray.data._internal.progress.utils").addFilter(_DropNotice("Truncating long operator name"))
-
-
-@contextlib.contextmanager
-def quiet_prints() -> Iterator[None]:
-    """Drops what a library call prints to stdout (not its warnings, logs or errors), unless
-    `--verbose`: DeepSpeed prints that its shared-memory op was "built successfully" at every
-    learner start, whether it built or only loaded it."""
-    if verbose():
-        yield
-        return
-    with contextlib.redirect_stdout(io.StringIO()):
-        yield
 
 
 def quiet_ray_data() -> None:

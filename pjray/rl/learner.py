@@ -47,11 +47,11 @@ from typing import Any
 import torch
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
-from pjray.console import quiet_actor_warnings, quiet_prints
+from pjray.console import quiet_actor_warnings
 from pjray.models.loading import load_judge, placeholder_ids
 from pjray.models.lora import apply_lora, base_model
 from pjray.rl.checkpoint import RankCheckpoints
-from pjray.rl.ds_ops import prepare_ops
+from pjray.rl.ds_ops import skip_unused_ops
 from pjray.rl.ds_setup import ds_config, lr_multiplier, optimizer, ref_ds_config, vision_tower
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, sft_loss
 from pjray.rl.logprobs import can_share_prefix, collate, forward_logprobs, forwarded_positions
@@ -140,9 +140,8 @@ class LearnerRank(WeightSender, RankCheckpoints):
             self.device = torch.device("cuda", 0)
         else:
             self.device = torch.device("cpu")
-        prepare_ops()  # DeepSpeed's JIT-built op: this environment's directory, no stale lock
-        with quiet_prints():
-            deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
+        skip_unused_ops()  # nothing is JIT-compiled at start-up (see ds_ops)
+        deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
 
         self.zero3 = learner_cfg.zero_stage == 3
         config = ds_config(learner_cfg, grad_accum_steps, world_size, ds_config_overrides or {})

@@ -13,7 +13,6 @@ from pjray.console import (
     VERBOSE_ENV,
     PhaseClock,
     duration,
-    quiet_prints,
     quiet_ray_data,
     quiet_stack,
     run_summary,
@@ -100,16 +99,6 @@ def test_set_up_phases_of_a_second_or_more_are_logged(monkeypatch, caplog):
         clock.done("learners")  # 2.2 s
         clock.done("workers")  # 0.4 s: quiet
     assert [r.getMessage() for r in caplog.records] == ["set-up: learners 2.2s"]
-
-
-def test_library_prints_are_dropped_unless_verbose(monkeypatch, capsys):
-    monkeypatch.delenv(VERBOSE_ENV, raising=False)
-    with quiet_prints():
-        print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully")
-    monkeypatch.setenv(VERBOSE_ENV, "1")
-    with quiet_prints():
-        print("kept with --verbose")
-    assert capsys.readouterr().out == "kept with --verbose\n"
 
 
 def test_ray_data_info_lines_stay_off_the_console_unless_verbose(monkeypatch):
