@@ -1,4 +1,4 @@
-"""Where pjray keeps what it builds once per machine (base judges)."""
+"""Where pjray keeps what it builds once per machine (base judges, training's scene data)."""
 
 from __future__ import annotations
 

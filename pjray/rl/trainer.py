@@ -154,7 +154,9 @@ def load_items(cfg: Config) -> Rows[JudgeItem] | DatasetItems:
     are checked as the sampler reads them.
 
     Scene data goes through the same Ray Data job as `pjray ppjd` (on the cluster we are
-    connected to), into `<run_dir>/data`; a rerun or resume reuses the shards already there.
+    connected to), into `<run_dir>/data`; a rerun or resume reuses the shards already there, and
+    a new run of the same data settings and code starts from the shards kept on this machine
+    (`pjray.ppjd.cache`).
     """
     if cfg.data.source == "hf":
         items = DatasetItems(
@@ -170,6 +172,7 @@ def load_items(cfg: Config) -> Rows[JudgeItem] | DatasetItems:
         rows.check(cfg.data.max_reject_fraction)
         return rows
     from pjray.config import PPJDConfig
+    from pjray.ppjd import cache as ppjd_cache
     from pjray.ppjd.card import text_only_line
     from pjray.ppjd.pipeline import run_ppjd
 
@@ -182,11 +185,16 @@ def load_items(cfg: Config) -> Rows[JudgeItem] | DatasetItems:
         output_dir=str(out), seed=cfg.data.seed,
     )
     started = time.perf_counter()
+    kept = ppjd_cache.restore(ppjd, out)
     manifest = run_ppjd(ppjd)
     seconds = time.perf_counter() - started
-    log.info("PPJD scene data: %d kept of %d read in %.0fs (%.0f rows/s) into %s; the text alone ranks them "
-             "(pjray.ppjd.shortcuts): %s", manifest["counts"]["kept"], manifest["counts"]["read"], seconds,
-             manifest["counts"]["read"] / max(seconds, 1e-9), out, text_only_line(manifest["text_only_ranker"]))
+    if kept is None:
+        ppjd_cache.store(ppjd, out, manifest)
+        how = f"built in {seconds:.0f}s ({manifest['counts']['read'] / max(seconds, 1e-9):.0f} rows/s)"
+    else:
+        how = f"copied from {kept} in {seconds:.1f}s"
+    log.info("PPJD scene data: %d kept of %d read, %s, into %s; the text alone ranks them (pjray.ppjd.shortcuts): %s",
+             manifest["counts"]["kept"], manifest["counts"]["read"], how, out, text_only_line(manifest["text_only_ranker"]))
     rows = scan_items(out / "ppjd", cfg.data.num_candidates)
     rows.check(cfg.data.max_reject_fraction)
     return rows

@@ -212,19 +212,28 @@ def test_killed_job_resumes_without_duplicates(ray_local, tmp_path):
     assert sorted(ids + rejected) == sorted(r.id for r in scene_rows(240, 0, 256, split=cfg.scene_split))
 
 
-def test_train_builds_scene_data_with_the_pipeline(ray_local, tmp_path):
+def test_train_builds_scene_data_with_the_pipeline(ray_local, tmp_path, monkeypatch):
     from pjray.rl.trainer import load_items
 
-    cfg = load(overrides=[f"trainer.run_dir={tmp_path / 'run'}", "data.num_items=256", "data.image_size=64"])
+    monkeypatch.setenv("PJRAY_CACHE", str(tmp_path / "cache"))  # nothing kept yet: the job runs
+    overrides = ["data.num_items=256", "data.image_size=64"]
+    cfg = load(overrides=[f"trainer.run_dir={tmp_path / 'run'}", *overrides])
     start = time.perf_counter()
     items = load_items(cfg).rows
     elapsed = time.perf_counter() - start
     assert len(items) == 256 and len({it.id for it in items}) == 256
-    assert (tmp_path / "run" / "data" / "manifest.json").is_file()
+    manifest = json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())
+    assert manifest["shards"]["written_this_run"] == manifest["shards"]["total"] > 0
     assert elapsed < 60, elapsed  # seconds, not minutes, even on a busy 2-core box
     again = load_items(cfg).rows  # reused, not rebuilt
     assert [it.id for it in again] == [it.id for it in items]
     assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["shards"]["written_this_run"] == 0
+    # A new run of the same data settings starts from the shards kept on this machine.
+    other = load_items(load(overrides=[f"trainer.run_dir={tmp_path / 'other'}", *overrides])).rows
+    assert other == items
+    kept = json.loads((tmp_path / "other" / "data" / "manifest.json").read_text())
+    assert kept["shards"]["written_this_run"] == 0 and kept["counts"] == manifest["counts"]
+    assert kept["output"]["ppjd"] == str(tmp_path / "other" / "data" / "ppjd")
 
 
 def test_cli_ppjd_prints_the_summary(ray_local, tmp_path, capsys):

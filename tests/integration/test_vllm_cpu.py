@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +84,11 @@ def judge_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(judge_dir: str) -> VllmEngine:
+def engine(judge_dir: str) -> Iterator[VllmEngine]:
     cfg = load(overrides=VLLM_CPU + ["rollout.max_new_tokens=12"])
-    return VllmEngine(judge_dir, cfg.model, cfg.rollout)
+    engine = VllmEngine(judge_dir, cfg.model, cfg.rollout)
+    yield engine
+    engine.close()
 
 
 def _hf_logprobs(model, processor, prompt: JudgePrompt, continuation: tuple[int, ...]) -> torch.Tensor:
