@@ -1,4 +1,4 @@
-"""The base judge build at a reduced size (200 supervised steps instead of 2000): cached, its
+"""The base judge build at a reduced size (100 supervised steps instead of 2000): cached, its
 supervised stage learned, the judge's tags written on held-out prompts, and its held-out report
 written; and two builds of one recipe give the same weights (checked on a smaller recipe still,
 which runs every stage: an unseeded draw or an order that changes shows in a few steps as in
@@ -23,7 +23,7 @@ from pjray.rl.rollout import HFEngine
 
 pytestmark = pytest.mark.slow
 
-SMALL = BaseJudgeRecipe(vision_steps=40, vision_batch=16, sft_scenes=600, sft_steps=200, sft_batch=8)
+SMALL = BaseJudgeRecipe(vision_steps=40, vision_batch=16, sft_scenes=600, sft_steps=100, sft_batch=8)
 SMALLER = BaseJudgeRecipe(vision_steps=4, vision_batch=8, sft_scenes=32, sft_steps=8, sft_batch=8)
 HELD_OUT_SEED = 424242
 
