@@ -25,7 +25,9 @@ from pjray.cache import cache_root
 from pjray.config import PPJDConfig
 from pjray.ppjd.pipeline import job_fingerprint
 
-SHARD_DIRS = ("ppjd", "stats", "rejects")  # what the job writes per shard; the rest is per directory
+# What the job writes per shard (the rest is per directory). A shard counts as written once its
+# `ppjd` parquet exists, so that one is restored last.
+SHARD_DIRS = ("stats", "rejects", "ppjd")
 COMPLETE = "COMPLETE"
 
 
@@ -56,8 +58,11 @@ def restore(cfg: PPJDConfig, out: Path) -> Path | None:
     if not (entry / COMPLETE).exists() or has_shards(out):
         return None
     for name in SHARD_DIRS:
-        if (entry / name).is_dir():
-            shutil.copytree(entry / name, out / name, dirs_exist_ok=True)
+        for src in sorted((entry / name).glob("*")):
+            (out / name).mkdir(parents=True, exist_ok=True)
+            part = out / name / f".{src.name}.part"  # a copy cut short never looks like a shard
+            shutil.copyfile(src, part)
+            part.replace(out / name / src.name)
     return entry
 
 
