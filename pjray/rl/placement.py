@@ -50,6 +50,14 @@ def shared_threads(actor_nodes: Sequence[str], node_cpus: dict[str, float]) -> l
     return [max(1, int(node_cpus.get(node, 1) // per_node[node])) for node in actor_nodes]
 
 
+def free_address() -> tuple[str, int]:
+    """This node's IP and a port that is free on it now."""
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
 @dataclass(frozen=True)
 class RoleResources:
     count: int
@@ -131,15 +139,12 @@ class Placement:
         return shared_threads([nodes[i] for i in indices], cpus)
 
     def master_address(self, role: str) -> tuple[str, int]:
-        """IP and a free port on the node of the role's first bundle (for torch.distributed)."""
-
-        def probe() -> tuple[str, int]:
-            with socket.socket() as sock:
-                sock.bind(("", 0))
-                port = sock.getsockname()[1]
-            return ray.util.get_node_ip_address(), port
-
-        task = ray.remote(num_cpus=min(0.01, self.roles[role].num_cpus))(probe)
+        """IP and a free port on the node of the role's first bundle (for torch.distributed):
+        probed here when that node is the driver's, else by a task in the bundle."""
+        node = placement_group_table(self.pg)["bundles_to_node_id"][self.ranges[role][0]]
+        if node == ray.get_runtime_context().get_node_id():
+            return free_address()  # no worker process to start for a port number
+        task = ray.remote(num_cpus=min(0.01, self.roles[role].num_cpus))(free_address)
         return ray.get(task.options(scheduling_strategy=self.strategy(role, 0)).remote())
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -175,17 +180,24 @@ class WorkerPool:
         args: Callable[[int], tuple],
         max_retries: int,
         on_restart: Callable[[Any], None] | None = None,
+        wait: bool = True,
     ):
         self.placement, self.role, self.cls, self.args = placement, role, cls, args
         self.max_retries = max_retries
         self.on_restart = on_restart
         self.actors = [placement.launch(role, cls, i, *args(i)) for i in range(placement.roles[role].count)]
-        ray.get([a.ready.remote() for a in self.actors])
+        if wait:
+            ray.get(self.ready())
         self.restarts = 0
         self.lockstep = False
 
     def __len__(self) -> int:
         return len(self.actors)
+
+    def ready(self) -> list[Any]:
+        """One ref per worker that resolves once its constructor has finished (raises if it
+        failed); with `wait=False` the caller gets them here and waits with other roles'."""
+        return [a.ready.remote() for a in self.actors]
 
     def restart(self, index: int) -> None:
         log.warning("%s worker %d died; restarting it", self.role, index)

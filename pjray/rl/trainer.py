@@ -264,23 +264,32 @@ class Trainer:
             del roles["rollout"]  # the learner ranks generate
         self.placement = Placement(roles, strategy=cfg.ray.placement_strategy, timeout_s=cfg.ray.placement_timeout_s)
         clock.done("placement group")
+        # The roles start side by side (imports, weights, engines), except engines colocated with
+        # the learner ranks: an engine sizes its KV cache from the GPU memory it finds free, so
+        # it starts once the ranks hold theirs.
         self.learners = self.launch_learners()
-        clock.done("learners")
+        starting = [r.ready.remote() for r in self.learners]
+        self.reward = WorkerPool(
+            self.placement, "reward", RewardWorker, lambda i: (cfg.reward, cfg.rollout.max_new_tokens),
+            max_retries=cfg.trainer.max_step_retries, wait=False,
+        )
+        starting += self.reward.ready()
         if self.hybrid:
             self.rollout: WorkerPool | RankGroup = RankGroup(self.learners)
         else:
+            if cfg.rollout.colocate:
+                ray.get(starting)
             threads = self.placement.threads("rollout", cfg.rollout.num_threads)
             self.rollout = WorkerPool(
                 self.placement, "rollout", RolloutWorker,
                 lambda i: (self.model_path, cfg.model, cfg.rollout, i, threads[i]),
-                max_retries=cfg.trainer.max_step_retries, on_restart=self.sync_worker,
+                max_retries=cfg.trainer.max_step_retries, on_restart=self.sync_worker, wait=False,
             )
-        self.reward = WorkerPool(
-            self.placement, "reward", RewardWorker, lambda i: (cfg.reward, cfg.rollout.max_new_tokens),
-            max_retries=cfg.trainer.max_step_retries,
-        )
+            starting += self.rollout.ready()
+        ray.get(starting)
+        clock.done("learners and workers")
         self.init_weight_sync()
-        clock.done("rollout and reward workers")
+        clock.done("weight sync")
 
         saved: dict = {}
         resume_from = self.resume_dir()
@@ -323,6 +332,7 @@ class Trainer:
         return str(target)
 
     def launch_learners(self) -> list:
+        """The learner rank actors, started (their constructors run on; `ready` waits)."""
         cfg = self.cfg
         addr, port = self.placement.master_address("learner")
         port = cfg.learner.master_port or port
@@ -340,7 +350,6 @@ class Trainer:
             )
             for r in range(cfg.learner.num_ranks)
         ]
-        ray.get([r.ready.remote() for r in ranks])
         return ranks
 
     def resume_dir(self) -> Path | None:
