@@ -52,14 +52,17 @@ def has_shards(out: Path) -> bool:
 
 
 def restore(cfg: PPJDConfig, out: Path) -> Path | None:
-    """Copies the kept shards of `cfg`'s job into `out`, unless none are kept or `out` already
-    holds shards (a rerun or resume finishes its own); returns the entry it copied from."""
+    """Copies the kept shards of `cfg`'s job into `out`, unless none are kept or a job has
+    started in `out` (a rerun or resume finishes its own, and `run_ppjd` refuses a directory of
+    another config before anything is copied into it); returns the entry it copied from."""
     entry = entry_dir(cfg)
-    if not (entry / COMPLETE).exists() or has_shards(out):
+    if not (entry / COMPLETE).exists() or (out / "job.json").exists() or has_shards(out):
         return None
     for name in SHARD_DIRS:
-        for src in sorted((entry / name).glob("*")):
+        files = sorted((entry / name).glob("*"))
+        if files:
             (out / name).mkdir(parents=True, exist_ok=True)
+        for src in files:
             part = out / name / f".{src.name}.part"  # a copy cut short never looks like a shard
             shutil.copyfile(src, part)
             part.replace(out / name / src.name)

@@ -57,3 +57,16 @@ def test_nothing_is_restored_over_shards_or_from_an_unfinished_job(tmp_path, mon
     assert cache.restore(cfg, tmp_path / "resumed") is None
     assert _files(tmp_path / "resumed") == before
     assert json.loads((cache.entry_dir(cfg) / "stats" / "shard-00000.json").read_text())["kept"] == 4
+
+
+def test_nothing_is_restored_into_a_directory_where_a_job_started(tmp_path, monkeypatch):
+    """A job killed before its first shard leaves only its job file: the directory is that job's
+    (or, of another config, refused by run_ppjd), and nothing is copied into it."""
+    monkeypatch.setenv("PJRAY_CACHE", str(tmp_path / "cache"))
+    cfg = PPJDConfig(source="scenes", num_items=7)
+    assert cache.store(cfg, tmp_path / "run1", ppjd_output(tmp_path / "run1", cfg)) is not None
+    started = tmp_path / "started"
+    started.mkdir()
+    (started / "job.json").write_text(json.dumps({"seed": 9}))
+    assert cache.restore(cfg, started) is None
+    assert _files(started) == {"job.json": b'{"seed": 9}'}
