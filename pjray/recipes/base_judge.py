@@ -52,15 +52,36 @@ class ShippedJudgeError(RuntimeError):
 
 
 def code_fingerprint(module: str) -> str:
-    """A hash of a module's syntax tree without docstrings: edits to comments and docs keep it."""
+    """A hash of a module's syntax tree without docstrings: edits to comments and docs keep it,
+    and so does the Python version that parses it (`canonical_tree`)."""
     spec = importlib.util.find_spec(module)
     assert spec is not None and spec.origin is not None, module
-    tree = ast.parse(Path(spec.origin).read_text())
+    return hashlib.sha256(canonical_tree(Path(spec.origin).read_text()).encode()).hexdigest()
+
+
+def canonical_tree(source: str) -> str:
+    """The syntax tree of `source` as text, without docstrings and without empty fields.
+
+    `ast.dump` is not stable across Python versions: 3.12 added `type_params=[]` to every
+    function and class, 3.13 leaves empty fields out. Writing each node's class and its
+    non-empty fields alone gives one text for one program on any version pjray supports.
+    """
+    tree = ast.parse(source)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and _is_docstring(body[0]):
             node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+    return _node_text(tree)
+
+
+def _node_text(value: Any) -> str:
+    if isinstance(value, ast.AST):
+        fields = [(name, getattr(value, name, None)) for name in value._fields]
+        shown = [f"{name}={_node_text(v)}" for name, v in fields if v is not None and v != []]
+        return f"{type(value).__name__}({', '.join(shown)})"
+    if isinstance(value, list):
+        return f"[{', '.join(_node_text(v) for v in value)}]"
+    return repr(value)
 
 
 def _is_docstring(node: Any) -> bool:

@@ -23,7 +23,7 @@ from pjray.models.base_judge import (
     training_scene_seeds,
 )
 from pjray.ppjd.perturb import final_answer, ranked_item
-from pjray.recipes.base_judge import code_fingerprint, recipe_hash
+from pjray.recipes.base_judge import canonical_tree, code_fingerprint, recipe_hash
 from pjray.reward import judge_reward
 from pjray.reward.parse import parse_score
 
@@ -172,6 +172,19 @@ def test_code_fingerprint_ignores_docstrings_but_not_code(tmp_path, monkeypatch)
         (pkg / "__init__.py").write_text("")
         prints[name] = code_fingerprint(f"fpmod.m_{name}")
     assert prints["a"] == prints["b"] != prints["c"]
+
+
+def test_the_code_fingerprint_reads_the_same_on_every_python_version():
+    # ast.dump's text of this program differs between Python 3.11 and 3.12 (type_params=[] on
+    # the function and the class), which once made every 3.12 user rebuild the shipped judge.
+    source = 'def f(x: int = 1, *a, **k) -> int:\n    """Doc."""\n    return x + 1\nclass C(B):\n    y: int\n'
+    assert canonical_tree(source) == (
+        "Module(body=[FunctionDef(name='f', args=arguments(args=[arg(arg='x', annotation=Name(id='int', ctx=Load()))], "
+        "vararg=arg(arg='a'), kwarg=arg(arg='k'), defaults=[Constant(value=1)]), body=[Return(value=BinOp("
+        "left=Name(id='x', ctx=Load()), op=Add(), right=Constant(value=1)))], returns=Name(id='int', ctx=Load())), "
+        "ClassDef(name='C', bases=[Name(id='B', ctx=Load())], body=[AnnAssign(target=Name(id='y', ctx=Store()), "
+        "annotation=Name(id='int', ctx=Load()), simple=1)])])"
+    )
 
 
 def test_every_kind_of_the_recipe_is_judged_and_training_scenes_are_listed():
