@@ -1,0 +1,141 @@
+"""The colocated weight sync's CUDA IPC hand-off, checked on a GPU without vLLM.
+
+A DeepSpeed learner rank (`LearnerRank`, world size 1, on cuda:0) exports its weights as CUDA
+IPC handles (`export_ipc`), the handles are pickled as the driver and vLLM's `collective_rpc`
+pickle them (`pjray.rl.sync.dumps`), and a second process maps them as the colocated engine does
+(`open_ipc_handle` with its own device index, then `unpack`). The receiver's checksums must equal
+the rank's own (`checksums()`), before and after an optimizer step (the second export reuses
+nothing stale), and the sender's GPU memory must come back after `release_ipc`.
+
+Prints one line per check with its figures and exits non-zero on the first mismatch.
+Usage: python benchmarks/gpu_ipc_check.py [--arch qwen2_vl] [--syncs 3] [--bf16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import multiprocessing as mp
+import random
+import socket
+import sys
+import tempfile
+import time
+
+import PIL.Image
+import torch
+
+from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
+from pjray.models.tiny import build_tiny_judge
+from pjray.rl.learner import LearnerRank
+from pjray.rl.sync import dumps, loads, open_ipc_handle
+from pjray.rl.weights import state_checksums, unpack
+from pjray.types import Experience
+
+BUCKET_BYTES = 1 << 16  # several buckets even for a tiny model
+
+
+def receiver(conn) -> None:  # noqa: ANN001  (a multiprocessing connection)
+    """The engine's side: map each message's handles, unpack, reply with the checksums."""
+    torch.cuda.set_device(0)
+    device_index = torch.cuda.current_device()
+    while True:
+        message = conn.recv_bytes()
+        if not message:
+            return
+        plan, handles = loads(message)
+        start = time.perf_counter()
+        sums: dict[str, str] = {}
+        for bucket, handle in zip(plan, handles):
+            flat = open_ipc_handle(handle, device_index)
+            if flat.device.type != "cuda":
+                raise RuntimeError(f"an IPC buffer was mapped on {flat.device}")
+            sums.update(state_checksums(unpack(bucket, flat)))
+            del flat
+        torch.cuda.synchronize()
+        conn.send((sums, time.perf_counter() - start))
+
+
+def experiences(n: int, seed: int) -> list[Experience]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        image = PIL.Image.new("RGB", (56 + 28 * (i % 2), 56), tuple(rng.randrange(256) for _ in range(3)))
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Rank A, B and C.<|im_end|>\n<|im_start|>assistant\n"
+        response = tuple(rng.randrange(0, 400) for _ in range(rng.randrange(4, 12)))
+        out.append(Experience(prompt_text=prompt, image=buf.getvalue(), response_ids=response, advantage=rng.uniform(-1, 1)))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="qwen2_vl")
+    parser.add_argument("--syncs", type=int, default=3)
+    parser.add_argument("--bf16", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_ipc_check: no CUDA GPU visible; nothing to check", file=sys.stderr)
+        return 1
+
+    judge = build_tiny_judge(tempfile.mkdtemp(prefix="pjray-ipc-"), arch=args.arch, seed=0)
+    dtype = "bfloat16" if args.bf16 else "float32"
+    rank = LearnerRank(
+        ModelConfig(dtype=dtype), LearnerConfig(zero_stage=2, micro_batch_size=4, lr=1e-3, bf16=args.bf16),
+        AlgoConfig(kl_coef=0.0), str(judge), rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
+        total_steps=args.syncs, grad_accum_steps=1,
+    )  # fmt: skip
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=receiver, args=(theirs,), daemon=True)
+    proc.start()
+    failures = 0
+    try:
+        batch = experiences(4, seed=0)
+        tokens = float(sum(len(e.response_ids) for e in batch))
+        previous: dict[str, str] = {}
+        baseline = None
+        for sync in range(args.syncs):
+            expected = rank.checksums()
+            start = time.perf_counter()
+            plan, handles = rank.export_ipc(BUCKET_BYTES)
+            export_s = time.perf_counter() - start
+            message = dumps((plan, handles))
+            ours.send_bytes(message)
+            got, load_s = ours.recv()
+            rank.release_ipc()
+            allocated = torch.cuda.memory_allocated()
+            baseline = allocated if baseline is None else baseline
+            nbytes = sum(b.nbytes for b in plan)
+            same = got == expected
+            changed = sum(previous.get(k) != v for k, v in expected.items()) if previous else len(expected)
+            print(
+                f"sync {sync}: {len(plan)} buckets, {nbytes / 2**20:.1f} MiB, handles {len(message)} B pickled; "
+                f"export {export_s * 1e3:.1f} ms, map+unpack+hash {load_s * 1e3:.1f} ms; "
+                f"{len(got)}/{len(expected)} tensors received, checksums {'EQUAL' if same else 'DIFFER'}; "
+                f"{changed} tensors changed since the last sync; sender allocated {allocated / 2**20:.1f} MiB"
+            )
+            if not same or (previous and changed == 0):
+                failures += 1
+            previous = expected
+            metrics = rank.train_step(batch, tokens, float(len(batch)))
+            print(f"  step {sync}: loss {metrics['actor/pg_loss']:.4f}, grad_norm {metrics['actor/grad_norm']:.4f}")
+        grown = torch.cuda.memory_allocated() - baseline
+        print(f"sender memory after {args.syncs} syncs vs after the first: {grown / 2**20:+.1f} MiB")
+    finally:
+        ours.send_bytes(b"")
+        proc.join(timeout=30)
+        rank.shutdown()
+    print("gpu_ipc_check:", "PASS" if failures == 0 else f"FAIL ({failures} sync(s) wrong)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
