@@ -2,7 +2,7 @@
 
     python benchmarks/study_bias.py              # the full study: 5 seeds a variant, 300 items a set
     python benchmarks/study_bias.py --quick      # 2 seeds a variant, 150 items a set
-    python benchmarks/study_bias.py --smoke      # every stage on 8 items and 2 steps (the test suite's)
+    python benchmarks/study_bias.py --smoke      # every stage on 8 items and 2 steps (`pytest -m extended`)
     python benchmarks/study_bias.py --variants nested_kendall --seeds 0,1   # a part of a study
 
 Declared before any run (keep this section as written; results that disagree are reported, not

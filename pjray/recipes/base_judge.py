@@ -172,11 +172,13 @@ def base_judge(cfg: Any, recipe: BaseJudgeRecipe | None = None, log: Callable[[s
     return build_base_judge(cfg, recipe, log=log)
 
 
-def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, log: Callable[[str], None] = print) -> Path:
+def build_base_judge(
+    cfg: Any, recipe: BaseJudgeRecipe, log: Callable[[str], None] = print, report_scenes: int = 64
+) -> Path:
     """The base judge of `recipe` built into the cache (reused when a finished build is there):
     perception front-end in this process, then `pjray sft` on the learner, with `report.json`
-    (held-out probe and ranking numbers) beside it. `cfg` supplies the Ray settings of the SFT
-    stage."""
+    (held-out probe and ranking numbers on `report_scenes` scenes) beside it. `cfg` supplies the
+    Ray settings of the SFT stage."""
     from pjray.config import SFTConfig
     from pjray.eval.held_out import held_out_report
     from pjray.models.loading import load_judge
@@ -212,7 +214,7 @@ def build_base_judge(cfg: Any, recipe: BaseJudgeRecipe, log: Callable[[str], Non
         tracking=dataclasses.replace(cfg.tracking, wandb=False),  # a cached artefact: metrics.jsonl only
     )  # fmt: skip
     export = run_sft(sft_cfg, str(work / "untrained"), sft_examples(recipe, recipe.sft_scenes, recipe.seed))
-    held_out = held_out_report(str(export), recipe, temperature=cfg.rollout.temperature)
+    held_out = held_out_report(str(export), recipe, temperature=cfg.rollout.temperature, n=report_scenes)
     log(f"pjray: base judge on held-out scenes: {json.dumps(held_out)}")
     report = {
         "recipe": recipe.to_dict(), "vision_cell_accuracy": vision, **held_out,

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# Not in the default run of the suite (it is a script of benchmarks/, not of the package): run it
+# with `pytest -m extended` before changing benchmarks/study_bias.py or what it calls.
+pytestmark = [pytest.mark.slow, pytest.mark.extended]
 
 STUDY = Path(__file__).resolve().parents[2] / "benchmarks" / "study_bias.py"
 
