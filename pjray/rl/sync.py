@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import socket
 import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -434,12 +433,9 @@ class WeightSender:
     def sync_address(self) -> tuple[str, int]:
         """This rank's node IP and a free port there, for the broadcast group's store. Asked of
         the rank itself: its bundle has no CPU left for a probe task once it runs."""
-        import ray
+        from pjray.rl.placement import free_address
 
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return free_address()
 
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
         """Rank 0 joins (and hosts) the broadcast group with the engines; other ranks do nothing.
