@@ -4,10 +4,12 @@ A DeepSpeed learner rank (`LearnerRank`, world size 1, on cuda:0) exports its we
 IPC handles (`export_ipc`), the handles are pickled as the driver and vLLM's `collective_rpc`
 pickle them (`pjray.rl.sync.dumps`), and a second process maps them as the colocated engine does
 (`open_ipc_handle` with its own device index, then `unpack`). The receiver's checksums must equal
-the rank's own (`checksums()`), before and after an optimizer step (the second export reuses
-nothing stale), and the sender's GPU memory must come back after `release_ipc`.
+the rank's own (`checksums()`), before and after each optimizer step (a later export reuses
+nothing stale). The sender's allocated GPU memory after each `release_ipc` is printed: it must
+not grow from sync to sync.
 
-Prints one line per check with its figures and exits non-zero on the first mismatch.
+Prints one line per sync with its figures, then PASS, or FAIL and a non-zero exit when a sync's
+checksums differ or a sync after a step sees no changed tensor.
 Usage: python benchmarks/gpu_ipc_check.py [--arch qwen2_vl] [--syncs 3] [--bf16]
 """
 
@@ -17,7 +19,6 @@ import argparse
 import io
 import multiprocessing as mp
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -28,6 +29,7 @@ import torch
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
 from pjray.models.tiny import build_tiny_judge
 from pjray.rl.learner import LearnerRank
+from pjray.rl.placement import free_address
 from pjray.rl.sync import dumps, loads, open_ipc_handle
 from pjray.rl.weights import state_checksums, unpack
 from pjray.types import Experience
@@ -69,12 +71,6 @@ def experiences(n: int, seed: int) -> list[Experience]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="qwen2_vl")
@@ -89,7 +85,7 @@ def main() -> int:
     dtype = "bfloat16" if args.bf16 else "float32"
     rank = LearnerRank(
         ModelConfig(dtype=dtype), LearnerConfig(zero_stage=2, micro_batch_size=4, lr=1e-3, bf16=args.bf16),
-        AlgoConfig(kl_coef=0.0), str(judge), rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port(),
+        AlgoConfig(kl_coef=0.0), str(judge), rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_address()[1],
         total_steps=args.syncs, grad_accum_steps=1,
     )  # fmt: skip
     ctx = mp.get_context("spawn")

@@ -75,7 +75,7 @@ HELD_OUT_SEED = -20261203
 PROBE_ATTRIBUTES = ("color", "shape", "size", "location")
 
 
-def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: int = 64) -> dict[str, Any]:
+def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: int) -> dict[str, Any]:
     """What the built judge does on `n` held-out scenes (asserted disjoint from its training
     scenes): greedy probe accuracy per probed attribute and per judging question kind, and on
     batch-ranking prompts the format rate (greedy, and sampled at `temperature`, 4 samples a
