@@ -1,9 +1,9 @@
 """Joining or starting the Ray cluster: the one place every pjray entry point connects to Ray.
 
 `connect(ray_cfg)` joins the cluster the job runs in (`ray.address`, else `RAY_ADDRESS`, which
-`ray job submit` sets) or starts a local one with `ray.num_cpus` CPUs. Every actor and task then
-starts with `actor_env()`: pjray's defaults for variables the user (or the job's runtime env) did
-not set.
+`ray job submit` sets) or starts a local one with `ray.num_cpus` CPUs (and Ray's dashboard only
+with `ray.dashboard=true`). Every actor and task then starts with `actor_env()`: pjray's
+defaults for variables the user (or the job's runtime env) did not set.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def connect(ray_cfg: RayConfig) -> None:
     if ray.is_initialized():
         return
     address = ray_cfg.address or os.environ.get("RAY_ADDRESS") or None
-    kwargs = {} if address else {"num_cpus": ray_cfg.num_cpus or None}
+    kwargs = {} if address else {"num_cpus": ray_cfg.num_cpus or None, "include_dashboard": ray_cfg.dashboard}
     # ray.init replaces the SIGTERM handler with sys.exit; keep a handler the caller installed
     # (pjray.signals: `ray job stop` stops a training at a checkpoint).
     sigterm = signal.getsignal(signal.SIGTERM)

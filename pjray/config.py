@@ -250,6 +250,9 @@ class RayConfig:
     # Empty: RAY_ADDRESS if set (as under `ray job submit`), else a local cluster.
     address: str = ""
     num_cpus: int = 0  # local cluster only; 0: all cores
+    # Local cluster only: Ray's dashboard (http://127.0.0.1:8265) beside it. Off: it costs every
+    # start ~2 s on 2 cores, and a cluster started with `ray start` has its own.
+    dashboard: bool = False
     # GPUs the job's layout must fit in (validated before anything starts); 0: not checked
     # here (the placement group then waits for the cluster and fails with the layout).
     num_gpus: int = 0

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
-import torch
+if TYPE_CHECKING:  # annotations only: a process that never touches a tensor (a reward worker) never imports torch
+    import torch
 
 T = TypeVar("T")
 

@@ -123,3 +123,22 @@ def test_ray_data_info_lines_stay_off_the_console_unless_verbose(monkeypatch):
     quiet_ray_data()
     assert not context.enable_progress_bars and all(h.level == logging.WARNING for h in consoles)
     assert not progress.filter(notice) and len(progress.filters) == 1  # its notice dropped, once
+
+
+def test_a_local_cluster_starts_without_the_dashboard_unless_asked(monkeypatch):
+    """The dashboard is ~2 s of every local start; a cluster joined by address keeps its own."""
+    import ray
+
+    from pjray.cluster import connect
+    from pjray.config import RayConfig
+
+    calls: list[dict] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    connect(RayConfig())
+    connect(RayConfig(dashboard=True, num_cpus=2))
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    connect(RayConfig(dashboard=True))
+    assert [c.get("include_dashboard") for c in calls] == [False, True, None]
+    assert calls[1]["num_cpus"] == 2 and calls[2]["address"] == "127.0.0.1:6379" and "num_cpus" not in calls[2]

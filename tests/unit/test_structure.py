@@ -35,6 +35,14 @@ def test_the_driver_does_not_import_the_evaluation():
     assert not re.search(r"^\s*(from|import) pjray\.eval", (PACKAGE / "rl" / "trainer.py").read_text(), re.M)
 
 
+def test_a_reward_worker_does_not_import_torch():
+    """A reward worker scores text: it starts without torch (seconds of a core at every start,
+    beside the learner's own imports), so the typed messages import torch for annotations only."""
+    code = "import sys, pjray.reward.workers; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_the_models_do_not_run_the_trainer():
     """A recipe that runs training (pjray.recipes) sits above the models and the trainer: no
     module of pjray.models imports pjray.rl, so no cycle models -> sft -> models."""
