@@ -7,10 +7,12 @@
 #      per-step timings and |learner - rollout| log-prob differences;
 #   3. three steps of a tiny Qwen2-VL judge with the hybrid engine (the learner rank generates
 #      with the weights it trains);
+#   4. the learner tests (tests/integration/test_learner.py, not the slow ones), whose ranks
+#      train on the GPU when one is visible.
 # Each part has its own time limit and the script goes on after a failure; the last line sums up.
 #
 # Needs a CUDA machine with pjray installed (pip install -e '.[test]'); vLLM is not needed.
-# Usage: [PARTS="ipc hf hybrid"] benchmarks/gpu_learner_check.sh [run_root]
+# Usage: [PARTS="ipc hf hybrid tests"] benchmarks/gpu_learner_check.sh [run_root]
 #        (default: every part, runs under runs/gpu_learner_check)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,7 @@ fi
 '|', torch.cuda.get_device_name(0))"
 
 failed=()
-wanted() { [[ " ${PARTS:-ipc hf hybrid} " == *" $1 "* ]]; }
+wanted() { [[ " ${PARTS:-ipc hf hybrid tests} " == *" $1 "* ]]; }
 part() {  # part NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   echo "== $name"
@@ -51,31 +53,19 @@ COMMON=(
   ray.num_gpus=1 learner.num_ranks=1
 )
 
-metrics_table() {
-  "$PY" - "$1/metrics.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-keys = ["timing_s/step", "timing_s/gen", "timing_s/update", "timing_s/sync", "reward/mean", "actor/grad_norm",
-        "rollout/logprob_diff_mean", "rollout/logprob_diff_max"]
-keys = [k for k in keys if any(k in row for row in rows)]
-print(f"{'step':>4} " + " ".join(f"{k.split('/', 1)[1]:>18}" for k in keys))
-for row in rows:
-    print(f"{int(row['training/global_step']):>4} " + " ".join(f"{row.get(k, float('nan')):>18.4g}" for k in keys))
-PY
-}
-
 train_mode() {  # train_mode NAME OVERRIDES...
   local name=$1; shift
   local dir="$ROOT/$name"
   rm -rf "$dir"
   part "train $name" 150 "$PY" -m pjray train "${COMMON[@]}" "trainer.run_dir=$dir" "$@"
-  [ -f "$dir/metrics.jsonl" ] && metrics_table "$dir"
+  [ -f "$dir/metrics.jsonl" ] && "$PY" benchmarks/step_table.py "$dir/metrics.jsonl"
 }
 
 wanted hf && train_mode hf rollout.backend=hf rollout.device=cuda rollout.num_workers=1 \
   learner.num_gpus_per_rank=0.5 rollout.num_gpus_per_worker=0.5
 wanted hybrid && train_mode hybrid model.init=tiny model.tiny_arch=qwen2_vl data.image_size=96 \
   rollout.backend=hybrid learner.num_gpus_per_rank=1
+wanted tests && part "learner tests" 300 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/integration/test_learner.py
 
 if [ "${#failed[@]}" -eq 0 ]; then
   echo "gpu_learner_check: all parts passed"

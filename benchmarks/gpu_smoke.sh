@@ -3,7 +3,8 @@
 # three GRPO steps of a tiny random Qwen2-VL judge on images with
 # vLLM rollouts and a DeepSpeed learner, colocated on one GPU (CUDA-IPC weight sync, vLLM
 # sleeping while the learner trains), then split over two GPUs (NCCL broadcast) when there are
-# two. Prints each mode's per-phase timings (timing_s/*) and the weight-sync time.
+# two. Prints each mode's per-step table (benchmarks/step_table.py): phase timings, the
+# weight-sync time, the learner-vs-rollout log-prob differences.
 #
 # Needs a CUDA machine with pjray installed with the gpu extra (pip install -e '.[gpu,test]').
 # Usage: benchmarks/gpu_smoke.sh [run_root]          (default: runs/gpu_smoke)
@@ -41,17 +42,9 @@ run_mode() {
   local start=$SECONDS
   "$PY" -m pjray train "${COMMON[@]}" "trainer.run_dir=$dir" "$@"
   echo "== $mode: $((SECONDS - start)) s wall (setup included)"
-  "$PY" - "$dir/metrics.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-phases = sorted({k for row in rows for k in row if k.startswith("timing_s/")})
-print(f"{'step':>4} " + " ".join(f"{p.split('/', 1)[1]:>9}" for p in phases))
-for row in rows:
-    print(f"{int(row['training/global_step']):>4} " + " ".join(f"{row.get(p, 0.0):>9.3f}" for p in phases))
-print("sync time per step (s):", ", ".join(f"{row['timing_s/sync']:.3f}" for row in rows))
-# The same 4 images every step: a stale encoder cache after a sync shows here.
-print("rollout vs learner logprob_diff_max per step:", ", ".join(f"{row['rollout/logprob_diff_max']:.2e}" for row in rows))
-PY
+  # Per step: the phases' wall times (sync among them) and the rollout-vs-learner log-prob
+  # differences (the same 4 images every step: a stale encoder cache after a sync shows there).
+  "$PY" benchmarks/step_table.py "$dir/metrics.jsonl"
 }
 
 # One GPU: learner rank and engine share it; vLLM gets a small KV-cache budget and sleeps.
