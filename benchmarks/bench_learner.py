@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import random
 import resource
-import socket
 import statistics
 import tempfile
 import time
@@ -42,6 +41,7 @@ from pjray.models.loading import load_processor, render_chat
 from pjray.models.tiny import build_base_judge, build_tiny_judge
 from pjray.ppjd.perturb import scene_items
 from pjray.rl.learner import LearnerRank
+from pjray.rl.placement import free_address
 from pjray.cluster import actor_env
 from pjray.types import Experience
 
@@ -81,16 +81,10 @@ def _image(data: bytes):
     return Image.open(io.BytesIO(data)).convert("RGB")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def bench_stage(model_path: Path, stage: int, shard: list[Experience], args: argparse.Namespace) -> dict[str, float]:
     micro = len(shard) // args.accum
     learner_cfg = LearnerConfig(num_ranks=args.ranks, zero_stage=stage, micro_batch_size=micro, lr=1e-6)
-    port = free_port()
+    port = free_address()[1]
     ranks = [
         ray.remote(num_cpus=1)(TimedRank).remote(
             ModelConfig(), learner_cfg, AlgoConfig(), str(model_path), rank=r, world_size=args.ranks,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import random
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from pjray.models.loading import load_judge, placeholder_ids, render_chat
 from pjray.models.tiny import build_tiny_judge
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from pjray.rl.learner import LearnerRank, collate, forward_logprobs, forwarded_positions, lr_multiplier
+from pjray.rl.placement import free_address
 from pjray.rl.rollout import HFEngine
 from pjray.rl.weights import state_checksums, unpack
 from pjray.types import Experience, JudgePrompt
@@ -113,12 +113,6 @@ def _dummy() -> Experience:
     return Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _configs(zero_stage: int = 2, micro_batch_size: int = 2, kl_coef: float = 0.0) -> tuple:
     return (
         ModelConfig(freeze_vision=True),
@@ -131,7 +125,7 @@ def _direct_rank(judge_dir: str, grad_accum_steps: int, micro_batch_size: int, *
     model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=micro_batch_size, **kw)
     return LearnerRank(
         model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=_free_port(), total_steps=10, grad_accum_steps=grad_accum_steps,
+        master_port=free_address()[1], total_steps=10, grad_accum_steps=grad_accum_steps,
     )  # fmt: skip
 
 
@@ -327,7 +321,7 @@ def test_a_step_with_shared_prompts_equals_one_without(
         overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero_stage == 3 else None
         rank = LearnerRank(
             model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-            master_port=_free_port(), total_steps=10, grad_accum_steps=2, ds_config_overrides=overrides,
+            master_port=free_address()[1], total_steps=10, grad_accum_steps=2, ds_config_overrides=overrides,
         )  # fmt: skip
         try:
             logprobs = rank.compute_logprobs(exps)
@@ -428,7 +422,7 @@ def test_other_stages_precisions_and_checkpointing(
     learner_cfg = dataclasses.replace(learner_cfg, bf16=bf16)
     rank = LearnerRank(
         model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=_free_port(), total_steps=10, grad_accum_steps=2,
+        master_port=free_address()[1], total_steps=10, grad_accum_steps=2,
     )  # fmt: skip
     try:
         metrics = rank.train_step(exps, *_counts(exps))
@@ -506,7 +500,7 @@ def test_lr_schedule_advances_once_per_optimizer_step(judge_dir: str, rank_env: 
     learner_cfg = dataclasses.replace(learner_cfg, warmup_steps=4)
     rank = LearnerRank(
         model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=_free_port(), total_steps=10, grad_accum_steps=3,
+        master_port=free_address()[1], total_steps=10, grad_accum_steps=3,
     )  # fmt: skip
     try:
         exps = _experiences(6)
@@ -560,7 +554,7 @@ def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, ra
     model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=3, kl_coef=0.01)
     rank = LearnerRank(
         model_cfg, learner_cfg, algo_cfg, str(judge), rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=_free_port(), total_steps=10, grad_accum_steps=2, temperature=0.7,
+        master_port=free_address()[1], total_steps=10, grad_accum_steps=2, temperature=0.7,
     )  # fmt: skip
     try:
         policy = rank.compute_logprobs(exps)
@@ -596,7 +590,7 @@ def _launch(judge_dir: str, zero_stage: int, world_size: int, grad_accum_steps: 
     # Tiny parameters fall under ZeRO-3's persistence threshold and would never be partitioned;
     # 0 makes every parameter a real shard, so the gathers are exercised.
     overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero_stage == 3 else None
-    port = _free_port()
+    port = free_address()[1]
     remote = ray.remote(num_cpus=0.5)(LearnerRank)
     ranks = [
         remote.remote(
@@ -744,7 +738,7 @@ def test_hybrid_generation_equals_the_hf_engine(tmp_path: Path, rank_env: None) 
     model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=3)
     rank = LearnerRank(
         model_cfg, learner_cfg, algo_cfg, str(judge), rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=_free_port(), total_steps=10, grad_accum_steps=2, temperature=0.7, rollout_cfg=HYBRID_ROLLOUT,
+        master_port=free_address()[1], total_steps=10, grad_accum_steps=2, temperature=0.7, rollout_cfg=HYBRID_ROLLOUT,
     )  # fmt: skip
     try:
         own_config = rank.engine.module.generation_config
@@ -791,7 +785,7 @@ def test_hybrid_zero3_ranks_generate_what_the_hf_engine_does(judge_dir: str, gat
 
     rollout_cfg = dataclasses.replace(HYBRID_ROLLOUT, hybrid_gather=gather)
     model_cfg, learner_cfg, algo_cfg = _configs(zero_stage=3, micro_batch_size=2)
-    port = _free_port()
+    port = free_address()[1]
     ranks = [
         ray.remote(num_cpus=0.5)(LearnerRank).remote(
             model_cfg, learner_cfg, algo_cfg, judge_dir, rank=r, world_size=2, master_addr="127.0.0.1", master_port=port,
@@ -831,7 +825,7 @@ def test_lora_trains_only_adapters_and_exports_merged_weights(judge_dir: str, ra
     rollout_cfg = dataclasses.replace(HYBRID_ROLLOUT, max_new_tokens=6)
     rank = LearnerRank(
         model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=_free_port(), total_steps=10, grad_accum_steps=2, temperature=0.7, rollout_cfg=rollout_cfg,
+        master_port=free_address()[1], total_steps=10, grad_accum_steps=2, temperature=0.7, rollout_cfg=rollout_cfg,
     )  # fmt: skip
     try:
         base = load_judge(judge_dir, trainable=False)[0]
