@@ -72,6 +72,8 @@ def test_the_default_run_writes_the_format_from_step_1_learns_and_trains_the_tex
     assert check["trained"]["correct_first"] > check["base"]["correct_first"], check
     assert set(check["trained"]["looks"]) == {"pooled", "color", "size"}, check
     assert f"held-out check ({check['held_out_scenes']} scenes held out by content" in out
+    # Its numbers reach the console as the summary's lines only; the file holds the rest.
+    assert "held-out check: " in out and str(run_dir / "held_out.json") in out and '"held_out_scenes"' not in out
     assert "color (64): fact-following" in out and "size (64): fact-following" in out
     # GRPO moved the text model; the perception front-end stayed frozen.
     base = load_file(base_judge(load(None, []), log=lambda line: None) / "model.safetensors")
