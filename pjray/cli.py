@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import traceback
+from functools import partial
 
 from pjray.config import ConfigError, load
 from pjray.console import VERBOSE_ENV, quiet_stack, run_summary
@@ -58,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     evaluate = add("eval", "evaluate a judge on a benchmark and write a report")
     evaluate.add_argument("--config", help="YAML file merged onto the defaults, e.g. configs/eval_scenes.yaml")
     evaluate.add_argument("--judge", help="HF directory or hub id of the judge (eval.judge)")
-    evaluate.add_argument("--bench", help="score | pair | batch | perceptual_bias | mm_judgebias (eval.bench)")
+    evaluate.add_argument("--bench", help="score | pair | batch | perceptual_bias | mm_judgebias | looking (eval.bench)")
     evaluate.add_argument("--data", help="benchmark or PPJD file, or a dataset (hub id or folder); empty: synthetic scenes (eval.data)")
     evaluate.add_argument("--image-dir", help="folder the data file's image paths are relative to")
     evaluate.add_argument("--output-dir", help="where the report and the output cache go")
@@ -120,10 +121,12 @@ def run_command(args: argparse.Namespace) -> int:
     if args.command == "train":
         from pjray.eval.bias import training_eval
         from pjray.eval.held_out import held_out_check
+        from pjray.recipes.base_judge import RECIPES
         from pjray.rl.trainer import train as run_training
 
         start = time.perf_counter()
-        run_dir = run_training(cfg, evaluate=training_eval, held_out=held_out_check)
+        check = partial(held_out_check, recipe=RECIPES[cfg.model.init]) if cfg.model.init in RECIPES else None
+        run_dir = run_training(cfg, evaluate=training_eval, held_out=check)
         print("\n".join(run_summary(run_dir, time.perf_counter() - start)))
     elif args.command == "sft":
         if cfg.model.path:
@@ -133,10 +136,13 @@ def run_command(args: argparse.Namespace) -> int:
 
             export = run_sft(cfg, cfg.model.path)
         else:
-            from pjray.models.base_judge import BaseJudgeRecipe
-            from pjray.recipes.base_judge import SHIPPED, build_base_judge, ship
+            from pjray.recipes.base_judge import RECIPES, SHIPPED, build_base_judge, ship
 
-            export = build_base_judge(cfg, BaseJudgeRecipe())  # into the cache, whatever is shipped
+            if cfg.model.init not in RECIPES:
+                raise ConfigError(f"model.init={cfg.model.init}: pjray sft with no model.path builds one of {sorted(RECIPES)}")
+            if args.ship and cfg.model.init != "base_judge":
+                raise ConfigError(f"--ship copies the default base judge's build (model.init=base_judge), not {cfg.model.init}")
+            export = build_base_judge(cfg, RECIPES[cfg.model.init])  # into the cache, whatever is shipped
             if args.ship:
                 record = ship(export.parent)
                 print(f"pjray: shipped {record['recipe_hash']} into {SHIPPED}; commit it")

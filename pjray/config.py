@@ -63,8 +63,10 @@ class LoraConfig:
 class ModelConfig:
     # HF directory or hub id of the judge. Empty: start from `init`.
     path: str = ""
-    # With no path: base_judge = the base judge recipe (pjray.models.base_judge), built once
-    # into the user's cache; tiny = a random tiny judge of `tiny_arch` in the run directory.
+    # With no path: base_judge = the base judge recipe (pjray.models.base_judge: shipped, or built
+    # once into the user's cache); never_shown = the same recipe with every supervised verdict by
+    # the text, a judge never shown how to judge by the image (pjray.recipes.base_judge.RECIPES;
+    # built into the cache); tiny = a random tiny judge of `tiny_arch` in the run directory.
     init: str = "base_judge"
     tiny_arch: str = "qwen2_vl"  # qwen2_vl | qwen2_5_vl | qwen3_vl | qwen2 (text-only)
     dtype: str = "float32"  # float32 | bfloat16
@@ -110,6 +112,11 @@ class DataConfig:
     # perception + reasoning error is the perception error plus a reasoning error, so the two share
     # one wrong fact) | independent (every wrong candidate its own wrong fact and final answer).
     construction: str = "nested"
+    # scenes: each GRPO group holds the tuple on its image and on its swapped image
+    # (pjray.ppjd.swap: re-rendered so that the perception-error answer is right; the same texts
+    # and letters, the target following the image), half the group's responses each, one
+    # advantage group: only a judge that looks earns the reward on both. The same samples a step.
+    counterfactual_pairs: bool = False
     seed: int = 0
     # false: prompts carry no image (only for text-only judges, e.g. the CPU check of vLLM).
     images: bool = True
@@ -225,6 +232,9 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     resume: str = "auto"  # auto | disable | a checkpoint directory
     export_hf: bool = True
+    # Also write the HF judge at these steps, into <run_dir>/hf_model_step_<N>: the judges of a
+    # learning curve (e.g. [10, 20, 40]), each judged afterwards like the final one.
+    export_steps: list[int] = field(default_factory=list)
     sync_bucket_mb: int = 64
     # How weights reach the rollout engines: shm (shared memory: every engine on learner rank
     # 0's node), object_store (Ray objects; any layout), gloo or nccl (a broadcast group of
@@ -317,7 +327,9 @@ class EvalConfig:
 
     # HF directory (a pjray export such as <run_dir>/hf_model, or a base model) or hub id.
     judge: str = ""
-    # score | pair | batch (MLLM-as-a-Judge) | perceptual_bias (Mode a/b) | mm_judgebias
+    # score | pair | batch (MLLM-as-a-Judge) | perceptual_bias (Mode a/b) | mm_judgebias | looking
+    # (does it look: image-following on held-out scene tuples, pjray.eval.looking; the base judges'
+    # scenes: configs/eval_looking.yaml)
     bench: str = "perceptual_bias"
     # score/pair/batch: the published JSONL; mm_judgebias: published records (JSONL, JSON,
     # parquet) or a PPJD parquet to perturb; perceptual_bias: a PPJD parquet. Each may also be a
@@ -425,7 +437,7 @@ class Config:
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "model.init": ("base_judge", "tiny"),
+    "model.init": ("base_judge", "never_shown", "tiny"),
     "model.tiny_arch": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2"),
     "model.dtype": ("float32", "bfloat16"),
     "data.source": ("scenes", "parquet", "hf"),
@@ -500,6 +512,12 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"data.num_candidates={cfg.data.num_candidates}: must be in 2..26")
     if cfg.data.source == "scenes":
         _validate_construction("data", cfg.data.construction, cfg.data.scene_kinds, cfg.data.num_candidates)
+    if cfg.data.counterfactual_pairs:
+        if cfg.data.source != "scenes" or not set(cfg.data.scene_kinds) <= {"color", "size"}:
+            raise ConfigError(f"data.counterfactual_pairs: needs data.source=scenes with data.scene_kinds of color and "
+                              f"size (the image swap re-renders those), not {cfg.data.source} {list(cfg.data.scene_kinds)}")  # fmt: skip
+        if cfg.algo.group_size % 2:
+            raise ConfigError(f"algo.group_size={cfg.algo.group_size}: data.counterfactual_pairs splits a group over two images (even)")
     if cfg.reward.style == "scores" and cfg.data.num_candidates > 10:
         raise ConfigError(
             f"data.num_candidates={cfg.data.num_candidates}: reward.style=scores gives each "
@@ -534,6 +552,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("rollout.tensor_parallel_size: only the vllm backend shards the model")
     if cfg.learner.bf16 and cfg.model.dtype != "bfloat16":
         raise ConfigError("learner.bf16: set model.dtype=bfloat16 too (learner.bf16 trains in it)")
+    outside = [s for s in cfg.trainer.export_steps if not 1 <= s <= cfg.trainer.steps]
+    if outside:
+        raise ConfigError(f"trainer.export_steps: {outside} outside the run's steps 1..{cfg.trainer.steps}")
     if cfg.trainer.resume not in ("auto", "disable") and not Path(cfg.trainer.resume).is_dir():
         raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: not auto, disable or a directory")
     if cfg.reward.function and ":" not in cfg.reward.function:
@@ -738,7 +759,7 @@ def _validate_ppjd(p: PPJDConfig) -> None:
 
 
 _EVAL_CHOICES: dict[str, tuple[str, ...]] = {
-    "bench": ("score", "pair", "batch", "perceptual_bias", "mm_judgebias"),
+    "bench": ("score", "pair", "batch", "perceptual_bias", "mm_judgebias", "looking"),
     "seed_agg": ("mean", "median"),
     "tie_rule": ("official", "downstream"),
     "pair_vote": ("none", "majority"),
@@ -794,6 +815,16 @@ def _validate_eval(cfg: Config) -> None:
             raise ConfigError(f"eval.blind={list(e.blind)}: {mode!r} is not a blind mode; expected grey or none")
     if len(set(e.blind)) < len(e.blind) or e.image in e.blind:
         raise ConfigError(f"eval.blind={list(e.blind)}: each mode once, and not eval.image={e.image} (the main pass)")
+    if e.bench == "looking":
+        # pjray.eval.looking: its own images (original, swapped, blank) of held-out scene tuples.
+        if e.data or e.image != "as_is" or e.blind:
+            raise ConfigError("eval.bench=looking: judges its own scene tuples and images (swapped, blank); "
+                              "leave eval.data, eval.image and eval.blind unset")  # fmt: skip
+        if not set(e.scene_kinds) <= {"color", "size"}:
+            raise ConfigError(f"eval.scene_kinds={list(e.scene_kinds)}: the looking bench swaps color or size only")
+        if e.num_items % (6 * len(e.scene_kinds)):
+            raise ConfigError(f"eval.num_items={e.num_items}: the looking bench needs a multiple of {6 * len(e.scene_kinds)} "
+                              "(3! letter orders for each of eval.scene_kinds), e.g. 120")  # fmt: skip
     if e.bias_convention != "official" and e.bench != "mm_judgebias":
         raise ConfigError(f"eval.bias_convention={e.bias_convention}: only for eval.bench=mm_judgebias")
     if e.num_cpus_per_worker <= 0 and e.num_gpus_per_worker <= 0:

@@ -128,6 +128,7 @@ def step_line(step: int, total: int, metrics: dict[str, float], seconds_per_step
 
 SUMMARY_WINDOW = 5  # steps averaged at each end of the run in the summary
 HELD_OUT = "held_out.json"  # in a run dir: the held-out check of a run from the base judge
+HELD_OUT_ITEMS = "held_out_items.parquet"  # ... and its verdicts, one row per judge and item
 
 
 def mean(rows: list[dict[str, Any]], key: str) -> float:
@@ -135,21 +136,41 @@ def mean(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def held_out_lines(check: dict[str, Any]) -> list[str]:
-    """The held-out check, base judge -> trained judge: correct first and reward, then per
-    question kind whether the verdict follows the image (pjray.eval.held_out.looking_stats)."""
+    """The held-out check (pjray.eval.held_out.held_out_check), base judge -> trained judge:
+    correct first, format and reward, then per question kind correct first, image-following with
+    its interval and nulls, the blank control, the "by the image" disposition rate and the base
+    judge's forced ceiling; last, the blank control's paired change."""
     base, trained = check["base"], check["trained"]
+    b, t = base["ranking"], trained["ranking"]
     lines = [
-        f"  held-out check ({check['held_out_scenes']} scenes held out by content, greedy, base judge -> this run): "
-        f"correct answer ranked first {base['correct_first']:.0%} -> {trained['correct_first']:.0%}, reward "
-        f"{base['reward']:.3f} -> {trained['reward']:.3f}"
+        f"  held-out check ({check['tuples']} independent tuples held out by content, letters balanced, greedy; "
+        f"base judge -> this run): correct first {b['correct_first']:.0%} -> {t['correct_first']:.0%}, "
+        f"format {b['format']:.0%} -> {t['format']:.0%}, reward {b['reward']:.3f} -> {t['reward']:.3f}"
     ]
-    for kind in trained.get("looks", {}):
-        b, t = base["looks"][kind], trained["looks"][kind]
-        lines.append(
-            f"    {kind} ({t['items']}): fact-following {b['fact_following']:.0%} -> {t['fact_following']:.0%}, "
-            f"image-following {b['image_following']:.0%} -> {t['image_following']:.0%}, correct first with a grey "
-            f"image {b['blind_correct_first']:.0%} -> {t['blind_correct_first']:.0%}"
-        )
+    for kind, tl in trained["looks"].items():
+        if kind == "pooled":
+            continue
+        bl, null = base["looks"][kind], tl["nulls"]
+        perm, (lo, hi) = null["permutation"], tl["image_following_ci"]
+        forced = bl["forced"] or {}
+        lines += [
+            f"    {kind} ({tl['items']}): correct first {bl['correct_first']:.0%} -> {tl['correct_first']:.0%}; "
+            f"image-following {bl['image_following']:.0%} -> {tl['image_following']:.0%} [{lo:.0%}, {hi:.0%}] "
+            f"(null {null['drop_contradicting']:.0%}; permutation null {perm['mean']:.0%} [{perm['lo']:.0%}, "
+            f"{perm['hi']:.0%}], p {perm['p']:.3f})",
+            f"      blank image: correct first {bl['blank_correct_first']:.0%} -> {tl['blank_correct_first']:.0%}; "
+            f"\"by the image\" {bl['disposition_image']:.0%} -> {tl['disposition_image']:.0%}"
+            + (f"; base judge forced by the image: image-following {forced['image_following']:.0%}, correct first "
+               f"{forced['correct_first']:.0%}" if forced else ""),
+        ]  # fmt: skip
+    change = check["blank_change"]["pooled"]
+    shortcut = "a text shortcut" if change["lo"] > 0 else "no text shortcut shown"
+    lines.append(
+        f"    blank image, this run - base judge: correct first {change['mean']:+.0%} [{change['lo']:+.0%}, "
+        f"{change['hi']:+.0%}] ({shortcut}); image-following's null: "
+        f"{trained['looks']['pooled']['nulls']['drop_contradicting']:.0%}, a judge that drops the self-contradicting "
+        "answer and guesses per image"
+    )
     return lines
 
 

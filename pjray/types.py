@@ -51,6 +51,10 @@ class JudgePrompt:
     num_candidates: int
     shown: tuple[int, ...]  # shown[i] = index into item.candidates of the answer under letter i
     target: str
+    # Response text written for the judge before it generates (after the chat's opening
+    # "<think>\n", when it opens one): a forced start, e.g. pjray.eval.looking.forced_prefill.
+    # The engines return only what the judge wrote after it.
+    prefill: str = ""
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import random
-from dataclasses import replace
 from collections.abc import Sequence
 from typing import Any
 
-from pjray.data.prompts import LETTERS, render_batch
+from pjray.data.prompts import render_batch
 from pjray.data.scenes import SceneQA, scene_split
 from pjray.eval.bias import probe_prompt
 from pjray.models.base_judge import (
@@ -27,8 +26,16 @@ from pjray.models.base_judge import (
     judge_scenes,
     ranking_target,
 )
-from pjray.eval.blind import grey_image
-from pjray.eval.swap import SwapVerdict, follows, swap_pair
+from pjray.eval.looking import (
+    LookingItem,
+    LookingVerdict,
+    balanced_letters,
+    blank_change,
+    held_out_tuples,
+    judge_looking,
+    looking_items,
+    looking_report,
+)
 from pjray.ppjd.perturb import Change, probe_for
 from pjray.ppjd.shortcuts import scene_qa
 from pjray.types import JudgeItem, JudgePrompt
@@ -153,71 +160,51 @@ def ranking_summary(items: Sequence[JudgeItem], batch: Sequence[JudgePrompt], te
     }
 
 
-def top_choice(text: str, prompt: JudgePrompt) -> int | None:
-    """The candidate index a batch-ranking response puts first; None if it has no readable verdict."""
-    from pjray.reward import judge_reward
-
-    r = judge_reward(text, prompt.target, think_prefilled=True)
-    if r.format != 1.0 or not r.pred:
-        return None
-    return prompt.shown[LETTERS.index(r.pred[0])]
+# The held-out check's tuples (pjray.eval.looking): a scene seed and a letters seed no committed
+# result used, and 60 tuples a kind (a multiple of 3!, so the letters are balanced).
+LOOKING_SEED, LETTERS_SEED = -20261205, 8105
+HELD_OUT_PER_KIND = 60
 
 
-def looking_stats(engine: Any, items: Sequence[JudgeItem], batch: Sequence[JudgePrompt], texts: Sequence[str]) -> dict[str, dict[str, float]]:
-    """Does the judge's verdict follow the image? Greedy answers of `engine` on each item's
-    counterfactual (`pjray.eval.swap.swap_pair`: the same texts, the scene re-rendered so that
-    the perception-error candidate is right) and on its blind copy (a grey image), with the
-    letters of `batch`, beside `texts` (its answers on the original prompts). Per question kind
-    and pooled: `follows`'s rates and correct-first with the grey image."""
-    verdicts, blind_right = looking_verdicts(engine, items, batch, texts)
-    out: dict[str, dict[str, float]] = {}
-    for kind in ["pooled", *sorted({v.pair.kind for v in verdicts})]:
-        keep = [i for i, v in enumerate(verdicts) if kind in ("pooled", v.pair.kind)]
-        out[kind] = {
-            "items": len(keep),
-            **follows([verdicts[i] for i in keep]),
-            "blind_correct_first": _mean(blind_right[i] for i in keep),
-        }
-    return out
+def held_out_looking_items(recipe: BaseJudgeRecipe, per_kind: int, exclude: Sequence[JudgeItem] = ()) -> list[LookingItem]:
+    """The looking protocol's held-out tuples of the base judge's scenes (`recipe`), letters
+    balanced, asserted by content (every image: original, swapped, blank) to share nothing with
+    the base judge's training items nor those in `exclude` (a GRPO run's)."""
+    items = held_out_tuples(per_kind, LOOKING_SEED, recipe.image_size, recipe.objects, recipe.kinds)
+    looking = looking_items(items, LETTERS_SEED)
+    balanced_letters(looking)
+    shown = [x for it in looking for x in (it.pair.original, it.pair.swapped, it.blank)]
+    assert_held_out(shown, [*training_items(recipe), *exclude])
+    return looking
 
 
-def looking_verdicts(
-    engine: Any, items: Sequence[JudgeItem], batch: Sequence[JudgePrompt], texts: Sequence[str]
-) -> tuple[list[SwapVerdict], list[bool]]:
-    """Per item, what `looking_stats` summarises: the judge's top choices on the original and the
-    swapped image (`SwapVerdict`), and whether it ranks the correct answer first with a grey
-    image (for per-item statistics, e.g. a bootstrap over items)."""
-    pairs = [swap_pair(item) for item in items]
-    swapped = [render_batch(p.swapped, None, shown=prompt.shown) for p, prompt in zip(pairs, batch)]
-    blind = [render_batch(replace(item, image=grey_image(item.image)), None, shown=prompt.shown) for item, prompt in zip(items, batch)]
-    answers = [c.text for c in engine.generate([*swapped, *blind], 1, seed=0)]
-    swapped_texts, blind_texts = answers[: len(items)], answers[len(items) :]
-    verdicts = [SwapVerdict(p, (top_choice(t, b), top_choice(s, sp)))
-                for p, t, b, s, sp in zip(pairs, texts, batch, swapped_texts, swapped)]  # fmt: skip
-    blind_right = [top_choice(t, b) == item.order[0] for t, b, item in zip(blind_texts, blind, items)]
-    return verdicts, blind_right
-
-
-def held_out_ranking(path: str, items: Sequence[JudgeItem], batch: Sequence[JudgePrompt]) -> dict[str, Any]:
-    """`ranking_summary` and `looking_stats` of the judge at `path`, greedy, on held-out items
-    and their prompts (`held_out_batch`)."""
+def judge_on(path: str, items: Sequence[LookingItem], forced: bool) -> tuple[dict[str, Any], list[LookingVerdict]]:
+    """The judge at `path`, greedy, on `items`: `ranking_summary` of its responses on the
+    original images and `looking_report` of its verdicts (with `forced`, also with the image
+    disposition forced), and the verdicts."""
     engine = _engine(path, top_k=1)
-    texts = [c.text for c in engine.generate(batch, 1, seed=0)]
-    return {**ranking_summary(items, batch, texts, 1), "looks": looking_stats(engine, items, batch, texts)}
+    verdicts, texts = judge_looking(lambda ps: [c.text for c in engine.generate(ps, 1, seed=0)], items, forced)
+    originals = [it.pair.original for it in items]
+    ranking = ranking_summary(originals, [it.prompts()[0] for it in items], texts, 1)
+    return {"ranking": ranking, "looks": looking_report(verdicts)}, verdicts
 
 
-HELD_OUT_SCENES = 128  # the held-out check at the end of a run from the base judge: 64 per question kind
-
-
-def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem]) -> dict[str, Any]:
-    """`held_out_ranking` of the base judge at `base` and the judge trained from it at `trained`
-    on the same prompts of held-out scenes, held out by content from the base judge's training
-    items and the run's (`exclude`). The end of `pjray train` from the base judge runs it: the
-    difference is what the run learned, without the sampling noise of its reward curve."""
-    pairs, batch = held_out_batch(BaseJudgeRecipe(), HELD_OUT_SCENES, exclude)
-    items = [item for _, item in pairs]
-    judges = {"base": base, "trained": trained}
-    return {"held_out_scenes": HELD_OUT_SCENES, **{name: held_out_ranking(path, items, batch) for name, path in judges.items()}}
+def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem], recipe: BaseJudgeRecipe = BaseJudgeRecipe()) -> dict[str, Any]:
+    """The looking protocol (`pjray.eval.looking`) for the base judge at `base` and the judge
+    trained from it at `trained`, on the same held-out tuples, held out by content from the base
+    judge's training items (its `recipe`) and the run's (`exclude`); the base judge also with its image
+    disposition forced (the ceiling of its built-in switch). The end of `pjray train` from the
+    base judge runs it: the difference is what the run learned, without the sampling noise of
+    its reward curve. Returns the summary, the paired blank-control change per kind, and under
+    "verdicts" one row per judge and item."""
+    items = held_out_looking_items(recipe, HELD_OUT_PER_KIND, exclude)
+    out: dict[str, Any] = {"tuples": len(items), "per_kind": HELD_OUT_PER_KIND, "construction": "independent", "verdicts": []}
+    verdicts: dict[str, list[LookingVerdict]] = {}
+    for name, path, forced in (("base", base, True), ("trained", trained, False)):
+        out[name], verdicts[name] = judge_on(path, items, forced)
+        out["verdicts"] += [{"judge": name, **v.row()} for v in verdicts[name]]
+    out["blank_change"] = blank_change(verdicts["base"], verdicts["trained"])
+    return out
 
 
 def _engine(path: str, temperature: float = 1.0, top_k: int = 0) -> Any:

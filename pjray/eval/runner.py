@@ -54,7 +54,7 @@ def judge_fingerprint(judge: str) -> str:
 
 def cache_key(prompt: JudgePrompt, fingerprint: str, seed: int, sampling: dict[str, Any]) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([prompt.system, prompt.user, fingerprint, seed, sampling], sort_keys=True).encode())
+    h.update(json.dumps([prompt.system, prompt.user, prompt.prefill, fingerprint, seed, sampling], sort_keys=True).encode())
     h.update(hashlib.sha256(prompt.image).digest() if prompt.image is not None else b"no-image")
     return h.hexdigest()
 
@@ -278,4 +278,8 @@ def evaluate_pass(cfg: Config, generate: Any):
         from pjray.eval.mm_judgebias import evaluate_bias
 
         return evaluate_bias(cfg, generate)
+    if bench == "looking":
+        from pjray.eval.looking import evaluate_looking
+
+        return evaluate_looking(cfg, generate)
     raise ConfigError(f"eval.bench={bench!r}: unknown")

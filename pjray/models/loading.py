@@ -315,7 +315,8 @@ def _chat_template(processor: ProcessorMixin) -> str:
 
 
 def render_chat(processor: ProcessorMixin, prompt: JudgePrompt, think_prefix: bool = True) -> str:
-    """The judge's prompt text: system + user turn + generation prompt (+ "<think>\\n").
+    """The judge's prompt text: system + user turn + generation prompt (+ "<think>\\n"), then
+    the prompt's `prefill`, the start of a response written for the judge.
 
     When `prompt.image` is set, the user turn starts with ONE un-expanded image placeholder
     (`<|vision_start|><|image_pad|><|vision_end|>` for Qwen). Thinking checkpoints whose template
@@ -343,7 +344,7 @@ def render_chat(processor: ProcessorMixin, prompt: JudgePrompt, think_prefix: bo
         raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
     if think_prefix and not opens_think(text):
         text += THINK_PREFIX
-    return text
+    return text + prompt.prefill
 
 
 def opens_think(prompt_text: str) -> bool:

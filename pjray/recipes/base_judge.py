@@ -37,6 +37,13 @@ from pjray.models.base_judge import BaseJudgeRecipe, build_untrained, pretrain_v
 RECIPE_MODULES = ("pjray.models.base_judge", "pjray.data.scenes", "pjray.data.prompts", "pjray.ppjd.perturb")
 RECIPE_VERSION = 3
 
+# The base judges by `model.init`. base_judge: the shipped one, which knows how to judge by the
+# image and mostly does not (its disposition). never_shown: the same recipe (scenes, perception
+# front-end, probes, the "Image: X." statement, sizes) with every supervised verdict by the
+# text (bias 1, no verdict by the image): a judge never shown how to look, so that what GRPO
+# teaches it is not a switch it was born with.
+RECIPES = {"base_judge": BaseJudgeRecipe(), "never_shown": BaseJudgeRecipe(bias=1.0, image_verdicts=0.0)}
+
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "base_judge"
 SHIPPED_RECORD = "shipped.json"
 # What a judge directory holds (the learner's HF export); `report.json` sits beside it.

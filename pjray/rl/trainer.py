@@ -35,17 +35,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import ray
 import torch
 
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, to_dict
-from pjray.console import HELD_OUT, PhaseClock, step_line
+from pjray.console import HELD_OUT, HELD_OUT_ITEMS, PhaseClock, step_line
 from pjray.data.hf import DatasetItems, StreamSampler, StreamState, open_dataset, train_ref
 from pjray.data.prompts import render_batch
 from pjray.data.sampler import ItemSampler, SamplerState, shown_order
 from pjray.data.sources import Rows, scan_items, write_rejects
 from pjray.models.loading import load_processor, opens_think, render_chat
+from pjray.ppjd.swap import counterfactual_pair
 from pjray.reward.workers import RewardWorker
 from pjray.rl.grpo import group_advantages, zero_std_groups
 from pjray.rl.learner import LearnerRank
@@ -122,13 +125,16 @@ class Rollouts:
     """Scored responses of the groups kept for training, group by group, and the rewards of every
     response generated for the step (kept or dropped by `algo.filter_zero_std`)."""
 
-    prompts: list[JudgePrompt]
+    prompts: list[JudgePrompt]  # one a group, or two (data.counterfactual_pairs)
     texts: list[str]  # chat-rendered prompt text per prompt
-    completions: list[Completion]  # group_size per prompt, in prompt order
+    completions: list[Completion]  # group_size per group, in prompt order
     rewards: list[RewardResult]
     frac_zero_std: float
     groups_seen: int
     seen: list[RewardResult]  # every scored response of the step: the policy's reward
+
+    def groups(self, group_size: int) -> int:
+        return len(self.rewards) // group_size
 
 
 # A refill round asks for at most this many times the groups still needed.
@@ -315,10 +321,10 @@ class Trainer:
         built) or a tiny random judge built in the run dir, as `model.init` says."""
         if self.cfg.model.path:
             return self.cfg.model.path
-        if self.cfg.model.init == "base_judge":
-            from pjray.recipes.base_judge import base_judge
+        if self.cfg.model.init != "tiny":
+            from pjray.recipes.base_judge import RECIPES, base_judge
 
-            return str(base_judge(self.cfg))
+            return str(base_judge(self.cfg, RECIPES[self.cfg.model.init]))
         from pjray.models.tiny import build_tiny_judge
 
         target = self.run_dir / "base_model"
@@ -382,20 +388,23 @@ class Trainer:
             )
         if cfg.export_hf:
             self.export_hf()
-            if self.held_out is not None and not self.cfg.model.path and self.cfg.model.init == "base_judge":
+            if self.held_out is not None and not self.cfg.model.path and self.cfg.model.init != "tiny":
                 self.held_out_check()
 
     def held_out_check(self) -> None:
         """The run's judge against the base judge it started from on scenes held out by content
-        from both judges' training items (`self.held_out`), written to held_out.json; `pjray
-        train` prints it at the end. The same prompts for both, so the difference is what the run
+        from both judges' training items (`self.held_out`), written to held_out.json, with one
+        row per judge and item in held_out_items.parquet; `pjray train` prints it at the end. The same prompts for both, so the difference is what the run
         learned, free of its reward curve's noise."""
         assert self.held_out is not None
         items = self.data.rows if isinstance(self.data, Rows) else []
         started = time.perf_counter()
         result = self.held_out(self.model_path, str(self.run_dir / "hf_model"), items)
+        verdicts = result.pop("verdicts")
+        pq.write_table(pa.Table.from_pylist(verdicts), self.run_dir / HELD_OUT_ITEMS)
         (self.run_dir / HELD_OUT).write_text(json.dumps(result, indent=2))
-        log.info("held-out check: %.1fs, written to %s", time.perf_counter() - started, self.run_dir / HELD_OUT)
+        log.info("held-out check: %.1fs, written to %s (per item: %s)", time.perf_counter() - started,
+                 self.run_dir / HELD_OUT, HELD_OUT_ITEMS)  # fmt: skip
 
     def loop(self) -> None:
         cfg = self.cfg.trainer
@@ -409,6 +418,8 @@ class Trainer:
             self.tracker.log(metrics, self.step)
             seconds_per_step = (time.perf_counter() - started) / (self.step - first_step)
             log.info(step_line(self.step, cfg.steps, metrics, seconds_per_step))
+            if self.step in cfg.export_steps:
+                self.export_hf(self.run_dir / f"hf_model_step_{self.step}")
             if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:
                 self.save_checkpoint()
 
@@ -456,12 +467,12 @@ class Trainer:
     # ----------------------------------------------------------------------------- phases
     def collect(self, timer: Timer) -> Rollouts:
         cfg = self.cfg
-        n, want = cfg.algo.group_size, cfg.trainer.prompts_per_step
+        n, want, shown = cfg.algo.group_size, cfg.trainer.prompts_per_step, self.prompts_per_group
         rounds = 1 + (cfg.algo.max_refill_rounds if cfg.algo.filter_zero_std else 0)
         kept = Rollouts([], [], [], [], 0.0, 0, [])
         zero_groups = 0
         for round_index in range(rounds):
-            need = refill_size(want - len(kept.prompts), len(kept.prompts), kept.groups_seen)
+            need = refill_size(want - kept.groups(n), kept.groups(n), kept.groups_seen)
             with timer("gen"):
                 prompts, texts, completions = self.generate(need, seed=self.step * 1_000 + round_index, timer=timer)
             with timer("reward"):
@@ -469,39 +480,47 @@ class Trainer:
             with timer("adv"):
                 zero = zero_std_groups(torch.tensor([r.total for r in results]), n).tolist()
             zero_groups += sum(zero)
-            kept.groups_seen += len(prompts)
+            kept.groups_seen += len(zero)
             kept.seen.extend(results)
-            for g, prompt in enumerate(prompts):
+            for g in range(len(zero)):
                 if cfg.algo.filter_zero_std and zero[g]:
                     continue
-                kept.prompts.append(prompt)
-                kept.texts.append(texts[g])
+                kept.prompts.extend(prompts[g * shown : (g + 1) * shown])
+                kept.texts.extend(texts[g * shown : (g + 1) * shown])
                 kept.completions.extend(completions[g * n : (g + 1) * n])
                 kept.rewards.extend(results[g * n : (g + 1) * n])
-            if len(kept.prompts) >= want:
+            if kept.groups(n) >= want:
                 break
         # A refill round may overshoot; keep exactly the configured number of groups.
-        del kept.prompts[want:], kept.texts[want:], kept.completions[want * n :], kept.rewards[want * n :]
+        del kept.prompts[want * shown :], kept.texts[want * shown :], kept.completions[want * n :], kept.rewards[want * n :]
         kept.frac_zero_std = zero_groups / kept.groups_seen
         if not kept.prompts:
             # Every group was degenerate: train on nothing this step but keep the run alive.
             log.warning("step %d: every group had zero reward variance", self.step)
         return kept
 
+    @property
+    def prompts_per_group(self) -> int:
+        """Prompts a GRPO group holds: one, or with data.counterfactual_pairs the tuple on its
+        image and on its swapped image, each with half the group's responses."""
+        return 2 if self.cfg.data.counterfactual_pairs else 1
+
     def generate(
-        self, num_prompts: int, seed: int, timer: Timer
+        self, num_groups: int, seed: int, timer: Timer
     ) -> tuple[list[JudgePrompt], list[str], list[Completion]]:
         """Sample items, render prompts (candidates in the stream's balanced orders, `shown_order`)
-        and generate n each. Also returns each prompt's chat text, as the engines and the learner
-        render it."""
+        and generate a group's responses for each, group by group (with counterfactual pairs two
+        prompts a group, the same letters on both images). Also returns each prompt's chat text,
+        as the engines and the learner render it."""
         prompts = []
-        for index, item in self.sampler.take(num_prompts):
+        for index, item in self.sampler.take(num_groups):
             shown = shown_order(index, len(item.candidates), self.cfg.trainer.seed)
-            prompt = render_batch(item, None, style=self.cfg.reward.style, shown=shown)
-            # data.images=false: a text-only judge (validated against the model in config).
-            prompts.append(prompt if self.cfg.data.images else dataclasses.replace(prompt, image=None))
+            for it in counterfactual_pair(item) if self.cfg.data.counterfactual_pairs else (item,):
+                prompt = render_batch(it, None, style=self.cfg.reward.style, shown=shown)
+                # data.images=false: a text-only judge (validated against the model in config).
+                prompts.append(prompt if self.cfg.data.images else dataclasses.replace(prompt, image=None))
         texts = [render_chat(self.processor, p, think_prefix=self.cfg.model.think_prefix) for p in prompts]
-        answer = generate_with_pool(self.rollout, prompts, self.cfg.algo.group_size, seed)
+        answer = generate_with_pool(self.rollout, prompts, self.cfg.algo.group_size // self.prompts_per_group, seed)
         return prompts, texts, timer.unwrap("gen", [answer])[0]
 
     def judge_texts(self, prompts: list[JudgePrompt], seed: int) -> list[str]:
@@ -524,7 +543,7 @@ class Trainer:
         return [r for chunk_results in results for r in chunk_results]
 
     def experiences(self, rollouts: Rollouts, advantages: list[float]) -> list[Experience]:
-        n = self.cfg.algo.group_size
+        n = self.cfg.algo.group_size // self.prompts_per_group  # responses a prompt
         return [
             Experience(
                 prompt_text=rollouts.texts[i // n],
@@ -668,7 +687,7 @@ class Trainer:
             "reward/ranking_mean": mean([r.ranking for r in rollouts.seen]),
             "reward/kept_mean": mean([r.total for r in rollouts.rewards]),
             "rollout/frac_zero_std": rollouts.frac_zero_std,
-            "rollout/groups_kept": float(len(rollouts.prompts)),
+            "rollout/groups_kept": float(rollouts.groups(self.cfg.algo.group_size)),
             "rollout/groups_seen": float(rollouts.groups_seen),
             "rollout/worker_restarts": float(self.rollout.restarts + self.reward.restarts),
             "response_length/mean": mean(lengths),
@@ -707,8 +726,9 @@ class Trainer:
         for old in done[: -cfg.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def export_hf(self) -> Path:
-        path = self.run_dir / "hf_model"
+    def export_hf(self, path: Path | None = None) -> Path:
+        """The judge as an HF directory (default: <run_dir>/hf_model)."""
+        path = path or self.run_dir / "hf_model"
         ray.get([r.save_hf.remote(str(path)) for r in self.learners])
         return path
 

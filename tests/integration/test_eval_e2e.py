@@ -98,3 +98,28 @@ def test_training_eval_through_a_rollout_pool(judge):
     assert metrics["eval/n"] + metrics["eval/unparsed_scores"] == 2
     assert all(k.startswith("eval/") for k in metrics)
     assert {"eval/error_rate", "eval/mode_a_rate", "eval/mode_b_rate"} <= set(metrics)  # nan if undefined
+
+
+def test_looking_bench_on_the_shipped_base_judge(tmp_path):
+    """The looking protocol through the judge pool: the shipped base judge judges by the text on
+    its own (0 image-following) and follows the image once its disposition is forced; the forced
+    prompts (a prefill) never share a cached output with the plain ones."""
+    import pyarrow.parquet as pq
+
+    from pjray.recipes.base_judge import SHIPPED
+
+    out = tmp_path / "looking"
+    args = ["eval", "--config", str(Path(__file__).parents[2] / "configs" / "eval_looking.yaml"), "--judge",
+            str(SHIPPED / "hf_model"), "--output-dir", str(out), "eval.num_items=24", "eval.num_cpus_per_worker=0.5",
+            "ray.num_cpus=2"]  # fmt: skip
+    assert main(args) == 0
+    report = _report(out)
+    tables = report["tables"]
+    assert tables["image_following"]["pooled"]["value"] == 0.0 and tables["disposition_image"]["pooled"]["value"] == 0.0
+    assert tables["forced_image_following"]["pooled"]["value"] >= 0.5, tables["forced_image_following"]
+    assert tables["correct_first"]["pooled"]["value"] == pytest.approx(1 / 3, abs=1e-3)  # the order shown, letters balanced
+    assert set(tables["image_following"]) == {"pooled", "color", "size"}
+    assert report["outputs"] == 24 * 6 and report["unparsed"] == 0
+    assert pq.read_metadata(out / "looking_items.parquet").num_rows == 24
+    assert len((out / "cache.jsonl").read_text().splitlines()) == 24 * 6
+    assert main(args) == 0 and _report(out)["cache_hits"] == 24 * 6

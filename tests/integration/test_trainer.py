@@ -157,11 +157,15 @@ def test_train_checkpoint_export_and_resume(ray_local, tmp_path):
         "rollout.num_workers=1",
         "reward.num_workers=1",
         "trainer.save_every=3",
+        # Each group: the tuple on its image and on its swapped image, two responses each.
+        "data.counterfactual_pairs=true",
     ]
-    # The held-out Mode a/b eval runs on step 3 only.
-    assert main(["train", *common, "trainer.steps=3", "eval.every_steps=3", "eval.train_num_items=4"]) == 0
+    # The held-out Mode a/b eval runs on step 3 only; the judge of step 2 is exported too.
+    assert main(["train", *common, "trainer.steps=3", "eval.every_steps=3", "eval.train_num_items=4", "trainer.export_steps=[2]"]) == 0
     first = read_metrics(run_dir)
     assert [m["step"] for m in first] == [1, 2, 3]
+    assert all(m["rollout/groups_kept"] == 4 for m in first)  # trainer.prompts_per_step groups of algo.group_size
+    assert (run_dir / "hf_model_step_2" / "model.safetensors").exists() and not (run_dir / "hf_model_step_1").exists()
     assert "eval/error_rate" not in first[1]
     assert {"eval/error_rate", "eval/mode_a_rate", "eval/mode_b_rate"} <= set(first[2])
     for key in ("reward/mean", "reward/std", "rollout/frac_zero_std", "actor/pg_loss", "actor/kl_loss",

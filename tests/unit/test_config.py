@@ -144,3 +144,23 @@ def test_scene_kinds_are_checked_and_cycle_through_the_scene_rows():
     rows = scene_rows(4, 0, 64, cfg.data.scene_kinds, cfg.data.scene_objects)
     assert [r.id.split("-")[2] for r in rows] == ["size", "count", "size", "count"]
     assert all(json.loads(r.scene)["objects"] == [3, 3] for r in rows)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["data.counterfactual_pairs=true", "data.scene_kinds=[color,count]"], "data.counterfactual_pairs"),
+        (["data.counterfactual_pairs=true", "data.source=parquet", "data.path=/x.parquet"], "data.source=scenes"),
+        (["data.counterfactual_pairs=true", "algo.group_size=5", "trainer.prompts_per_step=16"], "algo.group_size=5"),
+        (["trainer.export_steps=[0,10]"], "trainer.export_steps"),
+        (["trainer.export_steps=[41]"], "trainer.export_steps"),
+        (["eval.bench=looking", "eval.scene_kinds=[color,size]", "eval.num_items=32"], "eval.num_items=32"),
+        (["eval.bench=looking", "eval.scene_kinds=[size]", "eval.num_items=24", "eval.blind=[grey]"], "eval.bench=looking"),
+        (["eval.bench=looking", "eval.num_items=24"], "eval.scene_kinds"),  # the default holds every kind
+    ],
+)
+def test_looking_options_are_checked(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("[", r"\[")):
+        load(overrides=overrides)
+    assert load(overrides=["data.counterfactual_pairs=true", "trainer.export_steps=[10,20]"]).data.counterfactual_pairs
+    assert load(overrides=["eval.bench=looking", "eval.scene_kinds=[color,size]", "eval.num_items=120"]).eval.bench == "looking"

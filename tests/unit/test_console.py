@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import replace
 
 from pjray.cluster import actor_env
 from pjray.console import (
@@ -18,6 +19,7 @@ from pjray.console import (
     run_summary,
     step_line,
 )
+from pjray.eval.looking import blank_change, held_out_tuples, judge_looking, looking_items, looking_report
 
 METRICS = {"reward/mean": 0.4123, "reward/format_mean": 0.95, "reward/ranking_mean": 0.4333, "timing_s/step": 1.14}
 
@@ -50,18 +52,35 @@ def test_run_summary_names_the_reward_run_dir_export_and_wandb_run(tmp_path):
     assert run_summary(tmp_path, 60.0)[1] == (
         "  reward 0.300 -> 1.000, format 0.575 -> 0.750 (mean of steps 1-5 -> 8-12, 12 steps logged)"
     )
-    def looks(fact: float, image: float, blind: float) -> dict[str, float]:
-        return {"items": 32, "fact_following": fact, "image_following": image, "blind_correct_first": blind}
-
-    base = {"correct_first": 0.359, "reward": 0.458, "looks": {"color": looks(0, 0, 0.31), "size": looks(0, 0, 0.5)}}
-    trained = {"correct_first": 0.688, "reward": 0.562, "looks": {"color": looks(0.16, 0.1, 0.41), "size": looks(0.95, 0.47, 0.45)}}
-    (tmp_path / "held_out.json").write_text(json.dumps({"held_out_scenes": 64, "base": base, "trained": trained}))
-    assert run_summary(tmp_path, 60.0)[2:5] == [
-        "  held-out check (64 scenes held out by content, greedy, base judge -> this run): correct answer ranked "
-        "first 36% -> 69%, reward 0.458 -> 0.562",
-        "    color (32): fact-following 0% -> 16%, image-following 0% -> 10%, correct first with a grey image 31% -> 41%",
-        "    size (32): fact-following 0% -> 95%, image-following 0% -> 47%, correct first with a grey image 50% -> 45%",
-    ]
+    # The held-out check's lines, from the looking protocol's own report of two scripted judges
+    # on 12 tuples a kind: the base judge keeps the order shown (forced: follows the image), the
+    # trained judge follows the image.
+    items = looking_items(held_out_tuples(12, seed=7, image_size=96, objects=(1, 1)), letters_seed=3)
+    text, _ = judge_looking(lambda ps: ["Image: red. Verdict: by the text.\n</think>\n<answer>A > B > C</answer>"] * len(ps), items, forced=False)
+    base = [replace(v, forced=True, forced_original=v.best, forced_swapped=v.perception_error, forced_blank=v.best) for v in text]
+    trained = [replace(v, top_original=v.best, top_swapped=v.perception_error, by_image_original=True) for v in text]
+    ranking = {"correct_first": 0.333, "format": 1.0, "reward": 0.444}
+    check = {
+        "tuples": 24, "blank_change": blank_change(base, trained),
+        "base": {"ranking": ranking, "looks": looking_report(base, reps=100)},
+        "trained": {"ranking": {**ranking, "correct_first": 1.0, "reward": 0.9}, "looks": looking_report(trained, reps=100)},
+    }  # fmt: skip
+    (tmp_path / "held_out.json").write_text(json.dumps(check))
+    lines = run_summary(tmp_path, 60.0)
+    assert lines[2] == (
+        "  held-out check (24 independent tuples held out by content, letters balanced, greedy; base judge -> this "
+        "run): correct first 33% -> 100%, format 100% -> 100%, reward 0.444 -> 0.900"
+    )
+    assert lines[3].startswith("    color (12): correct first 33% -> 100%; image-following 0% -> 100% [76%, 100%] (null 25%; permutation null 100%")
+    assert lines[4] == (
+        '      blank image: correct first 33% -> 33%; "by the image" 0% -> 100%; base judge forced by the image: '
+        "image-following 100%, correct first 100%"
+    )
+    assert lines[5].startswith("    size (12): ")
+    assert lines[7] == (
+        "    blank image, this run - base judge: correct first +0% [+0%, +0%] (no text shortcut shown); "
+        "image-following's null: 25%, a judge that drops the self-contradicting answer and guesses per image"
+    )
     bare = tmp_path / "bare"
     bare.mkdir()
     assert run_summary(bare, 3) == [f"pjray: run finished in 3s: {bare}"]

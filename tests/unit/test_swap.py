@@ -1,13 +1,13 @@
 """Image swap: the re-rendered scene makes exactly the intended candidate correct, by the scene
-facts and by the pixels; the rates of a judge that ignores the image and of one that reads it."""
+facts and by the pixels; a verdict is read through the letters shown."""
 
 from __future__ import annotations
 
 import pytest
 
 from pjray.data.prompts import render_batch
-from pjray.eval.held_out import top_choice
-from pjray.eval.swap import SwapVerdict, follows, swap_pair
+from pjray.eval.looking import top_choice
+from pjray.ppjd.swap import counterfactual_pair, swap_pair
 from pjray.ppjd.shortcuts import scene_qa
 from pjray.ppjd.perturb import is_correct, perception_problems, reasoning_problems, scene_items
 from support.pixels import measure, measured_size
@@ -46,30 +46,16 @@ def test_swap_covers_both_kinds() -> None:
     assert kinds == {"color", "size"}
 
 
-def test_a_judge_that_ignores_the_image_never_follows_the_fact() -> None:
-    pairs = [swap_pair(it) for it in items("independent")]
-    # Always the same choice whatever the image: right on the original, wrong on the swap.
-    text_judge = [SwapVerdict(p, (p.original.order[0], p.original.order[0])) for p in pairs]
-    rates = follows(text_judge)
-    assert rates["fact_following"] == 0.0 and rates["image_following"] == 0.0 and rates["same_top"] == 1.0
-    assert rates["correct_first_original"] == 1.0 and rates["correct_first_swapped"] == 0.0
-    looking = [SwapVerdict(p, (p.original.order[0], p.swapped.order[0])) for p in pairs]
-    assert follows(looking) == {"fact_following": 1.0, "image_following": 1.0, "same_top": 0.0,
-                                "correct_first_original": 1.0, "correct_first_swapped": 1.0}  # fmt: skip
-    unreadable = [SwapVerdict(p, (None, None)) for p in pairs]
-    assert follows(unreadable)["fact_following"] == 0.0 and follows(unreadable)["same_top"] == 0.0
-
-
-def test_nested_swap_counts_either_candidate_that_states_the_shown_fact() -> None:
-    # Nested: the perception + reasoning candidate states the runner-up's fact too.
-    pairs = [swap_pair(it) for it in items("nested")]
-    worst_top = [SwapVerdict(p, (p.original.order[0], p.original.order[2])) for p in pairs]
-    assert follows(worst_top)["fact_following"] == 1.0 and follows(worst_top)["image_following"] == 0.0
-
-
 def test_top_choice_reads_the_verdict_through_the_shown_order() -> None:
     item = items("independent", 1)[0]
     prompt = render_batch(item, None, shown=(2, 0, 1))
     assert top_choice("x\n</think>\n<answer>B > A > C</answer>", prompt) == 0
     assert top_choice("x\n</think>\n<answer>C > A > B</answer>", prompt) == 1
     assert top_choice("no verdict", prompt) is None
+
+
+def test_a_counterfactual_pair_is_the_item_and_its_swap() -> None:
+    item = items("independent", 1)[0]
+    original, swapped = counterfactual_pair(item)
+    assert original is item and swapped == swap_pair(item).swapped
+    assert swapped.candidates == item.candidates and swapped.order[:2] == item.order[1::-1]

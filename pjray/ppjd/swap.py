@@ -4,18 +4,13 @@ Every fact of a synthetic scene is known, so the same scene can be re-rendered w
 attribute changed so that a perturbed candidate's stated fact becomes the true one, the
 candidate texts unchanged (`swap_pair`). That candidate becomes the best; the formerly correct
 one becomes a fluent perception error. A judge that ranks from the text alone cannot change its
-top choice with the image, so its *fact-following rate* (the top choice states the fact the
-image shows, under both images) is 0; a judge that reads the image reaches 1 (`follows`).
-
-The blind check beside it (`pjray.eval.blind.grey_image`) replaces the image by a uniform grey
-one of the same size: the prompt keeps its image tokens, but nothing in them tells the
-candidates apart.
+top choice with the image. `pjray.eval.looking` measures it: image-following on independent
+tuples, against its nulls, beside a blank control.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from pjray.data.scenes import _CELL_GAP, Scene, SceneQA, make_qa, render, size_radius
@@ -85,39 +80,8 @@ def _stated(qa: SceneQA, text: str, subject: int, attribute: str) -> str | None:
     return None if view is None else getattr(view[subject], attribute)
 
 
-# --------------------------------------------------------------------------- metrics
-
-
-@dataclass(frozen=True)
-class SwapVerdict:
-    """A judge's top choices (candidate indices; None: no readable verdict) on a pair."""
-
-    pair: SwapPair
-    top: tuple[int | None, int | None]  # on the original image, on the swapped one
-
-
-def follows(verdicts: Sequence[SwapVerdict]) -> dict[str, float]:
-    """Over the pairs: `fact_following` (the top choice states the fact the image shows, under
-    both images; 0 for a judge that ignores the image), `image_following` (the top choice is
-    the best candidate under both), `same_top` (the top choice did not change with the image),
-    and correct-first on each image."""
-    n = max(1, len(verdicts))
-
-    def rate(hit: Sequence[bool]) -> float:
-        return round(sum(hit) / n, 4)
-
-    def states_shown(v: SwapVerdict, which: int) -> bool:
-        top = v.top[which]
-        return top is not None and v.pair.stated[top] == v.pair.shown[which]
-
-    def best_first(v: SwapVerdict, which: int) -> bool:
-        order = (v.pair.original, v.pair.swapped)[which].order
-        return v.top[which] is not None and v.top[which] == order[0]
-
-    return {
-        "fact_following": rate([states_shown(v, 0) and states_shown(v, 1) for v in verdicts]),
-        "image_following": rate([best_first(v, 0) and best_first(v, 1) for v in verdicts]),
-        "same_top": rate([v.top[0] is not None and v.top[0] == v.top[1] for v in verdicts]),
-        "correct_first_original": rate([best_first(v, 0) for v in verdicts]),
-        "correct_first_swapped": rate([best_first(v, 1) for v in verdicts]),
-    }
+def counterfactual_pair(item: JudgeItem) -> tuple[JudgeItem, JudgeItem]:
+    """`item` and its swapped counterfactual (`swap_pair`): a GRPO group of
+    `data.counterfactual_pairs` judges both, so a verdict that ignores the image is right on at
+    most one of them."""
+    return item, swap_pair(item).swapped

@@ -1,0 +1,423 @@
+"""Does GRPO teach a judge to look at the image? The looking study.
+
+    python benchmarks/study_looking.py                  # 5 seeds, 160 steps, curves at 10, 20, 40, 80, 160
+    python benchmarks/study_looking.py --seeds 0,1 --steps 40 --bases never_shown
+    python benchmarks/study_looking.py --smoke          # every stage on a few items and steps (`pytest -m extended`)
+
+Declared before any run (keep this section as written; results that disagree are reported, not
+re-declared):
+
+**Primary outcome**: held-out image-following per question kind (`pjray.eval.looking`:
+independent K = 3 tuples of the held-out content split, letters balanced, greedy; the correct
+answer first on the original image AND the perception-error answer first on the swapped one)
+of the GRPO judges trained from the **never-shown base judge** (`model.init=never_shown`: every
+supervised verdict by the text, so it has no look mode to switch on), at their last step. A
+variant teaches that judge to look when, on both kinds, the lower end of the 95% t-interval over
+its seeds' means lies above 1/(K-1)^2 = 25%, the image-following of a judge that drops the
+self-contradicting answer and guesses per image.
+
+**Secondary**: the same for the shipped base judge (`model.init=base_judge`), beside its forced
+ceiling (its "Verdict: by the image." disposition forced, its own "Image: X." kept: what one
+token of a built-in switch reaches); per judge the disposition rate, correct first, the blank
+control's correct first (the scene without its object) and its paired change from the base
+judge; at every step of the curve the greedy and the sampled (temperature 1, 4 samples) held-out
+reward beside the training reward of the steps before it; the hierarchical bootstrap beside the
+t-interval; the permutation null beside the fixed ones.
+
+Variants (each from each base judge, the default run's budget otherwise: prompts per step, group
+size, training items, learning rate; `data.seed=0`; seeds are `trainer.seed`):
+
+| variant | data (train content split, K = 3) | reward |
+|---|---|---|
+| nested_levenshtein | PPJD tuples, nested construction (the paper) | batch ranking, Levenshtein (the paper) |
+| independent_levenshtein | PPJD tuples, independent construction | Levenshtein |
+| counterfactual_levenshtein | the independent tuples, each group half on the tuple's image and half on its swapped image (`data.counterfactual_pairs`; the same samples a step) | Levenshtein |
+
+Every run is the whole system (`pjray.rl.trainer.train`: Ray Data PPJD build, DeepSpeed learner
+that generates with the weights it trains, reward pool, HF exports at the curve's steps). A run
+directory is reused only when its `study_run.json` names the same key: base judge (by the hash of
+its weights), variant, seed, budget and pjray's code (`pjray.ppjd.cache.code_hash`), so no run of
+older code is ever reused; a started run of the same key resumes from its checkpoint.
+
+Evaluation: one set of held-out tuples (`LOOKING_SEED`, `LETTERS_SEED`), asserted by content
+(every image shown: original, swapped, blank) to share nothing with either base judge's training
+items nor any run's. Intervals: 95% t-intervals on the seed means (scipy), and the hierarchical
+bootstrap (seeds, then items, with replacement). Per-item verdicts of every judge go to
+`looking_study_items.parquet`.
+
+Writes looking_study.{json,md,png} and looking_study_items.parquet into benchmarks/results (or
+--out DIR; --name another stem).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from scipy import stats
+
+from pjray.config import Config, load
+from pjray.data.sources import read_items
+from pjray.eval.held_out import LETTERS_SEED, LOOKING_SEED, _engine, assert_held_out, ranking_summary, training_items
+from pjray.eval.looking import (
+    K,
+    LookingItem,
+    LookingVerdict,
+    balanced_letters,
+    blank_change,
+    follows_image,
+    held_out_tuples,
+    judge_looking,
+    looking_items,
+    nulls,
+)
+from pjray.ppjd.cache import code_hash
+from pjray.recipes.base_judge import RECIPES, base_judge, weights_sha256
+
+VARIANTS: dict[str, list[str]] = {
+    "nested_levenshtein": ["data.construction=nested", "reward.metric=levenshtein"],
+    "independent_levenshtein": ["data.construction=independent", "reward.metric=levenshtein"],
+    "counterfactual_levenshtein": ["data.construction=independent", "data.counterfactual_pairs=true", "reward.metric=levenshtein"],
+}
+BASES = ("never_shown", "base_judge")
+PRIMARY_BASE = "never_shown"
+KINDS = ("color", "size")
+METRICS = ("image_following", "correct_first", "blind_correct_first", "disposition_image")
+TRAIN_DATA_SEED = 0
+SAMPLES = 4  # sampled held-out reward: responses a prompt at temperature 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    steps: int
+    curve: tuple[int, ...]  # the steps judged (the last is `steps`)
+    prompts_per_step: int
+    group_size: int
+    train_items: int
+    lr: float
+    per_kind: int  # held-out tuples a kind
+    seeds: tuple[int, ...]
+    bootstrap: int = 2000
+
+
+def budget(steps: int, seeds: tuple[int, ...], per_kind: int = 60) -> Budget:
+    """The default run's prompts, group size, items and lr (configs/demo.yaml), run for `steps`,
+    judged at 10, 20, 40, ... up to `steps`."""
+    cfg = load(None, [])
+    curve = tuple(s for s in (10, 20, 40, 80, 160, 320) if s < steps) + (steps,)
+    return Budget(steps, curve, cfg.trainer.prompts_per_step, cfg.algo.group_size, cfg.data.num_items, cfg.learner.lr, per_kind, seeds)
+
+
+SMOKE = Budget(steps=2, curve=(1, 2), prompts_per_step=4, group_size=4, train_items=8, lr=3e-4, per_kind=6, seeds=(0,), bootstrap=200)
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def grpo_config(base: str, variant: str, seed: int, b: Budget, run_dir: Path, judge: Path) -> Config:
+    recipe = RECIPES[base]
+    overrides = [
+        f"data.scene_kinds=[{','.join(recipe.kinds)}]", f"data.scene_objects=[{recipe.objects[0]},{recipe.objects[1]}]",
+        "data.scene_split=train", f"model.path={judge}", f"trainer.run_dir={run_dir}", f"trainer.seed={seed}",
+        f"trainer.steps={b.steps}", f"trainer.prompts_per_step={b.prompts_per_step}", f"algo.group_size={b.group_size}",
+        f"data.num_items={b.train_items}", f"learner.lr={b.lr}", f"data.seed={TRAIN_DATA_SEED}", "tracking.wandb=false",
+        "trainer.save_every=0", f"trainer.export_steps=[{','.join(str(s) for s in b.curve[:-1])}]", *VARIANTS[variant],
+    ]  # fmt: skip
+    return load(None, overrides)
+
+
+def run_key(judge_id: str, base: str, variant: str, seed: int, b: Budget) -> dict[str, Any]:
+    """What decides a run's judges: a run directory of another key is never reused."""
+    train = {k: getattr(b, k) for k in ("steps", "curve", "prompts_per_step", "group_size", "train_items", "lr")}
+    return {"base": base, "base_weights": judge_id, "variant": variant, "seed": seed, "budget": train,
+            "overrides": VARIANTS[variant], "code": code_hash()}  # fmt: skip
+
+
+def ensure_run(run_dir: Path, key: dict[str, Any], cfg: Config) -> tuple[float, bool]:
+    """Train into `run_dir` unless it holds a finished run of `key`; returns (training seconds,
+    reused). A started run of the same key resumes; one of another key is deleted."""
+    from pjray.rl.trainer import train
+
+    marker = run_dir / "study_run.json"
+    recorded = json.loads(marker.read_text()) if marker.exists() else None
+    if recorded is not None and recorded["key"] == key and (run_dir / "hf_model" / "COMPLETE").exists():
+        return recorded["train_seconds"], True
+    if recorded is None or recorded["key"] != key:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run_dir.mkdir(parents=True)
+        marker.write_text(json.dumps({"key": key, "train_seconds": None}, indent=2))
+    t0 = time.perf_counter()
+    train(cfg)
+    seconds = time.perf_counter() - t0
+    (run_dir / "hf_model" / "COMPLETE").touch()  # the last export is whole
+    marker.write_text(json.dumps({"key": key, "train_seconds": seconds}, indent=2))
+    return seconds, False
+
+
+def judge_at(run_dir: Path, step: int, b: Budget) -> Path:
+    return run_dir / ("hf_model" if step == b.steps else f"hf_model_step_{step}")
+
+
+def train_reward(run_dir: Path, step: int, window: int = 5) -> float:
+    """The mean training reward (sampled, temperature 1) of the `window` steps up to `step`."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    near = [r["reward/mean"] for r in rows if step - window < r["step"] <= step]
+    return round(float(np.mean(near)), 4)
+
+
+# --------------------------------------------------------------------------- judging
+
+
+def evaluate(path: Path, items: list[LookingItem], forced: bool) -> tuple[list[LookingVerdict], dict[str, float]]:
+    """Greedy verdicts on every item's three images (and forced, if asked), and the greedy and
+    sampled held-out batch-ranking reward on the original images."""
+    greedy = _engine(str(path), top_k=1)
+    verdicts, texts = judge_looking(lambda ps: [c.text for c in greedy.generate(ps, 1, seed=0)], items, forced)
+    originals = [it.pair.original for it in items]
+    prompts = [it.prompts()[0] for it in items]
+    sampled = _engine(str(path), temperature=1.0)
+    sampled_texts = [c.text for c in sampled.generate(prompts, SAMPLES, seed=0)]
+    return verdicts, {
+        "reward_greedy": ranking_summary(originals, prompts, texts, 1)["reward"],
+        "reward_sampled": ranking_summary(originals, prompts, sampled_texts, SAMPLES)["reward"],
+    }
+
+
+def per_item(verdicts: list[LookingVerdict], forced: bool) -> dict[str, np.ndarray]:
+    """Each metric of `METRICS`, 0/1 per item."""
+    hits = [follows_image(v, forced) for v in verdicts]
+    blank = [(v.forced_blank if forced else v.top_blank) == v.best for v in verdicts]
+    return {
+        "image_following": np.array([a and b for a, b in hits], dtype=float),
+        "correct_first": np.array([a for a, _ in hits], dtype=float),
+        "blind_correct_first": np.array(blank, dtype=float),
+        "disposition_image": np.array([forced or v.by_image_original for v in verdicts], dtype=float),
+    }
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def t_interval(values: list[float]) -> dict[str, float | None]:
+    """Mean of the seed means with its 95% t-interval (None with one seed)."""
+    x = np.asarray(values, dtype=float)
+    if len(x) < 2:
+        return {"mean": float(x.mean()), "lo": None, "hi": None}
+    half = stats.t.ppf(0.975, len(x) - 1) * x.std(ddof=1) / np.sqrt(len(x))
+    return {"mean": float(x.mean()), "lo": float(x.mean() - half), "hi": float(x.mean() + half)}
+
+
+def hierarchical_bootstrap(values: np.ndarray, reps: int, seed: int = 1) -> dict[str, float]:
+    """Mean of `values` [seeds, items] with a 95% percentile interval: each replicate draws seeds
+    with replacement, then items with replacement."""
+    values = np.atleast_2d(values)
+    n_seeds, n_items = values.shape
+    rng = np.random.default_rng(seed)
+    items = rng.integers(0, n_items, size=(reps, n_items))
+    seeds = rng.integers(0, n_seeds, size=(reps, n_seeds))
+    dist = values[seeds[:, :, None], items[:, None, :]].mean(axis=(1, 2))
+    lo, hi = np.percentile(dist, [2.5, 97.5])
+    return {"mean": float(values.mean()), "lo": float(lo), "hi": float(hi)}
+
+
+# --------------------------------------------------------------------------- the study
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="every stage on a few items and steps (a test, not a study)")
+    ap.add_argument("--steps", type=int, default=160, help="GRPO steps a run (the curve is judged at 10, 20, 40, ... up to it)")
+    ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated GRPO seeds")
+    ap.add_argument("--bases", default=",".join(BASES), help="comma-separated base judges: " + ",".join(BASES))
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    ap.add_argument("--out", default="benchmarks/results", help="where <name>.{json,md,png} go")
+    ap.add_argument("--name", default="looking_study", help="the output files' stem")
+    ap.add_argument("--work", default="runs/looking_study", help="run directories (reused when finished with the same key)")
+    args = ap.parse_args(argv)
+    seeds = tuple(int(s) for s in args.seeds.split(",") if s)
+    b = dataclasses.replace(SMOKE, seeds=seeds[:1]) if args.smoke else budget(args.steps, seeds)
+    bases, variants = [x for x in args.bases.split(",") if x], [x for x in args.variants.split(",") if x]
+    for name, chosen, known in (("bases", bases, BASES), ("variants", variants, VARIANTS)):
+        if unknown := [x for x in chosen if x not in known]:
+            ap.error(f"unknown {name} {unknown}; expected some of {list(known)}")
+    started = time.perf_counter()
+    work, out = Path(args.work).resolve(), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = load(None, [])
+
+    judges = {base: base_judge(cfg, RECIPES[base]) for base in bases}
+    judge_ids = {base: weights_sha256(path)[:16] for base, path in judges.items()}
+    runs: list[dict[str, Any]] = []
+    for base in bases:
+        for variant in variants:
+            for seed in b.seeds:
+                run_dir = work / f"{base}-{variant}-s{seed}"
+                key = run_key(judge_ids[base], base, variant, seed, b)
+                seconds, reused = ensure_run(run_dir, key, grpo_config(base, variant, seed, b, run_dir, judges[base]))
+                runs.append({"base": base, "variant": variant, "seed": seed, "dir": run_dir, "train_seconds": round(seconds, 1), "reused": reused})
+                print(f"{'reused' if reused else 'trained'} {base} {variant} seed {seed} ({seconds:.0f}s)", flush=True)
+
+    recipe = RECIPES[bases[0]]
+    items = looking_items(held_out_tuples(b.per_kind, LOOKING_SEED, recipe.image_size, recipe.objects, KINDS), LETTERS_SEED)
+    balanced_letters(items)
+    shown = [x for it in items for x in (it.pair.original, it.pair.swapped, it.blank)]
+    training = [*(x for base in bases for x in training_items(RECIPES[base])), *(x for r in runs for x in read_items(r["dir"] / "data" / "ppjd"))]
+    assert_held_out(shown, training)
+    held_out = f"{len(shown)} images of {len(items)} held-out tuples, none in {len(training)} training items"
+
+    # judge -> per-item metrics; one row per judge, kind and forced; one parquet row per judge and item.
+    rows, item_rows = [], []
+    per_judge: dict[tuple, dict[str, np.ndarray]] = {}
+    base_verdicts: dict[str, list[LookingVerdict]] = {}
+    t0 = time.perf_counter()
+    plan = [(base, "base", None, 0, judges[base]) for base in bases]
+    plan += [(r["base"], r["variant"], r["seed"], s, judge_at(r["dir"], s, b)) for r in runs for s in b.curve]
+    for base, variant, seed, step, path in plan:
+        forced = variant == "base"
+        verdicts, rewards = evaluate(path, items, forced)
+        if forced:
+            base_verdicts[base] = verdicts
+        run = next((r for r in runs if (r["base"], r["variant"], r["seed"]) == (base, variant, seed)), None)
+        rewards["train_reward"] = train_reward(run["dir"], step) if run else None
+        change = blank_change(base_verdicts[base], verdicts)
+        for f in (False, True) if forced else (False,):
+            metrics = per_item(verdicts, f)
+            label = "forced" if f else variant
+            for kind in KINDS:
+                keep = np.array([v.kind == kind for v in verdicts])
+                per_judge[(base, label, step, kind, seed)] = {m: v[keep] for m, v in metrics.items()}
+                rows.append({
+                    "variant": label, "base_judge": base, "seed": seed, "steps": step, "kind": kind, "forced": f,
+                    **{m: round(float(v[keep].mean()), 4) for m, v in metrics.items()},
+                    # the rewards and the blank change are of the judge as it answers, not forced
+                    **{m: None if f else x for m, x in rewards.items()}, "blank_change": None if f else change[kind]["mean"],
+                })  # fmt: skip
+        item_rows += [{"base_judge": base, "variant": variant, "seed": seed, "steps": step, **v.row()} for v in verdicts]
+        print(f"judged {base} {variant} seed {seed} step {step}", flush=True)
+    eval_seconds = time.perf_counter() - t0
+
+    results = {
+        "declaration": {"primary": f"image_following per kind of GRPO judges from {PRIMARY_BASE}, last step, "
+                        f"t-interval over seeds above {nulls(K)['drop_contradicting']}"},
+        "nulls": nulls(K),
+        "rows": rows,
+        "summary": summarise(rows, per_judge, b),
+        "runs": [{k: v for k, v in r.items() if k != "dir"} for r in runs],
+        "setup": {"budget": dataclasses.asdict(b), "bases": bases, "variants": variants, "base_weights": judge_ids,
+                  "held_out": held_out, "code": code_hash(),
+                  "seconds": {"wall": round(time.perf_counter() - started, 1), "eval": round(eval_seconds, 1)}},
+    }  # fmt: skip
+    (out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
+    pq.write_table(pa.Table.from_pylist(item_rows), out / f"{args.name}_items.parquet")
+    (out / f"{args.name}.md").write_text(markdown(results))
+    plot(results, out / f"{args.name}.png")
+    print(markdown(results))
+    print(f"wrote {out / args.name}.json, .md, .png, _items.parquet in {time.perf_counter() - started:.0f}s")
+    return 0
+
+
+def summarise(rows: list[dict[str, Any]], per_judge: dict[tuple, dict[str, np.ndarray]], b: Budget) -> list[dict[str, Any]]:
+    """Per (base, variant, steps, kind): each metric's seed-mean with its t-interval and the
+    hierarchical bootstrap, and the rewards' seed means."""
+    out = []
+    groups = sorted({(r["base_judge"], r["variant"], r["steps"], r["kind"]) for r in rows}, key=str)
+    for base, variant, step, kind in groups:
+        mine = [r for r in rows if (r["base_judge"], r["variant"], r["steps"], r["kind"]) == (base, variant, step, kind)]
+        cell: dict[str, Any] = {"base_judge": base, "variant": variant, "steps": step, "kind": kind, "seeds": len(mine)}
+        for m in METRICS:
+            values = np.stack([per_judge[(base, variant, step, kind, r["seed"])][m] for r in mine])
+            cell[m] = {**t_interval([r[m] for r in mine]), "bootstrap": hierarchical_bootstrap(values, b.bootstrap)}
+        for m in ("reward_greedy", "reward_sampled", "train_reward", "blank_change"):
+            defined = [r[m] for r in mine if r[m] is not None]
+            cell[m] = round(float(np.mean(defined)), 4) if defined else None
+        out.append(cell)
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _pct(c: dict[str, Any]) -> str:
+    if c["lo"] is None:
+        return f"{100 * c['mean']:.0f}"
+    return f"{100 * c['mean']:.0f} [{100 * c['lo']:.0f}, {100 * c['hi']:.0f}]"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    null = results["nulls"]["drop_contradicting"]
+    lines = [
+        f"Held-out image-following (%, mean over seeds [95% t-interval]; bootstrap in the JSON) on independent tuples, "
+        f"letters balanced, greedy. Null: {100 * null:.0f}% (drop the self-contradicting answer, guess per image); "
+        "a text-only judge scores 0. `forced`: the base judge with its \"by the image\" disposition forced. "
+        "Rewards: greedy and sampled (temperature 1) on the held-out tuples, training reward of the 5 steps before.",
+        "",
+        "| base judge | variant | steps | seeds | image-following, colour | image-following, size | correct first, colour | "
+        "correct first, size | blank correct first (colour, size) | \"by the image\" | reward greedy / sampled / training |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by = {(c["base_judge"], c["variant"], c["steps"], c["kind"]): c for c in results["summary"]}
+    for base, variant, step in sorted({k[:3] for k in by}, key=lambda k: (k[0], k[1] not in ("base", "forced"), k[1], k[2])):
+        c, s = by[(base, variant, step, "color")], by[(base, variant, step, "size")]
+        rewards = " / ".join("-" if c[m] is None else f"{c[m]:.3f}" for m in ("reward_greedy", "reward_sampled", "train_reward"))
+        lines.append(
+            f"| {base} | {variant} | {step} | {c['seeds']} | {_pct(c['image_following'])} | {_pct(s['image_following'])} | "
+            f"{_pct(c['correct_first'])} | {_pct(s['correct_first'])} | {_pct(c['blind_correct_first'])}, "
+            f"{_pct(s['blind_correct_first'])} | {100 * (c['disposition_image']['mean'] + s['disposition_image']['mean']) / 2:.0f} | {rewards} |"
+        )
+    setup = results["setup"]
+    lines += ["", f"Runs: {len(results['runs'])}; {setup['held_out']}; wall {setup['seconds']['wall']:.0f} s "
+              f"(evaluation {setup['seconds']['eval']:.0f} s); code {setup['code'][:12]}.", ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = results["summary"]
+    bases = sorted({c["base_judge"] for c in summary})
+    fig, axes = plt.subplots(len(bases), len(KINDS), figsize=(10, 3.6 * len(bases)), squeeze=False)
+    for i, base in enumerate(bases):
+        for j, kind in enumerate(KINDS):
+            ax = axes[i][j]
+            cells = [c for c in summary if c["base_judge"] == base and c["kind"] == kind]
+            base_cell = next(c for c in cells if c["variant"] == "base")
+            forced = next(c for c in cells if c["variant"] == "forced")
+            for variant in sorted({c["variant"] for c in cells} - {"base", "forced"}):
+                curve = sorted([c for c in cells if c["variant"] == variant], key=lambda c: c["steps"])
+                x = [0] + [c["steps"] for c in curve]
+                y = [100 * base_cell["image_following"]["mean"]] + [100 * c["image_following"]["mean"] for c in curve]
+                ax.plot(x, y, marker="o", label=variant)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    lo = [y[0]] + [100 * (c["image_following"]["lo"] if c["image_following"]["lo"] is not None else c["image_following"]["mean"]) for c in curve]
+                    hi = [y[0]] + [100 * (c["image_following"]["hi"] if c["image_following"]["hi"] is not None else c["image_following"]["mean"]) for c in curve]
+                ax.fill_between(x, lo, hi, alpha=0.15)
+            ax.axhline(100 * results["nulls"]["drop_contradicting"], ls="--", color="grey", lw=1, label="null (1/(K-1)^2)")
+            ax.axhline(100 * forced["image_following"]["mean"], ls=":", color="black", lw=1, label="base judge, forced")
+            ax.set_title(f"{base}: {kind}", fontsize=9)
+            ax.set_xlabel("GRPO steps")
+            ax.set_ylabel("held-out image-following, %")
+            ax.set_ylim(0, 100)
+            ax.legend(fontsize=7)
+    fig.suptitle("Image-following on held-out independent tuples (seed means, 95% t-intervals)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
