@@ -18,10 +18,11 @@ by `balanced_letters`): a judge that keeps the shown order gets chance, not a le
   control. A uniform grey image is not one: a judge reads grey as some colour or size ("blue",
   "large"), a fact that favours whichever candidate states it. With no object in the image,
   no colour and no size is shown, so nothing in the image can tell the candidates apart, while
-  the prompt keeps its image (same size, same background, same image tokens).
-  `LookingRates.blank_states_truth` checks it on the judge's own words: how often its think
-  text's "Image: X." names the original image's value, against the 1/|values| of a judge that
-  names a value at random.
+  the prompt keeps its image (same size, same background, same image tokens). The judge's own
+  words check it (`looking_rates`: `blank_states_truth`, how often its think text's "Image: X."
+  names the original image's value, beside the 1/|values| of a value named at random): the
+  shipped base judge names one constant value per kind on every blank scene, so what it says
+  there depends on no item.
 
 **Outcomes per item** (`LookingVerdict`, saved per item): the top choice on each image; whether
 the think text chooses the image ("Verdict: by the image.", the disposition sentence of pjray's
@@ -59,10 +60,10 @@ import numpy as np
 from pjray.data.prompts import LETTERS, render_batch
 from pjray.data.sampler import shown_order
 from pjray.data.scenes import COLORS, SIZES, render
-from pjray.ppjd.swap import SWAP_KINDS, SwapPair, swap_pair
 from pjray.models.base_judge import disposition
 from pjray.ppjd.perturb import scene_items
 from pjray.ppjd.shortcuts import scene_qa
+from pjray.ppjd.swap import SWAP_KINDS, SwapPair, swap_pair
 from pjray.types import JudgeItem, JudgePrompt
 
 # generate(prompts) -> one greedy response text per prompt (its prefill not included).
@@ -70,7 +71,6 @@ Generate = Callable[[list[JudgePrompt]], list[str]]
 
 K = 3
 VALUES = {"color": COLORS, "size": SIZES}  # what an "Image: X." statement can name, per kind
-IMAGES = ("original", "swapped", "blank")
 PERMUTATIONS = 2000
 # "Verdict: by the" starts the disposition sentence of pjray's base judges.
 DISPOSITION_STEM = disposition(True).removesuffix(" image.")

@@ -17,7 +17,9 @@ Where it differs from the paper's written objective: the paper writes a per-samp
 tokens and use the k3 estimator. Groups whose rewards all equal carry no signal; their fraction is
 logged (`rollout/frac_zero_std`) and `algo.filter_zero_std` drops and refills them (DAPO's
 dynamic sampling), a refill sized by the fraction kept so far; `reward/*` stay the mean over every
-response generated, so they measure the policy, not the selection.
+response generated, so they measure the policy, not the selection. Beyond the paper,
+`data.counterfactual_pairs` makes each group the same tuple on its image and on its swapped image
+(half the responses each, one advantage group), so a verdict from the text alone cannot win both.
 """
 
 from __future__ import annotations
