@@ -68,8 +68,10 @@ from scipy import stats
 
 from pjray.config import Config, load
 from pjray.data.sources import read_items
+from pjray.eval.bias import diagnosis_item, item_prompts, read_judge_score
 from pjray.eval.held_out import LETTERS_SEED, LOOKING_SEED, _engine, assert_held_out, ranking_summary, training_items
 from pjray.eval.looking import (
+    DISPOSITION_STEM,
     K,
     LookingItem,
     LookingVerdict,
@@ -91,8 +93,16 @@ VARIANTS: dict[str, list[str]] = {
 }
 BASES = ("never_shown", "base_judge")
 PRIMARY_BASE = "never_shown"
+DECLARATION = (
+    f"held-out image-following per kind of the GRPO judges from {PRIMARY_BASE}, at their last step: a variant "
+    "teaches that judge to look when, on both kinds, the lower end of the 95% t-interval over its seeds' means "
+    "lies above 1/(K-1)^2 = 25%"
+)
 KINDS = ("color", "size")
 METRICS = ("image_following", "correct_first", "blind_correct_first", "disposition_image")
+# The score protocol on the same tuples (not forced): the disposition's rate there, and the error
+# score(perception-error answer) >= score(correct answer) (nan where a score is unreadable).
+SCORE_METRICS = ("disposition_score", "score_error")
 TRAIN_DATA_SEED = 0
 SAMPLES = 4  # sampled held-out reward: responses a prompt at temperature 1
 
@@ -139,8 +149,9 @@ def grpo_config(base: str, variant: str, seed: int, b: Budget, run_dir: Path, ju
 def run_key(judge_id: str, base: str, variant: str, seed: int, b: Budget) -> dict[str, Any]:
     """What decides a run's judges: a run directory of another key is never reused."""
     train = {k: getattr(b, k) for k in ("steps", "curve", "prompts_per_step", "group_size", "train_items", "lr")}
-    return {"base": base, "base_weights": judge_id, "variant": variant, "seed": seed, "budget": train,
-            "overrides": VARIANTS[variant], "code": code_hash()}  # fmt: skip
+    key = {"base": base, "base_weights": judge_id, "variant": variant, "seed": seed, "budget": train,
+           "overrides": VARIANTS[variant], "code": code_hash()}  # fmt: skip
+    return json.loads(json.dumps(key))  # as its marker file holds it (tuples read back as lists)
 
 
 def ensure_run(run_dir: Path, key: dict[str, Any], cfg: Config) -> tuple[float, bool]:
@@ -178,11 +189,20 @@ def train_reward(run_dir: Path, step: int, window: int = 5) -> float:
 # --------------------------------------------------------------------------- judging
 
 
-def evaluate(path: Path, items: list[LookingItem], forced: bool) -> tuple[list[LookingVerdict], dict[str, float]]:
-    """Greedy verdicts on every item's three images (and forced, if asked), and the greedy and
-    sampled held-out batch-ranking reward on the original images."""
+def evaluate(path: Path, items: list[LookingItem], forced: bool) -> tuple[list[LookingVerdict], dict[str, float], dict[str, np.ndarray]]:
+    """Greedy verdicts on every item's three images (and forced, if asked), the greedy and
+    sampled held-out batch-ranking reward on the original images, and per item the score
+    protocol's `SCORE_METRICS` on the original image."""
     greedy = _engine(str(path), top_k=1)
     verdicts, texts = judge_looking(lambda ps: [c.text for c in greedy.generate(ps, 1, seed=0)], items, forced)
+    diag = [diagnosis_item(it.pair.original) for it in items]  # score(correct), score(perception error)
+    scored = [c.text for c in greedy.generate([p for d in diag for p in item_prompts(d)[:2]], 1, seed=0)]
+    scores = [read_judge_score(t) for t in scored]
+    score = {
+        "disposition_score": np.array([np.mean([DISPOSITION_STEM + " image" in t for t in scored[2 * i : 2 * i + 2]])
+                                       for i in range(len(diag))]),
+        "score_error": np.array([np.nan if None in (c, w) else float(w >= c) for c, w in zip(scores[0::2], scores[1::2])]),
+    }  # fmt: skip
     originals = [it.pair.original for it in items]
     prompts = [it.prompts()[0] for it in items]
     sampled = _engine(str(path), temperature=1.0)
@@ -190,7 +210,7 @@ def evaluate(path: Path, items: list[LookingItem], forced: bool) -> tuple[list[L
     return verdicts, {
         "reward_greedy": ranking_summary(originals, prompts, texts, 1)["reward"],
         "reward_sampled": ranking_summary(originals, prompts, sampled_texts, SAMPLES)["reward"],
-    }
+    }, score
 
 
 def per_item(verdicts: list[LookingVerdict], forced: bool) -> dict[str, np.ndarray]:
@@ -225,9 +245,11 @@ def hierarchical_bootstrap(values: np.ndarray, reps: int, seed: int = 1) -> dict
     rng = np.random.default_rng(seed)
     items = rng.integers(0, n_items, size=(reps, n_items))
     seeds = rng.integers(0, n_seeds, size=(reps, n_seeds))
-    dist = values[seeds[:, :, None], items[:, None, :]].mean(axis=(1, 2))
-    lo, hi = np.percentile(dist, [2.5, 97.5])
-    return {"mean": float(values.mean()), "lo": float(lo), "hi": float(hi)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a draw of only undefined items: nan, dropped
+        dist = np.nanmean(values[seeds[:, :, None], items[:, None, :]], axis=(1, 2))
+    lo, hi = np.percentile(dist[~np.isnan(dist)], [2.5, 97.5])
+    return {"mean": float(np.nanmean(values)), "lo": float(lo), "hi": float(hi)}
 
 
 # --------------------------------------------------------------------------- the study
@@ -243,7 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results", help="where <name>.{json,md,png} go")
     ap.add_argument("--name", default="looking_study", help="the output files' stem")
     ap.add_argument("--work", default="runs/looking_study", help="run directories (reused when finished with the same key)")
+    ap.add_argument("--report", action="store_true", help="only re-render <name>.md, .png and the per-value rows from <name>.json and its items")
     args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.report:
+        results = json.loads((out / f"{args.name}.json").read_text())
+        write_report(results, pq.read_table(out / f"{args.name}_items.parquet").to_pylist(), out, args.name)
+        return 0
+    print(f"primary outcome (declared): {DECLARATION}", flush=True)
     seeds = tuple(int(s) for s in args.seeds.split(",") if s)
     b = dataclasses.replace(SMOKE, seeds=seeds[:1]) if args.smoke else budget(args.steps, seeds)
     bases, variants = [x for x in args.bases.split(",") if x], [x for x in args.variants.split(",") if x]
@@ -251,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         if unknown := [x for x in chosen if x not in known]:
             ap.error(f"unknown {name} {unknown}; expected some of {list(known)}")
     started = time.perf_counter()
-    work, out = Path(args.work).resolve(), Path(args.out)
+    work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     cfg = load(None, [])
@@ -285,21 +314,21 @@ def main(argv: list[str] | None = None) -> int:
     plan += [(r["base"], r["variant"], r["seed"], s, judge_at(r["dir"], s, b)) for r in runs for s in b.curve]
     for base, variant, seed, step, path in plan:
         forced = variant == "base"
-        verdicts, rewards = evaluate(path, items, forced)
+        verdicts, rewards, score = evaluate(path, items, forced)
         if forced:
             base_verdicts[base] = verdicts
         run = next((r for r in runs if (r["base"], r["variant"], r["seed"]) == (base, variant, seed)), None)
         rewards["train_reward"] = train_reward(run["dir"], step) if run else None
         change = blank_change(base_verdicts[base], verdicts)
         for f in (False, True) if forced else (False,):
-            metrics = per_item(verdicts, f)
+            metrics = per_item(verdicts, f) if f else {**per_item(verdicts, f), **score}
             label = "forced" if f else variant
             for kind in KINDS:
                 keep = np.array([v.kind == kind for v in verdicts])
                 per_judge[(base, label, step, kind, seed)] = {m: v[keep] for m, v in metrics.items()}
                 rows.append({
                     "variant": label, "base_judge": base, "seed": seed, "steps": step, "kind": kind, "forced": f,
-                    **{m: round(float(v[keep].mean()), 4) for m, v in metrics.items()},
+                    **{m: round(float(np.nanmean(v[keep])), 4) for m, v in metrics.items()},
                     # the rewards and the blank change are of the judge as it answers, not forced
                     **{m: None if f else x for m, x in rewards.items()}, "blank_change": None if f else change[kind]["mean"],
                 })  # fmt: skip
@@ -308,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     eval_seconds = time.perf_counter() - t0
 
     results = {
-        "declaration": {"primary": f"image_following per kind of GRPO judges from {PRIMARY_BASE}, last step, "
-                        f"t-interval over seeds above {nulls(K)['drop_contradicting']}"},
+        "declaration": {"primary": DECLARATION},
         "nulls": nulls(K),
         "rows": rows,
         "summary": summarise(rows, per_judge, b),
@@ -318,13 +346,37 @@ def main(argv: list[str] | None = None) -> int:
                   "held_out": held_out, "code": code_hash(),
                   "seconds": {"wall": round(time.perf_counter() - started, 1), "eval": round(eval_seconds, 1)}},
     }  # fmt: skip
-    (out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
     pq.write_table(pa.Table.from_pylist(item_rows), out / f"{args.name}_items.parquet")
-    (out / f"{args.name}.md").write_text(markdown(results))
-    plot(results, out / f"{args.name}.png")
-    print(markdown(results))
+    write_report(results, item_rows, out, args.name)
     print(f"wrote {out / args.name}.json, .md, .png, _items.parquet in {time.perf_counter() - started:.0f}s")
     return 0
+
+
+def write_report(results: dict[str, Any], item_rows: list[dict[str, Any]], out: Path, name: str) -> None:
+    """The JSON (with the per-value rows of `item_rows`), the markdown table and the plot."""
+    results["by_value"] = by_value(item_rows)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=2))
+    (out / f"{name}.md").write_text(markdown(results))
+    plot(results, out / f"{name}.png")
+    print(markdown(results))
+
+
+def by_value(item_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per judge (base, variant, steps) and per value the original image shows (each colour,
+    each size): the items, correct first and image-following over every seed's verdicts; the
+    base judge also forced."""
+    cells: dict[tuple, list[tuple[bool, bool]]] = {}
+    for r in item_rows:
+        v = LookingVerdict(**{f.name: r[f.name] for f in dataclasses.fields(LookingVerdict)})
+        cells.setdefault((r["base_judge"], r["variant"], r["steps"], v.kind, v.truth), []).append(follows_image(v))
+        if v.forced:
+            cells.setdefault((r["base_judge"], "forced", r["steps"], v.kind, v.truth), []).append(follows_image(v, forced=True))
+    return [
+        {"base_judge": b, "variant": var, "steps": s, "kind": k, "value": value, "items": len(hits),
+         "correct_first": round(float(np.mean([a for a, _ in hits])), 4),
+         "image_following": round(float(np.mean([a and c for a, c in hits])), 4)}
+        for (b, var, s, k, value), hits in sorted(cells.items(), key=str)
+    ]  # fmt: skip
 
 
 def summarise(rows: list[dict[str, Any]], per_judge: dict[tuple, dict[str, np.ndarray]], b: Budget) -> list[dict[str, Any]]:
@@ -335,7 +387,7 @@ def summarise(rows: list[dict[str, Any]], per_judge: dict[tuple, dict[str, np.nd
     for base, variant, step, kind in groups:
         mine = [r for r in rows if (r["base_judge"], r["variant"], r["steps"], r["kind"]) == (base, variant, step, kind)]
         cell: dict[str, Any] = {"base_judge": base, "variant": variant, "steps": step, "kind": kind, "seeds": len(mine)}
-        for m in METRICS:
+        for m in (*METRICS, *(SCORE_METRICS if variant != "forced" else ())):
             values = np.stack([per_judge[(base, variant, step, kind, r["seed"])][m] for r in mine])
             cell[m] = {**t_interval([r[m] for r in mine]), "bootstrap": hierarchical_bootstrap(values, b.bootstrap)}
         for m in ("reward_greedy", "reward_sampled", "train_reward", "blank_change"):
@@ -360,21 +412,39 @@ def markdown(results: dict[str, Any]) -> str:
         f"Held-out image-following (%, mean over seeds [95% t-interval]; bootstrap in the JSON) on independent tuples, "
         f"letters balanced, greedy. Null: {100 * null:.0f}% (drop the self-contradicting answer, guess per image); "
         "a text-only judge scores 0. `forced`: the base judge with its \"by the image\" disposition forced. "
+        "Score protocol (the correct and the perception-error answer scored alone, same images): its \"by the image\" "
+        "rate, and the error score(wrong) >= score(correct), both the mean of the two kinds. "
         "Rewards: greedy and sampled (temperature 1) on the held-out tuples, training reward of the 5 steps before.",
         "",
         "| base judge | variant | steps | seeds | image-following, colour | image-following, size | correct first, colour | "
-        "correct first, size | blank correct first (colour, size) | \"by the image\" | reward greedy / sampled / training |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "correct first, size | blank correct first (colour, size) | \"by the image\", batch / score | score error | "
+        "reward greedy / sampled / training |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(c["base_judge"], c["variant"], c["steps"], c["kind"]): c for c in results["summary"]}
     for base, variant, step in sorted({k[:3] for k in by}, key=lambda k: (k[0], k[1] not in ("base", "forced"), k[1], k[2])):
         c, s = by[(base, variant, step, "color")], by[(base, variant, step, "size")]
         rewards = " / ".join("-" if c[m] is None else f"{c[m]:.3f}" for m in ("reward_greedy", "reward_sampled", "train_reward"))
+
+        def pooled(m: str) -> str:
+            return "-" if m not in c else f"{100 * (c[m]['mean'] + s[m]['mean']) / 2:.0f}"
+
         lines.append(
             f"| {base} | {variant} | {step} | {c['seeds']} | {_pct(c['image_following'])} | {_pct(s['image_following'])} | "
             f"{_pct(c['correct_first'])} | {_pct(s['correct_first'])} | {_pct(c['blind_correct_first'])}, "
-            f"{_pct(s['blind_correct_first'])} | {100 * (c['disposition_image']['mean'] + s['disposition_image']['mean']) / 2:.0f} | {rewards} |"
+            f"{_pct(s['blind_correct_first'])} | {pooled('disposition_image')} / {pooled('disposition_score')} | "
+            f"{pooled('score_error')} | {rewards} |"
         )
+    last = {(c["base_judge"], c["variant"]): max(x["steps"] for x in results["summary"] if (x["base_judge"], x["variant"]) == (c["base_judge"], c["variant"]))
+            for c in results["summary"]}  # fmt: skip
+    lines += ["", "Per value the original image shows, each judge at its last step (all seeds' verdicts pooled): "
+              "image-following % (correct first %), items.", "",
+              "| base judge | variant | kind | value | image-following (correct first) | items |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
+    for row in results.get("by_value", []):
+        if row["steps"] == last[(row["base_judge"], row["variant"])]:
+            lines.append(f"| {row['base_judge']} | {row['variant']} | {row['kind']} | {row['value']} | "
+                         f"{100 * row['image_following']:.0f} ({100 * row['correct_first']:.0f}) | {row['items']} |")  # fmt: skip
     setup = results["setup"]
     lines += ["", f"Runs: {len(results['runs'])}; {setup['held_out']}; wall {setup['seconds']['wall']:.0f} s "
               f"(evaluation {setup['seconds']['eval']:.0f} s); code {setup['code'][:12]}.", ""]  # fmt: skip
