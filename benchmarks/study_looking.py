@@ -154,9 +154,10 @@ def run_key(judge_id: str, base: str, variant: str, seed: int, b: Budget) -> dic
     return json.loads(json.dumps(key))  # as its marker file holds it (tuples read back as lists)
 
 
-def ensure_run(run_dir: Path, key: dict[str, Any], cfg: Config) -> tuple[float, bool]:
+def ensure_run(run_dir: Path, key: dict[str, Any], cfg: Config, held_out: Any = None) -> tuple[float, bool]:
     """Train into `run_dir` unless it holds a finished run of `key`; returns (training seconds,
-    reused). A started run of the same key resumes; one of another key is deleted."""
+    reused). A started run of the same key resumes; one of another key is deleted. `held_out`:
+    the trainer's held-out hook (`pjray train`'s check at the end of the run)."""
     from pjray.rl.trainer import train
 
     marker = run_dir / "study_run.json"
@@ -168,7 +169,7 @@ def ensure_run(run_dir: Path, key: dict[str, Any], cfg: Config) -> tuple[float, 
         run_dir.mkdir(parents=True)
         marker.write_text(json.dumps({"key": key, "train_seconds": None}, indent=2))
     t0 = time.perf_counter()
-    train(cfg)
+    train(cfg, held_out=held_out)
     seconds = time.perf_counter() - t0
     (run_dir / "hf_model" / "COMPLETE").touch()  # the last export is whole
     marker.write_text(json.dumps({"key": key, "train_seconds": seconds}, indent=2))

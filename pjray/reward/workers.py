@@ -7,6 +7,7 @@ import importlib
 from typing import Callable
 
 from pjray.config import RewardConfig
+from pjray.memory import peak_memory_mib
 from pjray.reward import judge_reward
 from pjray.types import Completion, RewardResult, Timed
 
@@ -97,3 +98,7 @@ class RewardWorker:
 
     def ready(self) -> bool:
         return True
+
+    def peak_memory(self) -> dict[str, float]:
+        """This process's peak host and GPU memory in MiB (`pjray.memory`)."""
+        return peak_memory_mib()

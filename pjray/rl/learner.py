@@ -48,6 +48,7 @@ import torch
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
 from pjray.console import quiet_actor_warnings
+from pjray.memory import peak_memory_mib
 from pjray.models.loading import load_judge, placeholder_ids
 from pjray.models.lora import apply_lora, base_model
 from pjray.rl.checkpoint import RankCheckpoints
@@ -487,6 +488,10 @@ class LearnerRank(WeightSender, RankCheckpoints):
 
     def ready(self) -> bool:
         return True
+
+    def peak_memory(self) -> dict[str, float]:
+        """This process's peak host and GPU memory in MiB (`pjray.memory`)."""
+        return peak_memory_mib()
 
     def shutdown(self) -> None:
         """Tear down the process group (so a later rank in the same process can rejoin)."""

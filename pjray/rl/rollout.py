@@ -49,6 +49,7 @@ from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from pjray.config import ConfigError, ModelConfig, RolloutConfig
 from pjray.data.prompts import EOS_TOKEN
+from pjray.memory import peak_memory_mib
 from pjray.models.loading import (
     continued_positions,
     load_judge,
@@ -457,6 +458,10 @@ class RolloutWorker:
     def ready(self) -> bool:
         """Returns once the engine is built (the driver waits on it after launch)."""
         return True
+
+    def peak_memory(self) -> dict[str, float]:
+        """This process's peak host and GPU memory in MiB (`pjray.memory`)."""
+        return peak_memory_mib()
 
     def pid(self) -> int:
         """The worker's process id (fault-injection tests kill it)."""

@@ -49,6 +49,7 @@ from pjray.data.hf import DatasetItems, StreamSampler, StreamState, open_dataset
 from pjray.data.prompts import render_batch
 from pjray.data.sampler import ItemSampler, SamplerState, shown_order
 from pjray.data.sources import Rows, scan_items, write_rejects
+from pjray.memory import peak_memory_mib
 from pjray.models.loading import load_processor, opens_think, render_chat
 from pjray.ppjd.swap import counterfactual_pair
 from pjray.reward.workers import RewardWorker
@@ -464,7 +465,26 @@ class Trainer:
             self.sync_weights()
 
         timer.seconds["step"] = time.perf_counter() - start
-        return self.step_metrics(rollouts, advantages, actor_metrics, timer)
+        return {**self.step_metrics(rollouts, advantages, actor_metrics, timer), **self.memory_metrics()}
+
+    def memory_metrics(self) -> dict[str, float]:
+        """memory/<role>_peak_mib (host RSS, the largest actor of the role) and, where a role
+        uses a GPU, memory/<role>_gpu_peak_mib, so far in the run; the driver's own too. With the
+        hybrid engine the learner ranks are the rollout role."""
+        roles = {"learner": self.learners, "reward": self.reward.actors}
+        if not self.hybrid:
+            roles["rollout"] = self.rollout.actors
+        names = [role for role, actors in roles.items() for _ in actors]
+        answers = ray.get([a.peak_memory.remote() for actors in roles.values() for a in actors])
+        peaks = {"driver": peak_memory_mib()}
+        for role, answer in zip(names, answers):
+            peaks[role] = {k: max(v, peaks.get(role, {}).get(k, 0.0)) for k, v in answer.items()}
+        metrics = {}
+        for role, peak in peaks.items():
+            metrics[f"memory/{role}_peak_mib"] = peak["host"]
+            if peak["gpu"]:
+                metrics[f"memory/{role}_gpu_peak_mib"] = peak["gpu"]
+        return metrics
 
     # ----------------------------------------------------------------------------- phases
     def collect(self, timer: Timer) -> Rollouts:
