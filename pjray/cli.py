@@ -1,6 +1,6 @@
 """Command line: `pjray train | sft | ppjd | eval | sweep [--config FILE] [key=value ...]`.
 
-`pjray sweep --config FILE --grid KEY=V1,V2 ...` runs a grid of trainings (pjray.sweep).
+`pjray sweep --config FILE --grid KEY=V1,V2 ...` runs a grid of trainings on Ray Tune (pjray.sweep).
 
 `pjray eval --judge DIR_OR_HUB_ID --bench NAME [--data PATH]` evaluates a judge (pjray.eval).
 
@@ -22,7 +22,6 @@ import signal
 import sys
 import time
 import traceback
-from functools import partial
 
 from pjray.config import ConfigError, load
 from pjray.console import VERBOSE_ENV, quiet_stack, run_summary
@@ -70,10 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        help="axes, e.g. algo.group_size=2,4,8 data.num_candidates=3,4 (one value: fixed)")
     sweep.add_argument("--name", default="", help="sweep and W&B group name (default: sweep-<config>-<time>)")
     sweep.add_argument("--sweep-dir", help="where trial run dirs and results go (default: runs/sweeps/<name>)")
-    sweep.add_argument("--submit", default="", metavar="ADDRESS",
-                       help="run trials as Ray jobs on this job API address (http://HEAD:8265)")
-    sweep.add_argument("--max-concurrent", type=int, default=1, metavar="N",
-                       help="with --submit: up to N trial jobs in flight at once (default 1)")
+    sweep.add_argument("--max-concurrent", type=int, default=0, metavar="N",
+                       help="at most N trials at once (default 0: as many as the cluster holds)")
     sweep.add_argument("overrides", nargs="*", help="dotted overrides for every trial (before --grid)")
     args = parser.parse_args(argv)
     if args.command == "eval":
@@ -120,13 +117,11 @@ def run_command(args: argparse.Namespace) -> int:
 
     if args.command == "train":
         from pjray.eval.bias import training_eval
-        from pjray.eval.held_out import held_out_check
-        from pjray.recipes.base_judge import RECIPES
+        from pjray.eval.held_out import held_out_hook
         from pjray.rl.trainer import train as run_training
 
         start = time.perf_counter()
-        check = partial(held_out_check, recipe=RECIPES[cfg.model.init]) if cfg.model.init in RECIPES else None
-        run_dir = run_training(cfg, evaluate=training_eval, held_out=check)
+        run_dir = run_training(cfg, evaluate=training_eval, held_out=held_out_hook(cfg))
         print("\n".join(run_summary(run_dir, time.perf_counter() - start)))
     elif args.command == "sft":
         if cfg.model.path:

@@ -1,30 +1,30 @@
-"""`pjray sweep`: a grid of trainings (e.g. group size x K), one W&B group, a results table and plots.
+"""`pjray sweep`: a grid of trainings (e.g. group size x K) on Ray Tune, one W&B group, a results
+table and plots.
 
     pjray sweep --config configs/demo.yaml --grid algo.group_size=2,4,8,16 data.num_candidates=3,4,5
+    ray job submit --working-dir . -- pjray sweep --config configs/demo.yaml --grid trainer.seed=0,1,2
 
 The grid is expanded into trials (the cartesian product of the axes) and every trial's config is
-loaded and validated before the first one runs, so a misspelt key or an impossible combination
-fails at once, naming the trial and the key. Each trial is an ordinary `pjray train` with
-`trainer.run_dir=<sweep_dir>/<trial>` and `tracking.group=<sweep name>`. Trials run one after
-another in this process on the connected (or a local) Ray cluster, or, with `--submit ADDRESS`,
-as Ray jobs on that cluster, up to `--max-concurrent N` at once (default 1): one loop polls the
-jobs in flight and submits the next trial when one ends. Then every run's `metrics.jsonl` is read
-back and summarised in `results.json`, `results.md` and PNG plots in the sweep directory.
+loaded and validated (and its input paths checked) before the first one runs, so a misspelt key or
+an impossible combination fails at once, naming the trial and the key. Each trial is an ordinary
+`pjray train` with `trainer.run_dir=<sweep_dir>/<trial>` and `tracking.group=<sweep name>`.
 
-Concurrent jobs need no resource bookkeeping here: each trial's training reserves its own
-placement group (every learner, rollout and reward bundle at once), so a job beyond what the
-cluster has free waits for its bundles while the others run, for `ray.placement_timeout_s`
-(10 minutes by default; 0 waits as long as it takes): for a queue longer than that, set it to 0
-in the grid's fixed overrides, or pick N near the number of trials the cluster holds at once.
+Trials are scheduled by Ray Tune (a `Tuner` over a `grid_search` of the axes) on the cluster the
+command runs in (`ray job submit`, `ray.address`) or a local one. A trial reserves exactly what
+its training needs: a `PlacementGroupFactory` of one small bundle for the trial's driver and then
+the bundles of its learner ranks, rollout workers and reward workers (`pjray.rl.placement`), and
+the training places its actors in that group instead of creating one. So Tune's accounting is the
+truth, and as many trials run at once as the cluster holds (`--max-concurrent N` caps it).
 
-A trial's job has the submission id `<sweep name>--<trial>`. A rerun that finds that job (or its
-latest resubmission) still pending or running waits for it instead of submitting a duplicate; if
-it has ended, the trial is submitted again as `<sweep name>--<trial>--try2`, `--try3`, ...
-Ctrl-C stops the jobs in flight before the sweep exits.
-
-A trial that finished is recorded in `<run_dir>/sweep_trial.json` and skipped when the sweep is
-run again; an unfinished one resumes from its last checkpoint (trainer.resume=auto). One failed
-trial does not stop the others: it is reported as failed, and the command exits non-zero.
+One failed trial is reported with its error and does not stop the others; the command then exits
+non-zero. Ctrl-C stops the trials (Tune saves the experiment); the same command again restores
+the experiment from `<sweep_dir>/tune`: finished trials are kept, unfinished and failed ones run
+again, a training resuming from its last checkpoint (trainer.resume=auto). A trial that finished
+writes `sweep_trial.json` into its run dir. Every step's metrics are reported to Tune (for its
+result table, schedulers and search algorithms), and the held-out check's numbers at the end.
+Then every run's `metrics.jsonl` is read back and summarised in `results.json`, `results.md` and
+PNG plots in the sweep directory. On a cluster of several nodes the sweep dir must be on a
+filesystem every node sees (the trials write their run dirs there).
 """
 
 from __future__ import annotations
@@ -33,25 +33,29 @@ import itertools
 import json
 import logging
 import math
-import re
-import shlex
+import os
+import signal
 import statistics
 import time
-import traceback
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
+from pjray.cluster import connect
 from pjray.config import Config, ConfigError, load
 from pjray.inputs import check_inputs
+from pjray.signals import Interrupted
 
 log = logging.getLogger(__name__)
 
 # Keys the sweep sets per trial; a grid or override that sets them would be silently replaced.
 RESERVED_KEYS = ("trainer.run_dir", "tracking.group")
 TRIAL_RECORD = "sweep_trial.json"
-TERMINAL_JOB_STATES = ("SUCCEEDED", "FAILED", "STOPPED")
+TUNE_DIR = "tune"  # the Tune experiment (its state, for restore) inside the sweep dir
+# A trial's driver coordinates; its actors hold the compute (their bundles follow this one).
+DRIVER_BUNDLE = {"CPU": 0.1}
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,14 @@ class SweepPlan:
     config_path: str | None
     axes: list[Axis]
     trials: list[Trial]
+
+    def trial_for(self, params: dict[str, Any]) -> Trial:
+        """The trial of a Tune config (the grid's values by dotted key)."""
+        chosen = {a.key: str(params[a.key]) for a in self.axes}
+        for trial in self.trials:
+            if trial.params == chosen:
+                return trial
+        raise KeyError(f"sweep {self.name}: no trial has the values {chosen}")
 
 
 @dataclass
@@ -193,230 +205,162 @@ def plan_sweep(
     return SweepPlan(name, root, config_path, axes, trials)
 
 
-# --------------------------------------------------------------------------- running
-def run_sweep(
-    plan: SweepPlan,
-    submit: str = "",
-    poll_s: float = 5.0,
-    max_concurrent: int = 1,
-    client: JobClient | None = None,
-) -> list[TrialResult]:
-    """Run every unfinished trial, then write the results; returns one result per trial.
+# --------------------------------------------------------------------------- running on Ray Tune
+def param_space(plan: SweepPlan) -> dict[str, Any]:
+    """Tune's search space: a `grid_search` per varying axis, fixed axes as plain values."""
+    from ray import tune
 
-    With `submit`, trials are Ray jobs on that job API address, up to `max_concurrent` at once;
-    `client` stands in for `ray.job_submission.JobSubmissionClient(submit)`.
-    """
-    check_concurrency(submit, max_concurrent)
+    return {a.key: tune.grid_search(list(a.values)) if len(a.values) > 1 else a.values[0] for a in plan.axes}
+
+
+def trial_resources(cfg: Config) -> Any:
+    """What one trial reserves (a `PlacementGroupFactory`): bundle 0 for the trial's driver (Tune
+    starts the trial in it), then exactly the bundles its training places its actors in."""
+    from ray import tune
+
+    from pjray.rl.placement import placement_plan
+    from pjray.rl.trainer import training_roles
+
+    bundles, _ = placement_plan(training_roles(cfg), first=1)
+    return tune.PlacementGroupFactory([dict(DRIVER_BUNDLE), *bundles], strategy=cfg.ray.placement_strategy)
+
+
+def run_trial(params: dict[str, Any], plan: SweepPlan) -> None:
+    """One trial, inside the Ray actor Tune started it in: an ordinary training (`pjray train`:
+    run dir, checkpoints, metrics, HF export, held-out check) whose actors go into the trial's
+    placement group; every step's metrics are reported to Tune, the held-out numbers last."""
+    import ray
+    from ray import tune
+
+    from pjray.console import quiet_stack
+    from pjray.eval.bias import training_eval
+    from pjray.eval.held_out import held_out_hook
+    from pjray.rl.trainer import train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_stack()
+    trial = plan.trial_for(params)
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        raise RuntimeError(f"trial {trial.name}: not started in a placement group (run it through pjray.sweep.run_sweep)")
+    start = time.perf_counter()
+
+    def report(step: int, metrics: dict[str, float]) -> None:
+        tune.report({**metrics, "step": step})
+
+    run_dir = train(trial.config, evaluate=training_eval, held_out=held_out_hook(trial.config),
+                    placement_group=group, first_bundle=1, on_step=report)  # fmt: skip
+    record_trial(plan, trial, time.perf_counter() - start)
+    tune.report({"step": trial.config.trainer.steps, "done": 1.0, **held_out_metrics(run_dir)})
+
+
+def held_out_metrics(run_dir: Path) -> dict[str, float]:
+    """held_out/<kind>/<metric> of the trained judge, from the run's held-out check (if it ran)."""
+    from pjray.console import HELD_OUT
+
+    path = run_dir / HELD_OUT
+    if not path.is_file():
+        return {}
+    looks = json.loads(path.read_text())["trained"]["looks"]
+    return {f"held_out/{kind}/{key}": float(numbers[key]) for kind, numbers in looks.items()
+            for key in ("image_following", "correct_first")}  # fmt: skip
+
+
+def run_sweep(plan: SweepPlan, max_concurrent: int = 0) -> list[TrialResult]:
+    """Run every unfinished trial on Ray Tune (the connected cluster, or a local one), then write
+    the results; returns one result per trial. As many trials run at once as the cluster holds
+    (each reserves its training's placement group), at most `max_concurrent` if > 0.
+
+    A sweep dir that holds this sweep's Tune experiment is restored: finished trials are kept,
+    unfinished and failed ones run again (a training resumes from its last checkpoint). Raises
+    `Interrupted` when the sweep was stopped (Ctrl-C) before every trial ended."""
+    from ray import tune
+
+    if max_concurrent < 0:
+        raise ConfigError(f"--max-concurrent {max_concurrent}: 0 (as many as the cluster holds) or more")
+    check_same_sweep(plan)
+    # Every trial's placement group, sized before anything starts (this imports the trainer, and
+    # with it torch, before Ray's threads do).
+    resources = {t.name: trial_resources(t.config) for t in plan.trials}
     plan.sweep_dir.mkdir(parents=True, exist_ok=True)
-    (plan.sweep_dir / "sweep.json").write_text(json.dumps(
-        {"name": plan.name, "config": plan.config_path, "submit": submit or None,
-         "max_concurrent": max_concurrent, "axes": [asdict(a) for a in plan.axes],
-         "trials": [{"name": t.name, "params": t.params, "overrides": t.overrides} for t in plan.trials]},
-        indent=2,
-    ))
-    todo = unfinished_trials(plan)
-    if submit:
-        errors = run_jobs(plan, todo, client or job_client(submit), max_concurrent, poll_s)
+    (plan.sweep_dir / "sweep.json").write_text(json.dumps(sweep_record(plan), indent=2))
+    connect(plan.trials[0].config.ray)
+    # Relative paths of a trial's config resolve where the sweep started, not in Tune's trial dir.
+    os.environ["RAY_CHDIR_TO_TRIAL_DIR"] = "0"
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, plan=plan), lambda config: resources[plan.trial_for(config).name]
+    )
+    experiment = plan.sweep_dir / TUNE_DIR
+    if tune.Tuner.can_restore(experiment):
+        log.info("sweep %s: restoring its Tune experiment %s", plan.name, experiment)
+        tuner = tune.Tuner.restore(str(experiment), trainable, resume_unfinished=True, restart_errored=True)
     else:
-        errors = run_in_process(plan, todo)
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space(plan),
+            tune_config=tune.TuneConfig(
+                max_concurrent_trials=max_concurrent or None,
+                trial_name_creator=partial(tune_trial_name, plan),
+                trial_dirname_creator=partial(tune_trial_name, plan),
+            ),
+            run_config=tune.RunConfig(
+                name=TUNE_DIR, storage_path=str(plan.sweep_dir),
+                failure_config=tune.FailureConfig(max_failures=0), verbose=1,
+            ),
+        )  # fmt: skip
+    grid = tuner.fit()
+    errors = {plan.trial_for(r.config).name: error_line(r.error) for r in grid if r.error is not None}
     results = collect_results(plan, errors)
     write_results(plan, results)
+    unfinished = [t.name for t in plan.trials if t.name not in errors and not trial_done(Path(t.config.trainer.run_dir))]
+    if unfinished:
+        raise Interrupted(signal.SIGINT, (
+            f"sweep {plan.name} stopped with {len(unfinished)} trial(s) unfinished ({', '.join(unfinished)}); "
+            "run the same command again to resume it"
+        ))  # fmt: skip
     return results
 
 
-def check_concurrency(submit: str, max_concurrent: int) -> None:
-    """Concurrent trials must be separate Ray jobs: in-process trials share one driver."""
-    if max_concurrent < 1:
-        raise ConfigError(f"--max-concurrent {max_concurrent}: at least 1")
-    if max_concurrent > 1 and not submit:
+def tune_trial_name(plan: SweepPlan, trial: Any) -> str:
+    """Tune's name (and directory name) of a trial: the sweep's trial name."""
+    return plan.trial_for(trial.config).name
+
+
+def error_line(err: BaseException) -> str:
+    """The last line of an error's text: for a trial's failure, the exception its training raised."""
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(err).__name__
+
+
+def sweep_record(plan: SweepPlan) -> dict[str, Any]:
+    return {"name": plan.name, "config": plan.config_path, "axes": [asdict(a) for a in plan.axes],
+            "trials": [{"name": t.name, "params": t.params, "overrides": t.overrides} for t in plan.trials]}  # fmt: skip
+
+
+def check_same_sweep(plan: SweepPlan) -> None:
+    """A sweep dir holds one sweep: running another grid (or other overrides) in it would mix
+    trials of two experiments, so it is refused."""
+    path = plan.sweep_dir / "sweep.json"
+    if not path.is_file():
+        return
+    recorded = json.loads(path.read_text())
+    if recorded.get("trials") != sweep_record(plan)["trials"]:
         raise ConfigError(
-            f"--max-concurrent {max_concurrent} needs --submit ADDRESS: trials run in this process "
-            "share one Ray driver, so they run one after another"
+            f"{plan.sweep_dir} holds sweep {recorded.get('name')!r} with other trials or overrides; "
+            "rerun it as it was, or give this one another --name / --sweep-dir"
         )
-
-
-def unfinished_trials(plan: SweepPlan) -> list[Trial]:
-    """The trials without a finished record, in grid order; the others are logged as skipped."""
-    todo = []
-    for index, trial in enumerate(plan.trials, start=1):
-        if trial_done(Path(trial.config.trainer.run_dir)):
-            log.info("sweep %s: trial %d/%d %s already finished", plan.name, index, len(plan.trials), trial.name)
-        else:
-            todo.append(trial)
-    return todo
 
 
 def trial_done(run_dir: Path) -> bool:
     return (run_dir / TRIAL_RECORD).is_file()
 
 
-def record_trial(plan: SweepPlan, trial: Trial, wall_s: float, job_id: str = "") -> None:
-    """Mark a trial finished, so a rerun of the sweep skips it."""
+def record_trial(plan: SweepPlan, trial: Trial, wall_s: float) -> None:
+    """Mark a trial finished (written by the trial as its last act)."""
     run_dir = Path(trial.config.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    record: dict[str, Any] = {"sweep": plan.name, "trial": trial.name, "params": trial.params,
-                              "wall_s": round(wall_s, 3)}
-    if job_id:
-        record["job"] = job_id
+    record = {"sweep": plan.name, "trial": trial.name, "params": trial.params, "wall_s": round(wall_s, 3)}
     (run_dir / TRIAL_RECORD).write_text(json.dumps(record))
-
-
-def run_in_process(plan: SweepPlan, trials: list[Trial]) -> dict[str, str]:
-    """Train the trials one after another in this process; returns errors by trial name."""
-    from pjray.eval.bias import training_eval
-    from pjray.rl.trainer import train
-
-    errors: dict[str, str] = {}
-    for index, trial in enumerate(trials, start=1):
-        log.info("sweep %s: trial %s (%d of %d to run)", plan.name, trial.name, index, len(trials))
-        start = time.perf_counter()
-        try:
-            train(trial.config, evaluate=training_eval)
-        except Exception as err:  # noqa: BLE001 - one failed trial must not stop the sweep
-            errors[trial.name] = f"{type(err).__name__}: {err}"
-            log.error("sweep %s: trial %s failed:\n%s", plan.name, trial.name, traceback.format_exc())
-            continue
-        record_trial(plan, trial, time.perf_counter() - start)
-    return errors
-
-
-# --------------------------------------------------------------------------- trials as Ray jobs
-class JobClient(Protocol):
-    """The part of `ray.job_submission.JobSubmissionClient` the sweep uses."""
-
-    def submit_job(self, *, entrypoint: str, submission_id: str, runtime_env: dict[str, Any] | None) -> str: ...
-
-    def get_job_status(self, job_id: str) -> Any: ...
-
-    def get_job_logs(self, job_id: str) -> str: ...
-
-    def stop_job(self, job_id: str) -> bool: ...
-
-    def list_jobs(self) -> list[Any]: ...
-
-
-@dataclass
-class TrialJob:
-    """A trial's Ray job in flight."""
-
-    trial: Trial
-    job_id: str
-    start: float  # perf_counter when this sweep submitted or found it
-
-
-def job_client(address: str) -> JobClient:
-    from ray.job_submission import JobSubmissionClient
-
-    return JobSubmissionClient(address)
-
-
-def run_jobs(
-    plan: SweepPlan, trials: list[Trial], client: JobClient, max_concurrent: int, poll_s: float
-) -> dict[str, str]:
-    """Keep up to `max_concurrent` trial jobs in flight until all have ended; returns errors by
-    trial name. On Ctrl-C the jobs in flight are stopped before the interrupt propagates."""
-    attempts = job_attempts(client, plan.name, trials)
-    queue = list(trials)
-    running: list[TrialJob] = []
-    errors: dict[str, str] = {}
-    try:
-        while queue or running:
-            while queue and len(running) < max_concurrent:
-                trial = queue.pop(0)
-                try:
-                    running.append(start_job(client, plan, trial, attempts[trial.name]))
-                except Exception as err:  # noqa: BLE001 - one failed trial must not stop the sweep
-                    errors[trial.name] = f"{type(err).__name__}: {err}"
-                    log.error("sweep %s: trial %s not submitted:\n%s", plan.name, trial.name, traceback.format_exc())
-            ended = False
-            for job in list(running):
-                if finish_job(client, plan, job, errors):
-                    running.remove(job)  # at once: a Ctrl-C in the next poll must not stop it
-                    ended = True
-            if running and not ended:
-                time.sleep(poll_s)
-    except KeyboardInterrupt:
-        stop_jobs(client, running)
-        raise
-    return errors
-
-
-def submission_id(sweep: str, trial: str, attempt: int = 1) -> str:
-    """`<sweep>--<trial>`, then `--try2`, `--try3`, ... for later submissions of the trial."""
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in sweep)
-    base = f"{safe}--{trial}"
-    return base if attempt == 1 else f"{base}--try{attempt}"
-
-
-def job_attempts(client: JobClient, sweep: str, trials: list[Trial]) -> dict[str, int]:
-    """The latest attempt number each trial has on the cluster (0: never submitted)."""
-    known = {str(job.submission_id) for job in client.list_jobs() if job.submission_id}
-    attempts = {}
-    for trial in trials:
-        pattern = re.escape(submission_id(sweep, trial.name)) + r"(?:--try(\d+))?"
-        found = [re.fullmatch(pattern, job_id) for job_id in known]
-        attempts[trial.name] = max((int(m.group(1) or 1) for m in found if m), default=0)
-    return attempts
-
-
-def job_status(client: JobClient, job_id: str) -> str:
-    """PENDING | RUNNING | STOPPED | SUCCEEDED | FAILED (Ray's JobStatus without its class)."""
-    return str(client.get_job_status(job_id)).rsplit(".", 1)[-1]
-
-
-def start_job(client: JobClient, plan: SweepPlan, trial: Trial, attempt: int) -> TrialJob:
-    """Submit the trial as a Ray job, or wait for its job from an earlier run if still going.
-
-    The config file's folder is shipped as the job's working dir, so `--config` resolves on the
-    cluster; every path inside the config (data, run dirs) must be valid there, and the sweep dir
-    must be on a filesystem both this machine and the cluster see, for the results to be read.
-    """
-    if attempt:
-        latest = submission_id(plan.name, trial.name, attempt)
-        if job_status(client, latest) not in TERMINAL_JOB_STATES:
-            log.info("sweep %s: trial %s: Ray job %s is still in flight; waiting for it", plan.name, trial.name, latest)
-            return TrialJob(trial, latest, time.perf_counter())
-    command = ["pjray", "train"]
-    runtime_env: dict[str, Any] = {}
-    if plan.config_path:
-        command += ["--config", Path(plan.config_path).name]
-        runtime_env["working_dir"] = str(Path(plan.config_path).resolve().parent)
-    command += trial.overrides
-    job_id = client.submit_job(
-        entrypoint=shlex.join(command), submission_id=submission_id(plan.name, trial.name, attempt + 1),
-        runtime_env=runtime_env or None,
-    )
-    log.info("sweep %s: trial %s: submitted as Ray job %s", plan.name, trial.name, job_id)
-    return TrialJob(trial, job_id, time.perf_counter())
-
-
-def finish_job(client: JobClient, plan: SweepPlan, job: TrialJob, errors: dict[str, str]) -> bool:
-    """Poll one job; when it has ended, record the trial (or its error). True if it ended."""
-    name = job.trial.name
-    try:
-        status = job_status(client, job.job_id)
-        if status not in TERMINAL_JOB_STATES:
-            return False
-        if status != "SUCCEEDED":
-            tail = client.get_job_logs(job.job_id)[-2000:]
-            raise RuntimeError(f"Ray job {job.job_id} ended {status}:\n{tail}")
-    except Exception as err:  # noqa: BLE001 - one failed trial must not stop the sweep
-        errors[name] = f"{type(err).__name__}: {err}"
-        log.error("sweep %s: trial %s failed: %s", plan.name, name, errors[name])
-        return True
-    record_trial(plan, job.trial, time.perf_counter() - job.start, job.job_id)
-    log.info("sweep %s: trial %s finished", plan.name, name)
-    return True
-
-
-def stop_jobs(client: JobClient, jobs: list[TrialJob]) -> None:
-    """Ask Ray to stop each job; one that cannot be stopped is logged and left."""
-    for job in jobs:
-        try:
-            client.stop_job(job.job_id)
-            log.warning("stopped Ray job %s (trial %s)", job.job_id, job.trial.name)
-        except Exception:  # noqa: BLE001 - the others must still be stopped
-            log.exception("could not stop Ray job %s (trial %s)", job.job_id, job.trial.name)
 
 
 # --------------------------------------------------------------------------- results
@@ -576,16 +520,16 @@ def main(args: Any) -> int:
     """`pjray sweep` (argparse namespace from pjray.cli): plan, run, print the table."""
     import sys
 
-    check_concurrency(args.submit, args.max_concurrent)
     plan = plan_sweep(args.config, args.grid, args.overrides, args.name, args.sweep_dir)
-    if not args.submit:  # submitted trials read their paths on the cluster, which checks them
-        for trial in plan.trials:
-            check_inputs(trial.config, "train")
+    for trial in plan.trials:
+        check_inputs(trial.config, "train")
     print(f"pjray: sweep {plan.name}: {len(plan.trials)} trials in {plan.sweep_dir}")
-    results = run_sweep(plan, submit=args.submit, max_concurrent=args.max_concurrent)
+    results = run_sweep(plan, max_concurrent=args.max_concurrent)
     print((plan.sweep_dir / "results.md").read_text())
-    failed = [r.trial for r in results if r.status != "ok"]
+    failed = [r for r in results if r.status != "ok"]
     if failed:
-        print(f"pjray: sweep {plan.name}: {len(failed)} trial(s) did not finish: {', '.join(failed)}", file=sys.stderr)
+        for r in failed:
+            print(f"pjray: sweep {plan.name}: trial {r.trial} {r.status}: {r.error}", file=sys.stderr)
+        print(f"pjray: sweep {plan.name}: {len(failed)} trial(s) did not finish: {', '.join(r.trial for r in failed)}", file=sys.stderr)
         return 1
     return 0

@@ -2,7 +2,8 @@
 list of work is cut over workers (`split_evenly`).
 
 One placement group holds a bundle per learner rank, rollout worker and reward worker, so a
-job either gets all of its resources or waits for them (no half-started job holding GPUs).
+job either gets all of its resources or waits for them (no half-started job holding GPUs). It is
+the training's own, or the one Ray Tune reserved for a sweep's trial (`placement_plan` sizes both).
 A dead rollout or reward worker is rebuilt in its own bundle and the call it failed is retried.
 """
 
@@ -71,36 +72,76 @@ class RoleResources:
     resources: dict[str, float] = field(default_factory=dict)
 
 
-class Placement:
-    """A placement group with consecutive bundle ranges per role."""
-
-    def __init__(self, roles: dict[str, RoleResources], strategy: str, timeout_s: float = 600.0):
-        self.ranges: dict[str, range] = {}
-        bundles: list[dict[str, float]] = []
-        for role, res in roles.items():
-            if res.share_with is not None:
-                host = self.ranges[res.share_with]  # the shared role must come first
-                if res.count > len(host):
-                    raise ValueError(f"{role}: {res.count} actors cannot share {len(host)} {res.share_with} bundles")
-                for index in host[: res.count]:
-                    bundles[index]["CPU"] += res.num_cpus
-                    for name, amount in res.resources.items():
-                        bundles[index][name] = bundles[index].get(name, 0.0) + amount
-                    if res.num_gpus:
-                        # Both shares live on one whole GPU (colocated validation: sum <= 1).
-                        bundles[index]["GPU"] = 1.0
-                self.ranges[role] = host[: res.count]
-                continue
-            start = len(bundles)
-            for _ in range(res.count):
-                bundle = {"CPU": res.num_cpus, **res.resources}
+def placement_plan(roles: dict[str, RoleResources], first: int = 0) -> tuple[list[dict[str, float]], dict[str, range]]:
+    """The bundles a training needs, one per actor of each role (a role that shares another's
+    bundles adds its share to them), and each role's bundle indices, counted from `first` (the
+    bundles before it belong to someone else: a Tune trial's driver)."""
+    ranges: dict[str, range] = {}
+    bundles: list[dict[str, float]] = []
+    for role, res in roles.items():
+        if res.share_with is not None:
+            host = ranges[res.share_with]  # the shared role must come first
+            if res.count > len(host):
+                raise ValueError(f"{role}: {res.count} actors cannot share {len(host)} {res.share_with} bundles")
+            for index in host[: res.count]:
+                bundle = bundles[index - first]
+                bundle["CPU"] += res.num_cpus
+                for name, amount in res.resources.items():
+                    bundle[name] = bundle.get(name, 0.0) + amount
                 if res.num_gpus:
-                    bundle["GPU"] = res.num_gpus
-                bundles.append(bundle)
-            self.ranges[role] = range(start, len(bundles))
+                    # Both shares live on one whole GPU (colocated validation: sum <= 1).
+                    bundle["GPU"] = 1.0
+            ranges[role] = host[: res.count]
+            continue
+        start = first + len(bundles)
+        for _ in range(res.count):
+            bundle = {"CPU": res.num_cpus, **res.resources}
+            if res.num_gpus:
+                bundle["GPU"] = res.num_gpus
+            bundles.append(bundle)
+        ranges[role] = range(start, first + len(bundles))
+    return bundles, ranges
+
+
+def same_bundles(given: Sequence[dict[str, float]], needed: Sequence[dict[str, float]]) -> bool:
+    """Whether the bundles of a placement group hold what `needed` asks, resource by resource
+    (a resource of amount 0 counts as absent)."""
+    def nonzero(bundle: dict[str, float]) -> dict[str, float]:
+        return {k: float(v) for k, v in bundle.items() if v}
+
+    return len(given) == len(needed) and all(nonzero(g) == nonzero(n) for g, n in zip(given, needed))
+
+
+class Placement:
+    """A placement group with consecutive bundle ranges per role.
+
+    By default the group is created here (and removed at shutdown). With `group`, the actors go
+    into that group instead, from bundle `first` on (a Ray Tune trial's group: bundle 0 is the
+    trial's own); its bundles from `first` must be exactly the plan's, and it is left to its owner.
+    """
+
+    def __init__(
+        self,
+        roles: dict[str, RoleResources],
+        strategy: str,
+        timeout_s: float = 600.0,
+        group: PlacementGroup | None = None,
+        first: int = 0,
+    ):
+        bundles, self.ranges = placement_plan(roles, first)
         self.roles = roles
         self.actors: list[Any] = []  # every actor launched here, for shutdown
-        self.pg: PlacementGroup = placement_group(bundles, strategy=strategy)
+        self.owned = group is None
+        if group is not None:
+            given = group.bundle_specs[first:]
+            if not same_bundles(given, bundles):
+                raise ValueError(
+                    f"the placement group given has bundles {given} from bundle {first} on; this "
+                    f"training needs {bundles} (roles {', '.join(roles)})"
+                )
+            self.pg: PlacementGroup = group
+            return
+        self.pg = placement_group(bundles, strategy=strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s or None)
         if not ready:
             total = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
@@ -159,7 +200,8 @@ class Placement:
             calls = [a.__ray_ready__.remote() for a in self.actors]
             ray.wait(calls, num_returns=len(calls), timeout=timeout_s)
         self.actors = []
-        remove_placement_group(self.pg)
+        if self.owned:
+            remove_placement_group(self.pg)
 
 
 class WorkerPool:

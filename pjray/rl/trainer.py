@@ -41,6 +41,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray
 import torch
+from ray.util.placement_group import PlacementGroup
 
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, to_dict
@@ -84,6 +85,28 @@ EvalHook = Callable[[Config, Generate, int], dict[str, float]]
 # (base judge, trained judge, the run's training items) -> the held-out check's numbers
 # (pjray.eval.held_out.held_out_check, handed in by the CLI like the evaluation hook).
 HeldOutHook = Callable[[str, str, Sequence[JudgeItem]], dict[str, Any]]
+# (step, the step's metrics) -> None, after the tracker has them (a sweep reports them to Ray Tune).
+StepHook = Callable[[int, dict[str, float]], None]
+
+
+def training_roles(cfg: Config) -> dict[str, RoleResources]:
+    """The actors a training places, by role: learner ranks, rollout workers (none with the
+    hybrid engine: the learner ranks generate) and reward workers."""
+    roles = {
+        "learner": RoleResources(
+            cfg.learner.num_ranks, cfg.learner.num_cpus_per_rank, cfg.learner.num_gpus_per_rank,
+            resources=dict(cfg.learner.resources),
+        ),
+        # Colocated: rollout worker i runs in learner rank i's GPU bundle.
+        "rollout": RoleResources(
+            cfg.rollout.num_workers, cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker,
+            share_with="learner" if cfg.rollout.colocate else None, resources=dict(cfg.rollout.resources),
+        ),
+        "reward": RoleResources(cfg.reward.num_workers, cfg.reward.num_cpus_per_worker, 0.0),
+    }
+    if cfg.rollout.backend == "hybrid":
+        del roles["rollout"]
+    return roles
 
 
 class Timer:
@@ -219,12 +242,24 @@ def mean(values: list[float]) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, evaluate: EvalHook | None = None, held_out: HeldOutHook | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        evaluate: EvalHook | None = None,
+        held_out: HeldOutHook | None = None,
+        placement_group: PlacementGroup | None = None,
+        first_bundle: int = 0,
+        on_step: StepHook | None = None,
+    ):
         if cfg.eval.every_steps and evaluate is None:
             raise ConfigError("eval.every_steps: this trainer was given no evaluation hook (evaluate=)")
         self.cfg = cfg
         self.evaluate = evaluate
         self.held_out = held_out
+        # The actors go into this group from `first_bundle` on (a Ray Tune trial's), else into
+        # a group of the training's own (`pjray.rl.placement.Placement`).
+        self.placement_group, self.first_bundle = placement_group, first_bundle
+        self.on_step = on_step
         self.run_dir = Path(cfg.trainer.run_dir).resolve()
         self.step = 0
         self.checkpointed_step = 0  # the step of the newest checkpoint, saved or resumed from
@@ -257,21 +292,10 @@ class Trainer:
         self.processor = load_processor(self.model_path)
         clock.done("judge")
 
-        roles = {
-            "learner": RoleResources(
-                cfg.learner.num_ranks, cfg.learner.num_cpus_per_rank, cfg.learner.num_gpus_per_rank,
-                resources=dict(cfg.learner.resources),
-            ),
-            # Colocated: rollout worker i runs in learner rank i's GPU bundle.
-            "rollout": RoleResources(
-                cfg.rollout.num_workers, cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker,
-                share_with="learner" if cfg.rollout.colocate else None, resources=dict(cfg.rollout.resources),
-            ),
-            "reward": RoleResources(cfg.reward.num_workers, cfg.reward.num_cpus_per_worker, 0.0),
-        }
-        if self.hybrid:
-            del roles["rollout"]  # the learner ranks generate
-        self.placement = Placement(roles, strategy=cfg.ray.placement_strategy, timeout_s=cfg.ray.placement_timeout_s)
+        self.placement = Placement(
+            training_roles(cfg), strategy=cfg.ray.placement_strategy, timeout_s=cfg.ray.placement_timeout_s,
+            group=self.placement_group, first=self.first_bundle,
+        )
         clock.done("placement group")
         # The roles start side by side (imports, weights, engines), except engines colocated with
         # the learner ranks: an engine sizes its KV cache from the GPU memory it finds free, so
@@ -419,6 +443,8 @@ class Trainer:
                 # Held-out metrics (eval/*), judged by the rollout pool (the hook is checked in __init__).
                 metrics.update(self.evaluate(self.cfg, self.judge_texts, self.step))
             self.tracker.log(metrics, self.step)
+            if self.on_step is not None:
+                self.on_step(self.step, metrics)
             seconds_per_step = (time.perf_counter() - started) / (self.step - first_step)
             log.info(step_line(self.step, cfg.steps, metrics, seconds_per_step))
             if self.step in cfg.export_steps:
@@ -764,10 +790,18 @@ class Trainer:
             self.placement.shutdown()  # every learner, rollout and reward actor
 
 
-def train(cfg: Config, evaluate: EvalHook | None = None, held_out: HeldOutHook | None = None) -> Path:
-    """Run a whole training job (with `evaluate` every eval.every_steps, and `held_out` at the end
-    of a run from the base judge); returns the run directory."""
-    trainer = Trainer(cfg, evaluate, held_out)
+def train(
+    cfg: Config,
+    evaluate: EvalHook | None = None,
+    held_out: HeldOutHook | None = None,
+    placement_group: PlacementGroup | None = None,
+    first_bundle: int = 0,
+    on_step: StepHook | None = None,
+) -> Path:
+    """Run a whole training job (with `evaluate` every eval.every_steps, `held_out` at the end of
+    a run from the base judge, `on_step` after every step, its actors in `placement_group` from
+    `first_bundle` on if one is given); returns the run directory."""
+    trainer = Trainer(cfg, evaluate, held_out, placement_group, first_bundle, on_step)
     with trainer.stop:
         try:
             trainer.setup()

@@ -1,5 +1,6 @@
 """Ctrl-C and SIGTERM stop a real `pjray train` at a checkpoint; the resumed run's metrics have
-every step once. And an error raised in a Ray worker reaches the user as its own one line."""
+every step once. Ctrl-C stops a `pjray sweep` on Ray Tune, and the same command resumes it. And an
+error raised in a Ray worker reaches the user as its own one line."""
 
 from __future__ import annotations
 
@@ -48,15 +49,15 @@ def last_pjray_line(out: str) -> str:
     return [line for line in out.strip().splitlines() if line.startswith("pjray:")][-1]
 
 
-def train_until(run_dir: Path, args: list[str], ready: Callable[[], bool], signum: int) -> tuple[int, str]:
-    """Run `pjray train` in its own process group (as a terminal runs it), send `signum` once
-    `ready()`, and return (exit code, output). SIGINT goes to the whole group, as Ctrl-C in a
-    terminal sends it (the local Ray cluster's processes ignore it); SIGTERM to the driver, as
-    `kill PID` and `ray job stop` send it."""
+def train_until(run_dir: Path, args: list[str], ready: Callable[[], bool], signum: int, command: str = "train") -> tuple[int, str]:
+    """Run `pjray train` (or another `command`) in its own process group (as a terminal runs
+    it), send `signum` once `ready()`, and return (exit code, output). SIGINT goes to the whole
+    group, as Ctrl-C in a terminal sends it (the local Ray cluster's processes ignore it);
+    SIGTERM to the driver, as `kill PID` and `ray job stop` send it."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pjray", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "pjray", command, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, env=env, cwd=run_dir.parent, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 240
@@ -133,3 +134,29 @@ def test_an_error_in_an_actor_constructor_is_its_own_line(ray_local, tmp_path, c
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and last.startswith(f"pjray: bad model: {judge}: cannot load the model: "), last
 
+
+
+def test_an_interrupted_sweep_resumes_without_rerunning_a_finished_trial(tmp_path):
+    """Ctrl-C once the first of two trials (one at a time) has finished: Tune stops the second
+    and saves the experiment, the command exits 130 saying how to resume; the same command again
+    restores the experiment and runs only the unfinished trial."""
+    sweep_dir = tmp_path / "sweep"
+    args = ["--name", "resumable", "--sweep-dir", str(sweep_dir), "--max-concurrent", "1",
+            *TINY, "trainer.steps=2", "--grid", "trainer.seed=0,1"]  # fmt: skip
+    records = [sweep_dir / f"seed-{i}" / "sweep_trial.json" for i in (0, 1)]
+
+    code, out = train_until(sweep_dir, args, lambda: any(r.exists() for r in records), signal.SIGINT, command="sweep")
+    assert code == 130, out[-4000:]
+    assert "run the same command again to resume it" in last_pjray_line(out)
+    finished = [r for r in records if r.exists()]
+    assert len(finished) == 1, out[-4000:]
+    first = finished[0]
+    before = (first.read_text(), first.stat().st_mtime_ns, (first.parent / "metrics.jsonl").read_text())
+
+    code, out = train_until(sweep_dir, args, lambda: False, signal.SIGINT, command="sweep")
+    assert code == 0, out[-4000:]
+    assert "restoring its Tune experiment" in out
+    assert (first.read_text(), first.stat().st_mtime_ns, (first.parent / "metrics.jsonl").read_text()) == before
+    assert all(r.exists() for r in records)
+    results = json.loads((sweep_dir / "results.json").read_text())["results"]
+    assert [(r["trial"], r["status"], r["steps"]) for r in results] == [("seed-0", "ok", 2), ("seed-1", "ok", 2)]

@@ -1,4 +1,4 @@
-"""`ray job submit -- pjray train` and `-- pjray ppjd` against a local Ray cluster, and a
+"""`ray job submit -- pjray train`, `-- pjray ppjd` and `-- pjray sweep` against a local Ray cluster, and a
 training job on a two-node cluster (two raylets on this machine) whose learner and rollout
 workers run on different nodes.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+TESTS_DIR = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent  # the environment's `ray` and `pjray` scripts
 
 TRAIN = [
@@ -124,7 +126,10 @@ def local_cluster(head_resources: dict[str, float] | None = None, worker_resourc
             worker = [
                 str(BIN / "ray"), "start", "--block", f"--address=127.0.0.1:{gcs}", "--num-cpus=2", "--num-gpus=0",
                 f"--resources={json.dumps(worker_resources)}", f"--dashboard-agent-listen-port={free_port()}",
-                f"--temp-dir={temp_dir}", "--disable-usage-stats",
+                # A temp dir of its own, as a second machine has: in a shared one the worker node
+                # would delete the job's unpacked working dir (the head's driver's cwd) when its
+                # actors end.
+                f"--temp-dir={Path(temp_dir) / 'w'}", "--disable-usage-stats",
             ]  # fmt: skip
             logs.append(open(Path(temp_dir) / "worker.log", "w"))
             sessions.append(subprocess.Popen(worker, env=ray_env(), stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
@@ -217,34 +222,52 @@ def test_submit_ppjd_job(cluster, working_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_sweep_submits_trials_as_concurrent_jobs(cluster, tmp_path, monkeypatch):
-    """`pjray sweep --submit ADDRESS --max-concurrent 2`: both trials are Ray jobs at once, under
-    ids named after the sweep and trial; results are read back here."""
-    from ray.job_submission import JobSubmissionClient
+def test_a_sweep_job_runs_trials_at_once_on_tune_and_reports_the_one_that_failed(working_dir, tmp_path, monkeypatch):
+    """`ray job submit -- pjray sweep` on a two-node cluster (2 CPUs each): Tune starts both
+    trials at once, each in a placement group of a driver bundle and its training's bundles, the
+    training's actors inside it. One trial's reward raises at step 1: it is reported with its
+    error, the other finishes, and the job fails (the sweep exits non-zero)."""
+    from ray.util.state import list_actors, list_placement_groups, list_tasks
 
-    from pjray.cli import main
-
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # for the state API client here
+    shutil.copy(TESTS_DIR / "learnable_rewards.py", working_dir / "learnable_rewards.py")  # imported by the reward workers
     sweep_dir = tmp_path / "sweep"
-    code = main([
-        "sweep", "--config", str(REPO / "configs" / "demo.yaml"), "--name", "submitted",
-        "--sweep-dir", str(sweep_dir), "--submit", cluster, "--max-concurrent", "2",
-        *TRAIN, "trainer.steps=1", "trainer.export_hf=false",
-        # 0.5 CPU a trial (learner 0.25, reward 0.25): both placement groups fit the 2-CPU cluster together.
-        "learner.num_cpus_per_rank=0.25",
-        "--grid", "trainer.seed=0,1",
-    ])
-    assert code == 0
-    results = json.loads((sweep_dir / "results.json").read_text())["results"]
-    assert [(r["trial"], r["status"], r["steps"]) for r in results] == [("seed-0", "ok", 1), ("seed-1", "ok", 1)]
-    assert [json.loads((sweep_dir / t / "sweep_trial.json").read_text())["job"] for t in ("seed-0", "seed-1")] == [
-        "submitted--seed-0", "submitted--seed-1",
-    ]
-    jobs = {j.submission_id: j for j in JobSubmissionClient(cluster).list_jobs()}
-    first, second = jobs["submitted--seed-0"], jobs["submitted--seed-1"]
-    assert str(first.status).endswith("SUCCEEDED") and str(second.status).endswith("SUCCEEDED")
-    assert max(first.start_time, second.start_time) < min(first.end_time, second.end_time)  # they overlapped
+    with local_cluster(worker_resources={}) as address:
+        command = [
+            str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(working_dir), "--",
+            "pjray", "sweep", "--config", "configs/demo.yaml", "--name", "tuned", "--sweep-dir", str(sweep_dir),
+            *TRAIN, "trainer.export_hf=false",
+            "--grid", "reward.function=learnable_rewards:starts_with_space,learnable_rewards:broken",
+        ]  # fmt: skip
+        result = subprocess.run(command, env=ray_env(), capture_output=True, text=True, timeout=420)
+        out = result.stdout + result.stderr
+        learners = list_actors(address=address, filters=[("class_name", "=", "LearnerRank")], detail=True, raise_on_missing_output=False)
+        groups = list_placement_groups(address=address, detail=True, raise_on_missing_output=False)
+        learner_tasks = list_tasks(address=address, detail=True, raise_on_missing_output=False, limit=10_000)
+        learner_tasks = [t for t in learner_tasks if t.func_or_class_name.startswith("LearnerRank")]
+    assert result.returncode != 0, out[-4000:]
+    assert "trial function-learnable_rewards_broken failed: RuntimeError: this reward is made to fail" in out, out[-4000:]
+    results = {r["trial"]: r for r in json.loads((sweep_dir / "results.json").read_text())["results"]}
+    ok, failed = results["function-learnable_rewards_starts_with_space"], results["function-learnable_rewards_broken"]
+    assert (ok["status"], ok["steps"]) == ("ok", 2)
+    assert failed["status"] == "failed" and "made to fail" in failed["error"]
+    assert (sweep_dir / "function-learnable_rewards_starts_with_space" / "sweep_trial.json").is_file()
+    assert not (sweep_dir / "function-learnable_rewards_broken" / "sweep_trial.json").exists()
+    assert (sweep_dir / "tune").is_dir()  # the experiment a rerun restores
+    # The trials ran at once: the two learner ranks' lives (from their constructor's start to
+    # their last call's end) overlap in time.
+    spans = {}
+    for task in learner_tasks:
+        first, last = spans.get(task.actor_id, (math.inf, -math.inf))
+        spans[task.actor_id] = (min(first, task.start_time_ms or math.inf), max(last, task.end_time_ms or -math.inf))
+    assert len(spans) == 2, learner_tasks
+    assert max(first for first, _ in spans.values()) < min(last for _, last in spans.values()), spans
+    # Each trial's placement group held a driver bundle and its training's (learner 0.5 CPU,
+    # reward worker 0.25), and each training's learner rank ran inside its trial's group.
+    trial_groups = {g.placement_group_id: g for g in groups if [b["unit_resources"] for b in g.bundles] == [
+        {"CPU": 0.1}, {"CPU": 0.5}, {"CPU": 0.25}]}
+    assert len(trial_groups) == 2, groups
+    assert len(learners) == 2 and {a.placement_group_id for a in learners} == set(trial_groups), learners
 
 
 @pytest.mark.slow

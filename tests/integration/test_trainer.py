@@ -99,6 +99,11 @@ def test_learns_a_trivial_reward_with_two_ranks(ray_local, tmp_path):
         trainer.shutdown()
     assert first["reward/mean"] < 0.5
     assert best >= 0.9, f"mean reward only reached {best:.2f} in {trainer.step} steps"
+    # Every role's peak memory is logged: the learner ranks (which generate here) hold a model,
+    # the reward worker does not, and nothing runs on a GPU.
+    peaks = {k: v for k, v in first.items() if k.startswith("memory/")}
+    assert sorted(peaks) == ["memory/driver_peak_mib", "memory/learner_peak_mib", "memory/reward_peak_mib"]
+    assert peaks["memory/learner_peak_mib"] > peaks["memory/reward_peak_mib"] > 50
 
 
 def test_lora_learns_the_trivial_reward_and_exports_merged_weights(ray_local, tmp_path):

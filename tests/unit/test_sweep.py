@@ -1,18 +1,32 @@
-"""`pjray sweep`: grid expansion, validation before anything runs, trials as concurrent Ray jobs
-(against an in-memory job API), results from metrics files."""
+"""`pjray sweep`: grid expansion, validation before anything runs, the trials' Tune resources and
+placement, results from metrics files. The sweeps that run on Tune are in tests/integration
+(test_job_submit.py: trials at once on a two-node cluster, one failing; test_interrupt.py:
+restore after Ctrl-C)."""
 
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from pjray.cli import main
-from pjray.config import ConfigError
-from pjray.sweep import collect_results, plan_sweep, run_sweep, split_values, submission_id, write_results
+from pjray.config import ConfigError, load
+from pjray.rl.placement import Placement, RoleResources, placement_plan
+from pjray.rl.trainer import training_roles
+from pjray.sweep import (
+    DRIVER_BUNDLE,
+    check_same_sweep,
+    collect_results,
+    error_line,
+    param_space,
+    plan_sweep,
+    split_values,
+    sweep_record,
+    trial_resources,
+    write_results,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -122,174 +136,90 @@ def test_results_from_metrics_files(tmp_path):
         assert paths[key].read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.slow
-def test_two_trial_sweep_on_the_tiny_judge(tmp_path, capsys):
-    """Two real trainings through the CLI on a local Ray cluster, one table at the end."""
-    import ray
+# --------------------------------------------------------------------------- trials on Ray Tune
+def test_tune_configs_map_to_trials(tmp_path):
+    from ray import tune
 
-    sweep_dir = tmp_path / "sweep"
-    try:
-        code = main([
-            "sweep", "--config", str(REPO / "configs" / "demo.yaml"), "--name", "tiny-gs",
-            "--sweep-dir", str(sweep_dir),
-            "model.init=tiny", "data.num_items=16", "data.image_size=64", "rollout.max_new_tokens=8", "trainer.steps=2",
-            "trainer.prompts_per_step=2", "learner.micro_batch_size=2", "trainer.export_hf=false",
-            "tracking.wandb=false", "ray.num_cpus=2",
-            "--grid", "algo.group_size=2,4",
-        ])
-    finally:
-        ray.shutdown()
-    assert code == 0, capsys.readouterr().err[-3000:]
-    results = json.loads((sweep_dir / "results.json").read_text())["results"]
-    assert [(r["trial"], r["status"], r["steps"], r["group_size"]) for r in results] == [
-        ("group_size-2", "ok", 2, 2), ("group_size-4", "ok", 2, 4),
-    ]
-    assert all(r["step_time_s"] > 0 and r["tokens_per_s"] > 0 for r in results)
-    assert (sweep_dir / "plot_best_reward.png").is_file()
-    assert (sweep_dir / "group_size-2" / "sweep_trial.json").is_file()
-    assert "| 4 | 3 | 2 |" in (sweep_dir / "results.md").read_text()
-    # A rerun finds both trials finished and only rewrites the results.
-    assert main(["sweep", "--config", str(REPO / "configs" / "demo.yaml"), "--name", "tiny-gs",
-                 "--sweep-dir", str(sweep_dir), "model.init=tiny", "data.num_items=16", "data.image_size=64",
-                 "rollout.max_new_tokens=8", "trainer.steps=2", "trainer.prompts_per_step=2",
-                 "learner.micro_batch_size=2", "trainer.export_hf=false", "tracking.wandb=false",
-                 "--grid", "algo.group_size=2,4"]) == 0
+    plan = plan_sweep(None, ["algo.group_size=2,4", "data.num_candidates=3"], name="t", sweep_dir=tmp_path)
+    assert param_space(plan) == {"algo.group_size": tune.grid_search(["2", "4"]), "data.num_candidates": "3"}
+    assert plan.trial_for({"algo.group_size": "4", "data.num_candidates": "3"}).name == "group_size-4"
+    with pytest.raises(KeyError, match="no trial has the values"):
+        plan.trial_for({"algo.group_size": "8", "data.num_candidates": "3"})
 
 
-# --------------------------------------------------------------------------- trials as Ray jobs
-class FakeJobs:
-    """A job API in memory: a job ends on its `duration`-th status poll, writing the metrics a
-    training would. Records submissions, stops and the most jobs in flight at once."""
-
-    def __init__(self, duration: dict[str, int] | None = None, fail: tuple[str, ...] = (),
-                 existing: dict[str, str] | None = None, interrupt_on_poll: int = 0):
-        self.duration = duration or {}  # polls until a trial's job ends (default 2)
-        self.fail = fail  # trial names whose jobs fail
-        self.status = dict(existing or {})  # submission id -> status
-        self.run_dirs: dict[str, Path] = {}
-        self.polls: dict[str, int] = {}
-        self.interrupt_on_poll = interrupt_on_poll  # raise KeyboardInterrupt on this poll (1-based)
-        self.submitted: list[str] = []
-        self.stopped: list[str] = []
-        self.most_in_flight = 0
-
-    def in_flight(self) -> int:
-        return sum(s in ("PENDING", "RUNNING") for s in self.status.values())
-
-    def list_jobs(self) -> list[SimpleNamespace]:
-        return [SimpleNamespace(submission_id=i, status=s) for i, s in self.status.items()]
-
-    def submit_job(self, *, entrypoint: str, submission_id: str, runtime_env: dict | None) -> str:
-        assert submission_id not in self.status, f"{submission_id} submitted twice"
-        assert entrypoint.startswith("pjray train ")
-        run_dir = next(a for a in shlex.split(entrypoint) if a.startswith("trainer.run_dir="))
-        self.run_dirs[submission_id] = Path(run_dir.partition("=")[2])
-        self.status[submission_id] = "PENDING"
-        self.submitted.append(submission_id)
-        self.most_in_flight = max(self.most_in_flight, self.in_flight())
-        return submission_id
-
-    def get_job_status(self, job_id: str) -> str:
-        if sum(self.polls.values()) + 1 == self.interrupt_on_poll:
-            raise KeyboardInterrupt
-        self.polls[job_id] = self.polls.get(job_id, 0) + 1
-        if self.status[job_id] in ("PENDING", "RUNNING"):
-            trial = job_id.split("--")[1]
-            if self.polls[job_id] < self.duration.get(trial, 2):
-                self.status[job_id] = "RUNNING"
-            elif trial in self.fail:
-                self.status[job_id] = "FAILED"
-            else:
-                self.status[job_id] = "SUCCEEDED"
-                self.run_dirs[job_id].mkdir(parents=True, exist_ok=True)
-                (self.run_dirs[job_id] / "metrics.jsonl").write_text(json.dumps(step(1, 0.5, 0.0, 0.5, 1.0, 10)))
-        return f"JobStatus.{self.status[job_id]}"
-
-    def get_job_logs(self, job_id: str) -> str:
-        return "Traceback ...\nValueError: the trial broke"
-
-    def stop_job(self, job_id: str) -> bool:
-        self.stopped.append(job_id)
-        self.status[job_id] = "STOPPED"
-        return True
+@pytest.mark.parametrize("overrides, roles", [
+    (["rollout.backend=hf", "rollout.num_workers=2", "reward.num_workers=2"],
+     {"learner": range(1, 2), "rollout": range(2, 4), "reward": range(4, 6)}),
+    ([], {"learner": range(1, 2), "reward": range(2, 3)}),  # hybrid: the learner ranks generate
+])  # fmt: skip
+def test_a_trial_reserves_a_driver_bundle_and_exactly_its_trainings_bundles(overrides, roles):
+    cfg = load(None, ["learner.num_cpus_per_rank=0.5", "ray.placement_strategy=SPREAD", *overrides])
+    factory = trial_resources(cfg)
+    bundles, ranges = placement_plan(training_roles(cfg), first=1)
+    assert factory.bundles == [DRIVER_BUNDLE, *bundles]
+    assert factory.strategy == "SPREAD"
+    assert ranges == roles
+    assert bundles[0] == {"CPU": 0.5}
 
 
-def seeds_plan(tmp_path: Path, n: int):
-    return plan_sweep(None, [f"trainer.seed={','.join(map(str, range(n)))}"], name="jobs", sweep_dir=tmp_path)
+def test_the_trainer_places_its_actors_in_a_group_it_is_given(monkeypatch):
+    """`Placement(group=..., first=1)`: the actors go to the given group's bundles from `first`
+    on (a Tune trial's: bundle 0 is the trial driver's), the group must hold exactly the plan's
+    bundles, and it is left to its owner at shutdown."""
+    from pjray.rl import placement as placement_module
+
+    cfg = load(None, ["rollout.backend=hf", "rollout.num_workers=2"])
+    roles = training_roles(cfg)
+    bundles, _ = placement_plan(roles, first=1)
+    group = SimpleNamespace(bundle_specs=[dict(DRIVER_BUNDLE), *bundles])
+    placement = Placement(roles, strategy="PACK", group=group, first=1)
+    assert placement.pg is group and not placement.owned
+    assert [placement.strategy("rollout", i).placement_group_bundle_index for i in range(2)] == [2, 3]
+    assert placement.strategy("learner", 0).placement_group_bundle_index == 1
+    assert placement.strategy("reward", 0).placement_group is group
+    removed = []
+    monkeypatch.setattr(placement_module, "remove_placement_group", removed.append)
+    placement.shutdown()
+    assert removed == []
+
+    too_small = SimpleNamespace(bundle_specs=[dict(DRIVER_BUNDLE), *bundles[:-1]])
+    with pytest.raises(ValueError, match="this training needs"):
+        Placement(roles, strategy="PACK", group=too_small, first=1)
+    other_cpus = SimpleNamespace(bundle_specs=[dict(DRIVER_BUNDLE), {"CPU": 2.0}, *bundles[1:]])
+    with pytest.raises(ValueError, match="this training needs"):
+        Placement(roles, strategy="PACK", group=other_cpus, first=1)
 
 
-def test_jobs_run_at_most_n_at_once_and_each_trial_once(tmp_path):
-    plan = seeds_plan(tmp_path, 5)
-    jobs = FakeJobs(duration={"seed-0": 5, "seed-1": 2, "seed-2": 3, "seed-3": 1, "seed-4": 2})
-    results = run_sweep(plan, submit="http://head:8265", poll_s=0, max_concurrent=2, client=jobs)
-    assert jobs.most_in_flight == 2
-    assert sorted(jobs.submitted) == [f"jobs--seed-{i}" for i in range(5)]
-    assert [r.status for r in results] == ["ok"] * 5
-    record = json.loads((tmp_path / "seed-3" / "sweep_trial.json").read_text())
-    assert (record["trial"], record["job"]) == ("seed-3", "jobs--seed-3")
-    assert json.loads((tmp_path / "sweep.json").read_text())["max_concurrent"] == 2
+def test_a_colocated_plan_shares_the_learner_bundles():
+    roles = {
+        "learner": RoleResources(2, 1.0, 0.5),
+        "rollout": RoleResources(2, 0.5, 0.4, share_with="learner"),
+        "reward": RoleResources(1, 0.25, 0.0),
+    }
+    bundles, ranges = placement_plan(roles, first=1)
+    assert bundles == [{"CPU": 1.5, "GPU": 1.0}, {"CPU": 1.5, "GPU": 1.0}, {"CPU": 0.25}]
+    assert ranges == {"learner": range(1, 3), "rollout": range(1, 3), "reward": range(3, 4)}
 
 
-def test_a_failed_job_is_reported_and_the_others_finish(tmp_path):
-    plan = seeds_plan(tmp_path, 3)
-    jobs = FakeJobs(fail=("seed-0",))
-    results = run_sweep(plan, submit="http://head:8265", poll_s=0, max_concurrent=3, client=jobs)
-    assert [r.status for r in results] == ["failed", "ok", "ok"]
-    assert results[0].error.startswith("RuntimeError: Ray job jobs--seed-0 ended FAILED")
-    assert "the trial broke" in results[0].error
-    assert not (tmp_path / "seed-0" / "sweep_trial.json").exists()
+def test_a_sweep_dir_holds_one_sweep(tmp_path):
+    plan = plan_sweep(None, ["trainer.seed=0,1"], name="a", sweep_dir=tmp_path)
+    check_same_sweep(plan)  # nothing there yet
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep_record(plan)))
+    check_same_sweep(plan_sweep(None, ["trainer.seed=0,1"], name="a", sweep_dir=tmp_path))
+    with pytest.raises(ConfigError, match="holds sweep 'a' with other trials"):
+        check_same_sweep(plan_sweep(None, ["trainer.seed=0,1,2"], name="a", sweep_dir=tmp_path))
+    with pytest.raises(ConfigError, match="holds sweep 'a' with other trials"):
+        check_same_sweep(plan_sweep(None, ["trainer.seed=0,1"], ["trainer.steps=3"], name="a", sweep_dir=tmp_path))
 
 
-def test_a_rerun_skips_finished_trials_and_resubmits_ended_jobs(tmp_path):
-    plan = seeds_plan(tmp_path, 2)
-    first = FakeJobs(fail=("seed-1",))
-    run_sweep(plan, submit="http://head:8265", poll_s=0, max_concurrent=2, client=first)
-    # The cluster remembers both jobs; only the failed trial runs again, under a fresh id.
-    again = FakeJobs(existing=first.status)
-    results = run_sweep(plan, submit="http://head:8265", poll_s=0, max_concurrent=2, client=again)
-    assert again.submitted == ["jobs--seed-1--try2"]
-    assert [r.status for r in results] == ["ok", "ok"]
-    third = FakeJobs(existing={**again.status, "jobs--seed-1--try2": "FAILED"})
-    (tmp_path / "seed-1" / "sweep_trial.json").unlink()
-    results = run_sweep(plan, submit="http://head:8265", poll_s=0, client=third)
-    assert third.submitted == ["jobs--seed-1--try3"]
-    assert [r.status for r in results] == ["ok", "ok"]
+def test_a_failed_trials_error_is_its_last_line():
+    err = RuntimeError("Traceback (most recent call last):\n  File ...\nValueError: reward.function='m:f': no f\n")
+    assert error_line(err) == "ValueError: reward.function='m:f': no f"
+    assert error_line(RuntimeError("")) == "RuntimeError"
 
 
-def test_a_job_still_running_from_an_earlier_run_is_waited_for(tmp_path):
-    plan = seeds_plan(tmp_path, 2)
-    jobs = FakeJobs(existing={"jobs--seed-0": "FAILED", "jobs--seed-0--try2": "RUNNING", "other--seed-1": "RUNNING"})
-    jobs.run_dirs["jobs--seed-0--try2"] = tmp_path / "seed-0"
-    results = run_sweep(plan, submit="http://head:8265", poll_s=0, max_concurrent=2, client=jobs)
-    assert jobs.submitted == ["jobs--seed-1"]  # another sweep's job is not this trial's
-    assert jobs.polls["jobs--seed-0--try2"] >= 1
-    assert [r.status for r in results] == ["ok", "ok"]
-    assert json.loads((tmp_path / "seed-0" / "sweep_trial.json").read_text())["job"] == "jobs--seed-0--try2"
-
-
-def test_ctrl_c_stops_the_jobs_in_flight(tmp_path):
-    plan = seeds_plan(tmp_path, 4)
-    jobs = FakeJobs(duration={"seed-0": 1, "seed-1": 3, "seed-2": 9}, interrupt_on_poll=6)
-    with pytest.raises(KeyboardInterrupt):
-        run_sweep(plan, submit="http://head:8265", poll_s=0, max_concurrent=2, client=jobs)
-    # Polls: seed-0 ends (1), seed-1 (2); seed-2 takes seed-0's place; seed-1 (3), seed-2 (4);
-    # seed-1 ends (5); Ctrl-C comes on the next poll, of seed-2, the only job in flight.
-    assert jobs.submitted == ["jobs--seed-0", "jobs--seed-1", "jobs--seed-2"]
-    assert jobs.stopped == ["jobs--seed-2"]
-    assert [p.parent.name for p in sorted(tmp_path.glob("*/sweep_trial.json"))] == ["seed-0", "seed-1"]
-    assert not (tmp_path / "results.json").exists()
-
-
-def test_submission_ids_are_readable_and_safe():
-    assert submission_id("gs 4/8", "group_size-4__num_candidates-3") == "gs_4_8--group_size-4__num_candidates-3"
-    assert submission_id("gs", "seed-0", 3) == "gs--seed-0--try3"
-
-
-def test_concurrent_trials_need_submit(tmp_path, capsys):
-    plan = seeds_plan(tmp_path, 2)
-    with pytest.raises(ConfigError, match="--max-concurrent 2 needs --submit"):
-        run_sweep(plan, max_concurrent=2)
-    code = main(["sweep", "--sweep-dir", str(tmp_path / "cli"), "--max-concurrent", "2", "--grid", "trainer.seed=0,1"])
+def test_max_concurrent_must_not_be_negative(tmp_path, capsys):
+    code = main(["sweep", "--sweep-dir", str(tmp_path / "cli"), "--max-concurrent", "-1", "--grid", "trainer.seed=0,1"])
     assert code == 2
-    assert "needs --submit" in capsys.readouterr().err
+    assert "--max-concurrent -1" in capsys.readouterr().err
     assert not (tmp_path / "cli").exists()
