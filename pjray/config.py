@@ -190,6 +190,18 @@ class AlgoConfig:
     dual_clip: float = 3.0  # 0 disables
     kl_coef: float = 0.01  # k3 ("low_var_kl") in the loss; 0 disables and drops the reference model
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    # grpo: a ratio per token (PPO clip, dual clip). gspo: one length-normalised ratio a sequence,
+    # clipped per sequence (GSPO, arXiv 2507.18071; it needs loss_agg=seq-mean-token-mean, and the
+    # paper's clip ranges are ~3e-4 / 4e-4 where GRPO's are 0.2).
+    policy_loss: str = "grpo"
+    # Rollout correction, for samples of an engine that is not the learner (rollout workers: HF
+    # or vLLM, split or colocated): importance weights old policy / engine, per token or per
+    # sequence, multiply the policy loss; truncated at rollout_is_upper (TIS), or with
+    # rollout_is_lower set, 0 outside [lower, upper] (IcePop). none: no correction (the hybrid
+    # engine samples with the learner's own weights and needs none).
+    rollout_is: str = "none"  # none | token | sequence
+    rollout_is_upper: float = 2.0
+    rollout_is_lower: float | None = None
     # Drop groups whose rewards all equal (zero advantage) and refill with fresh prompts.
     filter_zero_std: bool = False
     max_refill_rounds: int = 2
@@ -453,6 +465,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "reward.metric": ("levenshtein", "kendall"),
     "reward.style": ("ranking", "scores"),
     "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "algo.policy_loss": ("grpo", "gspo"),
+    "algo.rollout_is": ("none", "token", "sequence"),
     "learner.lr_schedule": ("constant", "cosine"),
     "tracking.mode": ("auto", "online", "offline"),
     "ray.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
@@ -547,6 +561,7 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("algo.group_size: GRPO needs at least 2 responses per prompt")
     if 0 < cfg.algo.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={cfg.algo.dual_clip}: must be > 1 (or 0 to disable)")
+    _validate_policy_loss(cfg.algo, cfg.rollout.backend)
     _validate_layout(cfg)
     if cfg.rollout.backend != "vllm" and cfg.rollout.tensor_parallel_size != 1:
         raise ConfigError("rollout.tensor_parallel_size: only the vllm backend shards the model")
@@ -832,6 +847,26 @@ def _validate_eval(cfg: Config) -> None:
     if e.every_steps and cfg.data.source == "scenes" and e.train_seed == cfg.data.seed:
         # The held-out eval must not judge the scenes the policy trains on.
         raise ConfigError(f"eval.train_seed={e.train_seed}: must differ from data.seed for a held-out eval")
+
+
+def _validate_policy_loss(algo: AlgoConfig, backend: str) -> None:
+    if algo.policy_loss == "gspo" and algo.loss_agg != "seq-mean-token-mean":
+        raise ConfigError(
+            f"algo.policy_loss=gspo: GSPO averages its sequences' losses; set algo.loss_agg=seq-mean-token-mean "
+            f"(not {algo.loss_agg})"
+        )
+    if algo.rollout_is == "none":
+        return
+    if backend == "hybrid":
+        raise ConfigError(
+            f"algo.rollout_is={algo.rollout_is}: rollout.backend=hybrid samples with the learner's own weights, "
+            "so there is no engine gap to correct; set algo.rollout_is=none"
+        )
+    if algo.rollout_is_upper <= 0:
+        raise ConfigError(f"algo.rollout_is_upper={algo.rollout_is_upper}: must be > 0")
+    lower = algo.rollout_is_lower
+    if lower is not None and not 0 <= lower < algo.rollout_is_upper:
+        raise ConfigError(f"algo.rollout_is_lower={lower}: must be in [0, algo.rollout_is_upper={algo.rollout_is_upper})")
 
 
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:

@@ -6,7 +6,13 @@ Definitions follow verl (`core_algos.py`), which the paper trained with:
 * ratio exp(clamp(logp - old_logp, +-20)), PPO clip [1 - clip_low, 1 + clip_high], dual clip c
   for negative advantages;
 * KL to the reference as a loss term, k3 / "low_var_kl", clamped to [-10, 10];
-* loss aggregation "token-mean" (default), "seq-mean-token-mean", "seq-mean-token-sum-norm".
+* loss aggregation "token-mean" (default), "seq-mean-token-mean", "seq-mean-token-sum-norm";
+* GSPO (`policy_loss(..., level="sequence")`): the length-normalised sequence ratio
+  exp(mean_t(logp - old_logp)), clipped per sequence, with the token-level gradient of the GSPO
+  paper (arXiv 2507.18071, GSPO-token with all token advantages equal to the sequence's);
+* rollout correction (`rollout_is_weights`): importance weights old-policy / rollout-engine per
+  token or sequence, truncated above (TIS) or masked outside a band (IcePop), multiplying the
+  per-token policy loss (verl's `rollout_is`).
 
 Deliberate differences from verl, both small and documented where they occur:
 
@@ -258,6 +264,23 @@ def _masked_mean_item(values: Tensor, mask: Tensor) -> float:
     return float((values * m).sum() / count.clamp(min=1.0))
 
 
+POLICY_LOSSES = ("grpo", "gspo")
+IS_LEVELS = ("token", "sequence")
+# Log-ratios are clamped here before exp (verl's SAFETY_BOUND): exp(20) ~ 5e8 stays finite.
+LOG_RATIO_BOUND = 20.0
+
+
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's per-token log importance ratio: the sequence's length-normalised log-ratio
+    mean_t(logp - old_logp) as its value on every token (detached), plus logp - sg(logp), whose
+    value is 0 and whose gradient is the token's own: so d ratio / d logp_t = ratio on each token,
+    and a sequence-mean of the tokens' losses has the GSPO paper's gradient
+    s_i * (1/|y_i|) sum_t grad log pi(y_t)."""
+    m = mask.to(logp.dtype)
+    per_seq = ((logp.detach() - old_logp) * m).sum(-1) / m.sum(-1).clamp(min=1.0)
+    return logp - logp.detach() + per_seq.unsqueeze(-1)
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -271,8 +294,10 @@ def policy_loss(
     global_seqs: float | None = None,
     dp_size: int = 1,
     norm_len: float | None = None,
+    kind: str = "grpo",
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO clipped surrogate with dual clip (verl "vanilla" policy loss).
+    """PPO clipped surrogate with dual clip (verl "vanilla" policy loss), or GSPO's.
 
     Args:
         logp: [B, T] log-probs of the sampled tokens under the policy being trained (grad).
@@ -283,40 +308,51 @@ def policy_loss(
         dual_clip: c > 1; for A < 0 the loss is capped at -A * c so a huge ratio on a bad
             token cannot blow up the step. None disables it.
         agg, global_tokens, global_seqs, dp_size, norm_len: passed to `aggregate`.
+        kind: "grpo" (per-token ratio exp(logp - old_logp)) or "gspo" (`sequence_log_ratio`:
+            one length-normalised ratio a sequence, clipped per sequence; no dual clip, and the
+            paper's clip ranges are ~1e-3 where GRPO's are 0.2).
+        is_weights: [B, T] rollout-correction weights (`rollout_is_weights`, detached) that
+            multiply the per-token loss; None: no correction.
 
     Returns:
         (loss [] scalar as from `aggregate`, metrics) with masked token means as floats:
         pg_clipfrac (PPO clip active), pg_clipfrac_lower (dual clip active), ppo_kl
         (mean of old_logp - logp), ratio_mean.
     """
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {kind!r}; expected one of {POLICY_LOSSES}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.expand_as(logp)
 
-    log_ratio = torch.clamp(logp - old_logp, min=-20.0, max=20.0)
+    raw_log_ratio = logp - old_logp if kind == "grpo" else sequence_log_ratio(logp, old_logp, mask)
+    log_ratio = torch.clamp(raw_log_ratio, min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
     loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    if dual_clip is not None:
+    if dual_clip is not None and kind == "grpo":
         loss_cap = -advantages * dual_clip
         per_token = torch.where(advantages < 0, torch.minimum(loss_ppo, loss_cap), loss_ppo)
     else:
+        loss_cap = None
         per_token = loss_ppo
+    if is_weights is not None:
+        per_token = per_token * is_weights
 
     loss = aggregate(per_token, mask, agg, global_tokens, global_seqs, dp_size, norm_len)
 
     with torch.no_grad():
-        if dual_clip is not None:
+        if loss_cap is not None:
             lower = ((loss_ppo > loss_cap) & (advantages < 0)).float()
         else:
             lower = torch.zeros_like(ratio)
         metrics = {
             "pg_clipfrac": _masked_mean_item((loss_clipped > loss_unclipped).float(), mask),
             "pg_clipfrac_lower": _masked_mean_item(lower, mask),
-            "ppo_kl": _masked_mean_item(-log_ratio, mask),
+            "ppo_kl": _masked_mean_item(-torch.clamp(logp - old_logp, -LOG_RATIO_BOUND, LOG_RATIO_BOUND), mask),
             "ratio_mean": _masked_mean_item(ratio, mask),
         }
     return loss, metrics
@@ -337,14 +373,18 @@ def grpo_loss(
     global_seqs: float | None = None,
     dp_size: int = 1,
     norm_len: float | None = None,
+    kind: str = "grpo",
+    is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss: clipped policy loss + kl_coef * aggregate(k3 KL to the reference).
 
     KL is a loss term (verl `use_kl_loss`), aggregated with the same mode and counts as the
-    policy loss, so the sum is split-invariant too.
+    policy loss, so the sum is split-invariant too. The rollout-correction weights multiply the
+    policy loss only.
 
     Args:
-        logp, old_logp, advantages, mask, clip_*, dual_clip, agg, ...: as in `policy_loss`.
+        logp, old_logp, advantages, mask, clip_*, dual_clip, agg, kind, is_weights, ...: as in
+            `policy_loss`.
         ref_logp: [B, T] reference-model log-probs; may be None only when kl_coef == 0.
         kl_coef: weight of the KL term.
 
@@ -354,7 +394,7 @@ def grpo_loss(
     """
     pg, metrics = policy_loss(
         logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip,
-        agg, global_tokens, global_seqs, dp_size, norm_len,
+        agg, global_tokens, global_seqs, dp_size, norm_len, kind, is_weights,
     )  # fmt: skip
     if ref_logp is None:
         if kl_coef != 0:
@@ -368,6 +408,81 @@ def grpo_loss(
     metrics["pg_loss"] = float(pg.detach())
     metrics["kl_loss"] = float(kl.detach())
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout correction: the engine that sampled is not the learner
+# ---------------------------------------------------------------------------------------------
+
+# Sums over the units a level weighs (tokens or sequences), added up over micro-batches and ranks
+# and turned into metrics by `rollout_is_metrics`: [units, sum w, sum w^2, units outside the bound].
+IS_SUMS = 4
+
+
+def rollout_is_weights(
+    log_ratio: Tensor, mask: Tensor, level: str, upper: float, lower: float | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Importance weights for samples drawn by a rollout engine and trained by the learner.
+
+    Args:
+        log_ratio: [B, T] old-policy minus rollout-engine log-probs of each sampled token (0
+            where the engine gave none).
+        mask: [B, T] 1 on response tokens that are trained on.
+        level: "token": w_t = exp(log_ratio_t); "sequence": one weight a sequence,
+            exp(sum_t log_ratio_t) (the product of its tokens' ratios), on each of its tokens.
+        upper: with `lower` None, TIS: weights above `upper` are set to `upper`.
+        lower: IcePop: weights outside [lower, upper] are set to 0 (those tokens, or sequences,
+            drop out of the policy loss).
+
+    Log-ratios are clamped to +-20 before exp. Padding gets weight 0; the weights are detached.
+
+    Returns:
+        (weights [B, T], sums [IS_SUMS] of the final weights over the units of `level`: units,
+        sum w, sum w^2, units whose raw weight was truncated or masked; max raw weight [] over
+        the units). `rollout_is_metrics` turns sums and max into metrics.
+    """
+    if level not in IS_LEVELS:
+        raise ValueError(f"unknown rollout_is level {level!r}; expected one of {IS_LEVELS}")
+    if upper <= 0 or (lower is not None and not 0 <= lower < upper):
+        raise ValueError(f"rollout_is bounds: need 0 <= lower < upper and upper > 0, got lower={lower}, upper={upper}")
+    with torch.no_grad():
+        m = mask.to(log_ratio.dtype)
+        if level == "token":
+            raw = torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # [B, T]
+            units = m > 0
+        else:
+            raw = torch.exp(torch.clamp((log_ratio * m).sum(-1), -LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # [B]
+            units = (m > 0).any(-1)
+        if lower is None:
+            outside = raw > upper
+            bounded = torch.clamp(raw, max=upper)
+        else:
+            outside = (raw < lower) | (raw > upper)
+            bounded = torch.where(outside, torch.zeros_like(raw), raw)
+        weights = (bounded if level == "token" else bounded.unsqueeze(-1).expand_as(log_ratio)) * m
+        kept = bounded[units].to(torch.float64)
+        sums = torch.stack([
+            units.sum().to(torch.float64), kept.sum(), (kept * kept).sum(), outside[units].sum().to(torch.float64),
+        ])  # fmt: skip
+        raw_max = raw[units].max().to(torch.float64) if units.any() else torch.zeros((), dtype=torch.float64)
+    return weights.detach(), sums, raw_max
+
+
+def rollout_is_metrics(sums: Tensor, raw_max: float) -> dict[str, float]:
+    """rollout_is/*: the weights' mean and the effective sample size (sum w)^2 / (n sum w^2)
+    (1: all weights equal; near 0: a few units carry the step), the largest raw weight, the
+    fraction of units truncated (TIS) or masked (IcePop); the units are tokens or sequences, as
+    `rollout_is_weights` counted them."""
+    units, total, squares, outside = (float(x) for x in sums)
+    if units == 0:
+        return {}
+    return {
+        "rollout_is/mean": total / units,
+        "rollout_is/max": float(raw_max),
+        "rollout_is/frac_clipped": outside / units,
+        "rollout_is/ess": total * total / (units * squares) if squares > 0 else 0.0,
+        "rollout_is/units": units,
+    }
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from pjray.models.lora import apply_lora, base_model
 from pjray.rl.checkpoint import RankCheckpoints
 from pjray.rl.ds_ops import skip_unused_ops
 from pjray.rl.ds_setup import ds_config, lr_multiplier, optimizer, ref_ds_config, vision_tower
-from pjray.rl.grpo import entropy_from_logits, grpo_loss, sft_loss
+from pjray.rl.grpo import IS_SUMS, entropy_from_logits, grpo_loss, rollout_is_metrics, rollout_is_weights, sft_loss
 from pjray.rl.logprobs import can_share_prefix, collate, forward_logprobs, forwarded_positions
 from pjray.rl.logprobs import model_inputs as _model_inputs  # noqa: F401  (the name the learner tests use)
 from pjray.rl.placement import split_evenly
@@ -306,7 +306,9 @@ class LearnerRank(WeightSender, RankCheckpoints):
             actor/num_seqs (mini-batch totals), perf/padding_fraction (padding positions over
             all forwarded positions). When experiences carry `rollout_logprobs`, also
             rollout/logprob_diff_mean and rollout/logprob_diff_max: |learner - rollout engine|
-            per response token (before this step's update), over the tokens that have one.
+            per response token (the learner's weights before this step's update: the old
+            policy's), over the tokens that have one; and with algo.rollout_is, the policy loss
+            weighted by `rollout_is_weights` of old policy / engine, and rollout_is/* metrics.
         """
         if len(experiences) < self.grad_accum_steps:
             raise ValueError(
@@ -325,10 +327,12 @@ class LearnerRank(WeightSender, RankCheckpoints):
 
         # Sums over this rank's micro-batches: [pg_loss, kl_loss, tokens, seqs,
         # entropy*tokens, clipfrac*tokens, clipfrac_lower*tokens, ppo_kl*tokens,
-        # |logp - rollout logp| summed, tokens with a rollout logp, padding positions, all
-        # positions]; and that difference's max.
-        sums = torch.zeros(12, dtype=torch.float64)
-        diff_max = torch.zeros(1, dtype=torch.float64)
+        # |old logp - rollout logp| summed, tokens with a rollout logp, padding positions, all
+        # positions, the rollout-correction sums (grpo.IS_SUMS)]; and the maxima of that
+        # difference and of the raw importance weights.
+        sums = torch.zeros(12 + IS_SUMS, dtype=torch.float64)
+        maxima = torch.zeros(2, dtype=torch.float64)
+        algo = self.algo_cfg
         self.engine.train()
         manual_grad_norm: float | None = None
         chunks = split_evenly(experiences, self.grad_accum_steps)
@@ -348,25 +352,35 @@ class LearnerRank(WeightSender, RankCheckpoints):
                 else:
                     # Rows without ref log-probs (dummies) are NaN on no position that counts.
                     ref = torch.where(mask > 0, batch.ref_logprobs[:, 1:].to(self.device), logp.detach())
+            on_mask = mask > 0
+            rollout = None if batch.rollout_logprobs is None else batch.rollout_logprobs[:, 1:].to(self.device)
+            is_weights, is_sums = None, torch.zeros(IS_SUMS, dtype=torch.float64)
+            if algo.rollout_is != "none" and rollout is not None:
+                # old policy minus engine; 0 (weight 1) on tokens the engine gave no log-prob for.
+                have = on_mask & ~torch.isnan(rollout)
+                log_ratio = torch.where(have, old.double() - rollout, torch.zeros_like(rollout)).to(logp.dtype)
+                is_weights, is_sums, is_max = rollout_is_weights(
+                    log_ratio, mask, algo.rollout_is, algo.rollout_is_upper, algo.rollout_is_lower
+                )
+                maxima[1] = max(float(maxima[1]), float(is_max))
             loss, metrics = grpo_loss(
                 logp, old, ref, batch.advantages.to(self.device), mask,
-                kl_coef=kl_coef, clip_low=self.algo_cfg.clip_low, clip_high=self.algo_cfg.clip_high,
-                dual_clip=dual_clip, agg=self.algo_cfg.loss_agg, global_tokens=float(global_tokens),
+                kl_coef=kl_coef, clip_low=algo.clip_low, clip_high=algo.clip_high,
+                dual_clip=dual_clip, agg=algo.loss_agg, global_tokens=float(global_tokens),
                 global_seqs=float(global_seqs), dp_size=self.world_size, norm_len=self.norm_len,
+                kind=algo.policy_loss, is_weights=is_weights,
             )  # fmt: skip
             with torch.no_grad():
-                on_mask = mask > 0
                 tokens = float(on_mask.sum())
                 # Entropy of the response positions only: [n_tokens, V], not [B, T, V].
                 entropy_sum = float(entropy_from_logits(logits).sum())
                 seqs = float(on_mask.any(-1).sum())
                 diff_sum, diff_count = 0.0, 0.0
-                if batch.rollout_logprobs is not None:
-                    rollout = batch.rollout_logprobs[:, 1:].to(self.device)
-                    diffs = (logp.detach().double() - rollout)[on_mask & ~torch.isnan(rollout)].abs()
+                if rollout is not None:
+                    diffs = (old.double() - rollout)[on_mask & ~torch.isnan(rollout)].abs()
                     diff_sum, diff_count = float(diffs.sum()), float(diffs.numel())
                     if diffs.numel():
-                        diff_max = torch.maximum(diff_max, diffs.max().cpu().reshape(1))
+                        maxima[0] = max(float(maxima[0]), float(diffs.max()))
             del logits
 
             # The aggregation already normalises by the global counts; DeepSpeed must not
@@ -382,7 +396,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
                 metrics["pg_loss"], metrics["kl_loss"], tokens, seqs, entropy_sum,
                 metrics["pg_clipfrac"] * tokens, metrics["pg_clipfrac_lower"] * tokens,
                 metrics["ppo_kl"] * tokens, diff_sum, diff_count,
-                *map(float, forwarded_positions(batch, shared)),
+                *map(float, forwarded_positions(batch, shared)), *is_sums.tolist(),
             ], dtype=torch.float64)  # fmt: skip
             del logp, loss
 
@@ -392,15 +406,17 @@ class LearnerRank(WeightSender, RankCheckpoints):
         grad_norm = float(grad_norm)
 
         totals = sums.to(self.device)
-        diff_max = diff_max.to(self.device)
+        maxima = maxima.to(self.device)
         if self.world_size > 1:
             self._ds.comm.all_reduce(totals)
-            self._ds.comm.all_reduce(diff_max, op=torch.distributed.ReduceOp.MAX)
+            self._ds.comm.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
+        is_totals = totals[12:].cpu()
         totals = totals.cpu().tolist()
+        maxima = maxima.cpu().tolist()
         tokens = max(totals[2], 1.0)
-        rollout = {}
+        rollout = rollout_is_metrics(is_totals, maxima[1])
         if totals[9] > 0:
-            rollout = {"rollout/logprob_diff_mean": totals[8] / totals[9], "rollout/logprob_diff_max": float(diff_max)}
+            rollout.update({"rollout/logprob_diff_mean": totals[8] / totals[9], "rollout/logprob_diff_max": maxima[0]})
         return {
             # Each rank's sum is its share times dp_size (see grpo.aggregate): average ranks.
             "actor/pg_loss": totals[0] / self.world_size,

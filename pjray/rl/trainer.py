@@ -626,11 +626,7 @@ class Trainer:
     def update(self, experiences: list[Experience], timer: Timer) -> dict[str, float]:
         collected: dict[str, list[float]] = defaultdict(list)
         for epoch in range(self.cfg.algo.ppo_epochs):
-            for index, mini in enumerate(self.padded_shards(experiences)):
-                if epoch or index:
-                    # The rollout engine's log-probs are compared only in the first update,
-                    # whose forward runs the weights the engine sampled with.
-                    mini = [[dataclasses.replace(e, rollout_logprobs=None) for e in shard] for shard in mini]
+            for mini in self.padded_shards(experiences):
                 real = [e for shard in mini for e in shard if e.response_ids]
                 tokens = float(sum(len(e.response_ids) for e in real))
                 if not real:

@@ -12,6 +12,7 @@ a small fraction of lr (coordinates whose gradient is ~0 legitimately differ by 
 from __future__ import annotations
 
 import dataclasses
+import math
 import io
 import random
 from collections.abc import Iterator
@@ -576,6 +577,58 @@ def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, ra
     assert raw_diff > 0.1, raw_diff
     assert metrics["rollout/logprob_diff_max"] < 1e-4 and metrics["rollout/logprob_diff_mean"] <= metrics["rollout/logprob_diff_max"]
     assert metrics["actor/entropy"] == pytest.approx(entropy, rel=1e-4)
+
+
+def test_rollout_correction_weighs_the_engines_samples_and_gspo_trains(tmp_path: Path, rank_env: None) -> None:
+    """Engine log-probs shifted by a known amount from the learner's (+1 on even response tokens,
+    -0.3 on odd): with algo.rollout_is=token (TIS at 2) the step's rollout_is/* equal the
+    formulas on those shifts (weights min(e^d, 2): e^1 truncated, e^-0.3 kept). Then the same
+    rank with GSPO and sequence-level IcePop takes a step: one weight a sequence, the sequence
+    whose engine log-probs are off dropped, the others trained."""
+    judge = build_tiny_judge(tmp_path / "judge", seed=0)
+    engine = HFEngine(str(judge), ModelConfig(), RolloutConfig(max_new_tokens=8), device=str(DEVICE))
+    prompts = [JudgePrompt(item_id="0", system="Judge.", user="Rank the answers A, B and C.", image=_png(84, 56, 3),
+                           protocol="batch", style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC")]  # fmt: skip
+    completions = engine.generate(prompts, n=4, seed=0)
+    exps = [
+        Experience(prompt_text=render_chat(engine.processor, prompts[0]), image=prompts[0].image,
+                   response_ids=c.token_ids, advantage=(-1.0) ** c.sample_index)  # fmt: skip
+        for c in completions
+    ]
+    model_cfg, learner_cfg, _ = _configs(micro_batch_size=2)
+    algo_cfg = AlgoConfig(kl_coef=0.0, rollout_is="token", rollout_is_upper=2.0)
+    rank = LearnerRank(
+        model_cfg, learner_cfg, algo_cfg, str(judge), rank=0, world_size=1, master_addr="127.0.0.1",
+        master_port=free_address()[1], total_steps=10, grad_accum_steps=2,
+    )  # fmt: skip
+    try:
+        policy = rank.compute_logprobs(exps)
+        shifts = [tuple(1.0 if t % 2 == 0 else -0.3 for t in range(len(lp))) for lp in policy]
+        shifted = [dataclasses.replace(e, rollout_logprobs=tuple(p - d for p, d in zip(lp, ds)))
+                   for e, lp, ds in zip(exps, policy, shifts)]  # fmt: skip
+        tis = rank.train_step(shifted, *_counts(shifted))
+        rank.algo_cfg = dataclasses.replace(algo_cfg, policy_loss="gspo", loss_agg="seq-mean-token-mean",
+                                            clip_low=3e-4, clip_high=4e-4, rollout_is="sequence", rollout_is_lower=0.5)  # fmt: skip
+        # The engine's log-probs as the learner's now, but the first response's 0.5 lower per
+        # token: its sequence weight e^(0.5 n) leaves the band and IcePop drops it.
+        current = rank.compute_logprobs(exps)
+        engine = [tuple(p - (0.5 if i == 0 else 0.0) for p in lp) for i, lp in enumerate(current)]
+        matched = [dataclasses.replace(e, rollout_logprobs=lp) for e, lp in zip(exps, engine)]
+        gspo = rank.train_step(matched, *_counts(matched))
+    finally:
+        rank.shutdown()
+    flat = [d for ds in shifts for d in ds]
+    weights = [min(math.exp(d), 2.0) for d in flat]
+    assert tis["rollout_is/units"] == len(flat)
+    assert tis["rollout_is/mean"] == pytest.approx(sum(weights) / len(flat), abs=1e-3)
+    assert tis["rollout_is/max"] == pytest.approx(math.e, abs=1e-2)
+    assert tis["rollout_is/frac_clipped"] == pytest.approx(sum(d > 0 for d in flat) / len(flat))
+    assert tis["rollout_is/ess"] == pytest.approx(sum(weights) ** 2 / (len(flat) * sum(w * w for w in weights)), abs=1e-3)
+    assert tis["rollout/logprob_diff_max"] == pytest.approx(1.0, abs=1e-3)
+    assert gspo["rollout_is/units"] == len(exps)
+    assert gspo["rollout_is/frac_clipped"] == pytest.approx(1 / len(exps))
+    assert gspo["rollout_is/max"] == pytest.approx(math.exp(0.5 * len(current[0])), rel=1e-2)
+    assert math.isfinite(gspo["actor/pg_loss"]) and gspo["actor/grad_norm"] > 0
 
 
 # ---------------------------------------------------------------------------------------------

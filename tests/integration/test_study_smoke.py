@@ -1,9 +1,10 @@
-"""The looking study (`benchmarks/study_looking.py`) end to end at its smoke budget: every variant
-trains with GRPO from the shipped base judge with HF exports along its curve, every judge (the
-base judge unforced and forced, each run at each step of the curve) is judged on the held-out
-tuples, and the rows, intervals, per-item verdicts, table and plot are written; a second
-invocation reuses a finished run and retrains one whose key names other code. Its numbers mean
-nothing at this budget."""
+"""The research scripts of benchmarks/ end to end at their smoke budgets (their numbers mean
+nothing there). The looking study (`benchmarks/study_looking.py`): every variant trains with
+GRPO from the shipped base judge with HF exports along its curve, every judge (the base judge
+unforced and forced, each run at each step of the curve) is judged on the held-out tuples, and
+the rows, intervals, per-item verdicts, table and plot are written; a second invocation reuses a
+finished run and retrains one whose key names other code. The group-size study
+(`benchmarks/group_size_study.py`): its runs, rows and report, and their reuse."""
 
 from __future__ import annotations
 
@@ -72,3 +73,32 @@ def test_the_looking_study_runs_every_variant_along_its_curve(tmp_path: Path, mo
     reused = {(r["variant"], r["reused"]) for r in json.loads((again / "looking_study.json").read_text())["runs"]}
     assert reused == {(v, v != "independent_levenshtein") for v in study.VARIANTS}
     assert json.loads(marker.read_text())["key"]["code"] != "older code"
+
+
+GROUP_SIZE_STUDY = STUDY.parent / "group_size_study.py"
+
+
+def test_the_group_size_study_runs_and_reuses_its_runs(tmp_path: Path):
+    """`benchmarks/group_size_study.py --smoke`: three short trainings from the shipped base judge
+    (two budgets, three group sizes), each with its held-out check; one row per run and kind with
+    the fields the study reports, seed aggregates, table and plot; a second invocation trains
+    nothing (every run's key is unchanged)."""
+    out, work = tmp_path / "results", tmp_path / "work"
+    command = [sys.executable, str(GROUP_SIZE_STUDY), "--smoke", "--out", str(out), "--work", str(work)]
+    first = subprocess.run(command, capture_output=True, text=True, timeout=30 * 60)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.count(" trained ") == 3
+    results = json.loads((out / "group_size.json").read_text())
+    fields = {"G", "budget", "seed", "steps", "kind", "image_following", "correct_first", "zero_variance_groups",
+              "step_s", "responses_per_s", "peak_mib", "phases_s"}  # fmt: skip
+    assert all(fields <= set(r) for r in results["rows"])
+    assert sorted({(r["budget"], r["G"]) for r in results["rows"]}) == [("equal_prompts", 8), ("equal_samples", 2), ("equal_samples", 4)]
+    assert {r["kind"] for r in results["rows"]} == {"color", "size", "pooled"}
+    assert all(0 <= r["image_following"] <= 1 and r["step_s"] > 0 and r["responses_per_s"] > 0 for r in results["rows"])
+    assert all(r["peak_mib"]["learner"] > r["peak_mib"]["reward"] > 0 for r in results["rows"])
+    assert len(results["aggregate"]) == 3 * 3
+    assert "| 2 | 4 | 1 |" in (out / "group_size.md").read_text()
+    assert (out / "group_size.png").read_bytes()[:4] == b"\x89PNG"
+    again = subprocess.run(command, capture_output=True, text=True, timeout=30 * 60)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count(" reused ") == 3 and " trained " not in again.stdout
