@@ -41,7 +41,7 @@ from pjray.models.loading import load_processor, render_chat
 from pjray.models.tiny import build_base_judge, build_tiny_judge
 from pjray.ppjd.perturb import scene_items
 from pjray.rl.learner import LearnerRank
-from pjray.rl.placement import free_address
+from pjray.placement import free_address
 from pjray.cluster import actor_env
 from pjray.types import Experience
 

@@ -48,7 +48,7 @@ from pjray.data.prompts import render_batch
 from pjray.models.loading import load_processor, processor_inputs, render_chat
 from pjray.models.tiny import build_base_judge, build_tiny_judge
 from pjray.ppjd.perturb import scene_items
-from pjray.rl.rollout import HFEngine
+from pjray.rollout.hf_engine import HFEngine
 from pjray.types import JudgePrompt
 
 
@@ -122,7 +122,7 @@ def main() -> None:
                 rows.append((name, prompt_tokens(base, batch), r))
                 print(name, r, flush=True)
         if has_vllm:
-            from pjray.rl.vllm_engine import VllmEngine
+            from pjray.rollout.vllm_engine import VllmEngine
 
             cfg = load(overrides=[*common, "rollout.backend=vllm", "rollout.device=cpu", "model.tiny_arch=qwen2",
                                   "data.images=false"])  # fmt: skip

@@ -10,7 +10,7 @@ the trainer's own code for each transport (`trainer.sync_backend`):
   `RAY_ENABLE_ZERO_COPY_TORCH_TENSORS=1` (an out-of-band buffer mapped read-only on get; the
   trainer sets it for its actors).
 - `shm`: the sender packs each bucket in place into its shared-memory buffer
-  (`pjray.rl.sync.SharedBuckets`), the worker copies from its mapping of the same file
+  (`pjray.sync.shared.SharedBuckets`), the worker copies from its mapping of the same file
   (`RolloutWorker.load_shared`): one copy in, one copy out.
 
 Each configuration syncs once untimed (buffers and mappings are made; the trainer pays that
@@ -40,9 +40,9 @@ import torch
 from pjray.config import ModelConfig, RolloutConfig
 from pjray.models.loading import load_judge
 from pjray.models.tiny import build_base_judge, build_tiny_judge
-from pjray.rl.rollout import RolloutWorker
-from pjray.rl.sync import SharedBuckets
-from pjray.rl.weights import pack, plan_buckets, state_checksums
+from pjray.rollout.worker import RolloutWorker
+from pjray.sync.shared import SharedBuckets
+from pjray.sync.buckets import pack, plan_buckets, state_checksums
 
 
 # name -> (hidden, layers, heads) of `build_base_judge`; "tiny" is the test judge.

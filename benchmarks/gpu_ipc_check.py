@@ -2,7 +2,7 @@
 
 A DeepSpeed learner rank (`LearnerRank`, world size 1, on cuda:0) exports its weights as CUDA
 IPC handles (`export_ipc`), the handles are pickled as the driver and vLLM's `collective_rpc`
-pickle them (`pjray.rl.sync.dumps`), and a second process maps them as the colocated engine does
+pickle them (`pjray.sync.collective.dumps`), and a second process maps them as the colocated engine does
 (`open_ipc_handle` with its own device index, then `unpack`). The receiver's checksums must equal
 the rank's own (`checksums()`), before and after each optimizer step (a later export reuses
 nothing stale). The sender's allocated GPU memory after each `release_ipc` is printed: it must
@@ -29,9 +29,10 @@ import torch
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
 from pjray.models.tiny import build_tiny_judge
 from pjray.rl.learner import LearnerRank
-from pjray.rl.placement import free_address
-from pjray.rl.sync import dumps, loads, open_ipc_handle
-from pjray.rl.weights import state_checksums, unpack
+from pjray.placement import free_address
+from pjray.sync.collective import dumps, loads
+from pjray.sync.ipc import open_ipc_handle
+from pjray.sync.buckets import state_checksums, unpack
 from pjray.types import Experience
 
 BUCKET_BYTES = 1 << 16  # several buckets even for a tiny model

@@ -253,7 +253,7 @@ class TrainerConfig:
     # learner rank 0 + every engine rank; nccl needs split GPUs), ipc (CUDA IPC handles,
     # colocated GPUs only); auto: ipc for colocated vLLM engines, nccl for vLLM engines and
     # learner on GPUs of their own, else shm when every engine is on rank 0's node, else
-    # object_store (the run's log says which; pjray.rl.sync.auto_transport).
+    # object_store (the run's log says which; pjray.sync.transports.auto_transport).
     sync_backend: str = "auto"
     max_step_retries: int = 2  # a step is retried when a rollout or reward worker dies
 

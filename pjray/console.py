@@ -18,7 +18,7 @@ VERBOSE_ENV = "PJRAY_VERBOSE"
 NO_PROGRESS_BARS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"
 
 # Warnings the actors print on every run, about choices pjray made on purpose: weight buckets
-# are sent zero-copy and only ever copied by receivers (pjray.rl.sync). PYTHONWARNINGS syntax:
+# are sent zero-copy and only ever copied by receivers (pjray.sync). PYTHONWARNINGS syntax:
 # action:message-prefix, comma separated.
 ACTOR_WARNING_FILTERS = ",".join([
     "ignore:Zero-copy tensor serialization is enabled",

@@ -12,7 +12,7 @@ an impossible combination fails at once, naming the trial and the key. Each tria
 Trials are scheduled by Ray Tune (a `Tuner` over a `grid_search` of the axes) on the cluster the
 command runs in (`ray job submit`, `ray.address`) or a local one. A trial reserves exactly what
 its training needs: a `PlacementGroupFactory` of one small bundle for the trial's driver and then
-the bundles of its learner ranks, rollout workers and reward workers (`pjray.rl.placement`), and
+the bundles of its learner ranks, rollout workers and reward workers (`pjray.placement`), and
 the training places its actors in that group instead of creating one. So Tune's accounting is the
 truth, and as many trials run at once as the cluster holds (`--max-concurrent N` caps it).
 
@@ -218,7 +218,7 @@ def trial_resources(cfg: Config) -> Any:
     starts the trial in it), then exactly the bundles its training places its actors in."""
     from ray import tune
 
-    from pjray.rl.placement import placement_plan
+    from pjray.placement import placement_plan
     from pjray.rl.trainer import training_roles
 
     bundles, _ = placement_plan(training_roles(cfg), first=1)

@@ -221,7 +221,7 @@ def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem], recipe
 def _engine(path: str, temperature: float = 1.0, top_k: int = 0) -> Any:
     """An HF engine on the judge at `path` (top_k=1: greedy)."""
     from pjray.config import ModelConfig, RolloutConfig
-    from pjray.rl.rollout import HFEngine
+    from pjray.rollout.hf_engine import HFEngine
 
     rollout = RolloutConfig(max_new_tokens=48, temperature=temperature, top_k=top_k)
     return HFEngine(path, ModelConfig(), rollout, max_batch_prompts=32)

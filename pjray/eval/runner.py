@@ -28,7 +28,7 @@ from pjray.config import Config, ConfigError, RolloutConfig
 from pjray.types import JudgePrompt
 
 if TYPE_CHECKING:
-    from pjray.rl.placement import WorkerPool
+    from pjray.placement import WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,8 @@ class JudgeRunner:
         data is read (and any bad row reported) before Ray starts, and a fully cached rerun
         starts no cluster at all."""
         from pjray.cluster import connect
-        from pjray.rl.placement import Placement, RoleResources, WorkerPool
-        from pjray.rl.rollout import RolloutWorker
+        from pjray.placement import Placement, RoleResources, WorkerPool
+        from pjray.rollout.worker import RolloutWorker
 
         if self.pool is None:
             cfg, e = self.cfg, self.cfg.eval
@@ -152,7 +152,7 @@ class JudgeRunner:
 
     def generate(self, prompts: list[JudgePrompt], seed: int) -> list[str]:
         """One response text per prompt, from the cache where present."""
-        from pjray.rl.rollout import generate_with_pool
+        from pjray.rollout.worker import generate_with_pool
 
         keys = [cache_key(p, self.fingerprint, seed, self.sampling) for p in prompts]
         todo = [i for i, k in enumerate(keys) if self.cache.get(k) is None]

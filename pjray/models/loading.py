@@ -55,6 +55,7 @@ __all__ = [
     "ImageOnlyQwen2_5_VLProcessor",
     "ImageOnlyQwen3VLProcessor",
     "TextOnlyProcessor",
+    "ban_tokens",
     "decode_image",
     "image_token_count",
     "is_text_only",
@@ -193,9 +194,19 @@ def is_text_only(processor: Any) -> bool:
 
 def placeholder_ids(processor: Any) -> tuple[int, ...]:
     """The image and video placeholder ids: never sampled, so every engine and the learner take
-    them out of the distribution (`pjray.rl.grpo.ban_tokens`); () for a text-only judge."""
+    them out of the distribution (`ban_tokens`); () for a text-only judge."""
     ids = {getattr(processor, a, None) for a in ("image_token_id", "video_token_id")}
     return tuple(sorted(i for i in ids if i is not None))
+
+
+def ban_tokens(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`logits` (in place) with the vocabulary entries `ids` at the dtype's lowest finite value:
+    zero probability after a softmax, while entropies and log-probs of the other tokens stay
+    finite (an -inf logit makes softmax * logit NaN). The learner's side of the placeholder ban
+    that every rollout engine applies when it samples."""
+    if ids.numel():
+        logits.index_fill_(-1, ids.to(logits.device), torch.finfo(logits.dtype).min)
+    return logits
 
 
 def _load_pil_image_processor(

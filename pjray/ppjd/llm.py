@@ -270,7 +270,7 @@ class VllmTextEngine:
             raise ValueError(f"the vllm text engine cannot load {spec.gguf_file!r} (GGUF): use engine=hf")
         on_cpu = spec.device == "cpu"
         if on_cpu:
-            from pjray.rl.vllm_engine import cpu_engine_env
+            from pjray.rollout.vllm_engine import cpu_engine_env
 
             cpu_engine_env()
         from transformers import AutoConfig

@@ -460,7 +460,7 @@ class VlmStage:
         import torch
 
         from pjray.config import ModelConfig, RolloutConfig
-        from pjray.rl.rollout import HFEngine
+        from pjray.rollout.hf_engine import HFEngine
 
         device = "cuda" if cfg.num_gpus_per_actor > 0 and torch.cuda.is_available() else "cpu"
         # Near-greedy: the engine always samples (it serves GRPO); a tiny temperature picks the mode.

@@ -1,6 +1,6 @@
 """A learner rank's weights out: the HF export and DeepSpeed checkpoints.
 
-`RankCheckpoints` is mixed into `pjray.rl.learner.LearnerRank` (as `pjray.rl.sync.WeightSender`
+`RankCheckpoints` is mixed into `pjray.rl.learner.LearnerRank` (as `pjray.sync.sender.WeightSender`
 is): it reads the rank's DeepSpeed engine (`engine`, `_ds`), `processor`, `rank`, `world_size`,
 `lora`, `zero3`, and the full-weight buckets of `WeightSender._full_buckets`. Every method is
 called on all ranks.

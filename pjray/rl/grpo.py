@@ -110,16 +110,6 @@ def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.clamp(torch.exp(delta) - delta - 1.0, min=-10.0, max=10.0)
 
 
-def ban_tokens(logits: Tensor, ids: Tensor) -> Tensor:
-    """`logits` (in place) with the vocabulary entries `ids` at the dtype's lowest finite value:
-    zero probability after a softmax, while entropies and log-probs of the other tokens stay
-    finite (an -inf logit makes softmax * logit NaN). The learner's side of the placeholder ban
-    that every rollout engine applies when it samples."""
-    if ids.numel():
-        logits.index_fill_(-1, ids.to(logits.device), torch.finfo(logits.dtype).min)
-    return logits
-
-
 def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
     """log pi(labels[:, t] | ...) read from logits[:, t].
 

@@ -20,7 +20,7 @@ Conventions shared with the driver:
   ranks stay in step) but has no response tokens, hence no loss, no gradient and no count.
 * Every log-prob (current, old, reference) and the entropy are of the logits divided by the
   rollout's sampling temperature: the distribution the responses were sampled from.
-* Weight sync to the rollout engines and checksums are `pjray.rl.sync.WeightSender`'s methods,
+* Weight sync to the rollout engines and checksums are `pjray.sync.sender.WeightSender`'s methods,
   mixed into the rank; exported weights carry the HF model's own parameter names. The HF export
   and DeepSpeed checkpoints are `pjray.rl.checkpoint.RankCheckpoints`'s, mixed in the same way.
 * The batch layout and the log-prob forward are pure functions (`pjray.rl.logprobs`); the
@@ -56,10 +56,9 @@ from pjray.rl.ds_ops import skip_unused_ops
 from pjray.rl.ds_setup import ds_config, lr_multiplier, optimizer, ref_ds_config, vision_tower
 from pjray.rl.grpo import IS_SUMS, entropy_from_logits, grpo_loss, rollout_is_metrics, rollout_is_weights, sft_loss
 from pjray.rl.logprobs import can_share_prefix, collate, forward_logprobs, forwarded_positions
-from pjray.rl.logprobs import model_inputs as _model_inputs  # noqa: F401  (the name the learner tests use)
-from pjray.rl.placement import split_evenly
-from pjray.rl.rollout import HFEngine
-from pjray.rl.sync import WeightSender
+from pjray.placement import split_evenly
+from pjray.rollout.hf_engine import HFEngine
+from pjray.sync.sender import WeightSender
 from pjray.types import Completion, Experience, JudgePrompt, Timed
 
 __all__ = ["LearnerRank", "collate", "forward_logprobs", "forwarded_positions", "lr_multiplier"]

@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from pjray.models.loading import continued_positions, mm_token_type_ids, processor_inputs, prompt_positions
-from pjray.rl.grpo import ban_tokens, token_logprobs
+from pjray.models.loading import ban_tokens
+from pjray.rl.grpo import token_logprobs
 from pjray.types import Experience, TrainBatch
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from pjray.config import AlgoConfig, Config, ConfigError, to_dict
 from pjray.errors import InputError
 from pjray.models.loading import decode_image, load_processor, render_chat
 from pjray.rl.learner import LearnerRank
-from pjray.rl.placement import Placement, RoleResources
+from pjray.placement import Placement, RoleResources
 from pjray.tracking import Tracker
 from pjray.types import ChatExample, Experience, JudgePrompt
 

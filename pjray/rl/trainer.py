@@ -24,7 +24,6 @@ response generated, so they measure the policy, not the selection. Beyond the pa
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -55,10 +54,10 @@ from pjray.models.loading import load_processor, opens_think, render_chat
 from pjray.ppjd.swap import counterfactual_pair
 from pjray.reward.workers import RewardWorker
 from pjray.rl.grpo import group_advantages, zero_std_groups
+from pjray.placement import Placement, RankGroup, RoleResources, WorkerPool, split_evenly
 from pjray.rl.learner import LearnerRank
-from pjray.rl.placement import Placement, RankGroup, RoleResources, WorkerPool, split_evenly
-from pjray.rl.rollout import RolloutWorker, generate_with_pool
-from pjray.rl.sync import auto_transport
+from pjray.rollout.worker import RolloutWorker, generate_with_pool
+from pjray.sync.transports import auto_transport, make_transport
 from pjray.signals import Interrupted, StopRequest
 from pjray.tracking import Tracker
 from pjray.types import Completion, Experience, JudgeItem, JudgePrompt, RewardResult, Timed
@@ -257,13 +256,12 @@ class Trainer:
         self.evaluate = evaluate
         self.held_out = held_out
         # The actors go into this group from `first_bundle` on (a Ray Tune trial's), else into
-        # a group of the training's own (`pjray.rl.placement.Placement`).
+        # a group of the training's own (`pjray.placement.Placement`).
         self.placement_group, self.first_bundle = placement_group, first_bundle
         self.on_step = on_step
         self.run_dir = Path(cfg.trainer.run_dir).resolve()
         self.step = 0
         self.checkpointed_step = 0  # the step of the newest checkpoint, saved or resumed from
-        self.sync_backend = cfg.trainer.sync_backend  # "auto" is resolved by init_weight_sync
         self.hybrid = cfg.rollout.backend == "hybrid"
         # SIGINT / SIGTERM: during set-up they stop at once; in the loop, after the step.
         self.stop = StopRequest()
@@ -641,81 +639,43 @@ class Trainer:
         return {key: mean(values) for key, values in collected.items()}
 
     def init_weight_sync(self) -> None:
-        """gloo / nccl sync: one broadcast group of learner rank 0 and every vLLM rank.
-
-        Called at setup and again when a rollout worker was rebuilt (the group is re-formed on
-        a fresh port with every member, since a dead member cannot be replaced in place).
-        """
-        backend = self.cfg.trainer.sync_backend
+        """Choose the weight transport once (`trainer.sync_backend`; `auto` from the layout,
+        `pjray.sync.transports.auto_transport`) and set it up."""
+        cfg = self.cfg
+        bucket_bytes, tp = cfg.trainer.sync_bucket_mb << 20, cfg.rollout.tensor_parallel_size
         if self.hybrid:
-            self.sync_backend = "none"
+            self.transport = make_transport("none", bucket_bytes)
             log.info("weight sync: none (rollout.backend=hybrid: the learner ranks generate with the weights they train)")
             return
-        if backend == "auto":
+        name = cfg.trainer.sync_backend
+        if name == "auto":
             learner_node = ray.get(self.learners[0].node_id.remote())
             workers = ray.get([w.node_id.remote() for w in self.rollout.actors])
-            learner_gpus = self.cfg.learner.num_gpus_per_rank > 0
-            backend = auto_transport(self.cfg.rollout, learner_gpus, learner_node, workers)
+            name = auto_transport(cfg.rollout, cfg.learner.num_gpus_per_rank > 0, learner_node, workers)
             log.info(
                 "weight sync: %s (trainer.sync_backend=auto; learner rank 0 on node %s, rollout workers on %s)",
-                backend, learner_node[:8], [w[:8] for w in workers],
+                name, learner_node[:8], [w[:8] for w in workers],
             )  # fmt: skip
-        self.sync_backend = backend
-        if backend not in ("gloo", "nccl"):
-            return
-        host, port = ray.get(self.learners[0].sync_address.remote())
-        tp = self.cfg.rollout.tensor_parallel_size
-        world = 1 + len(self.rollout) * tp
-        joins = [r.init_weight_sync.remote(host, port, world, backend) for r in self.learners]
-        joins += [w.init_weight_sync.remote(host, port, 1 + i * tp, world, backend) for i, w in enumerate(self.rollout.actors)]
-        ray.get(joins)  # every member blocks in the rendezvous until all have joined
-        self.sync_plan = ray.get(self.learners[0].weight_plan.remote(self.cfg.trainer.sync_bucket_mb << 20))
+        self.transport = make_transport(name, bucket_bytes, tp)
+        self.transport.connect(self.learners, self.rollout)
 
     def sync_weights(self) -> None:
-        """Bucketed learner -> rollout weight transfer: one call per rollout worker per sync,
-        over trainer.sync_backend (pjray.rl.sync). Every learner rank takes part (ZeRO-3).
+        """Bucketed learner -> rollout weight transfer over the chosen transport
+        (`pjray.sync.transports`). Every learner rank takes part (ZeRO-3).
 
         Colocated, GPU memory changes hands in this order: the learners return their allocator's
         cached blocks, the sleeping engines wake their weights and load, the learners free their
         packed copy, and only then do the engines wake their KV caches."""
-        if self.hybrid:
-            return
-        bucket_bytes = self.cfg.trainer.sync_bucket_mb << 20
-        backend = self.sync_backend
         colocated = self.cfg.rollout.colocate
         if colocated:
             ray.get([r.release_memory.remote() for r in self.learners])
-        if backend in ("gloo", "nccl"):
-            # Direct calls, not the restartable pool: a retry could not rejoin a collective
-            # that the learner is still blocked in.
-            sends = [r.broadcast_weights.remote(bucket_bytes) for r in self.learners]
-            ray.get([w.receive_weights.remote(self.sync_plan) for w in self.rollout.actors] + sends)
-        elif backend == "shm":
-            exported = ray.get([r.export_shared.remote(bucket_bytes) for r in self.learners])
-            self.rollout.broadcast("load_shared", *exported[0])
-        elif backend == "ipc":
-            exported = ray.get([r.export_ipc.remote(bucket_bytes) for r in self.learners])
-            try:
-                self.rollout.call("load_ipc", list(exported))  # engine i maps rank i's buffers
-            finally:
-                ray.get([r.release_ipc.remote() for r in self.learners])
-        else:
-            exported = ray.get([r.export_weights.remote(bucket_bytes) for r in self.learners])
-            plan, refs = exported[0]
-            self.rollout.broadcast("load_weights", plan, refs)
+        self.transport.send(self.learners, self.rollout)
         if colocated:
             self.rollout.broadcast("wake_up")
 
     def sync_worker(self, worker) -> None:
         """Bring one rebuilt rollout worker to the learner's current weights."""
-        if self.sync_backend in ("gloo", "nccl", "shm"):
-            self.init_weight_sync()
-            self.sync_weights()
-            return
-        # The object store reaches a single worker in any layout (also for ipc).
-        exported = ray.get([r.export_weights.remote(self.cfg.trainer.sync_bucket_mb << 20) for r in self.learners])
-        plan, refs = exported[0]
-        ray.get(worker.load_weights.remote(plan, refs))
+        self.transport.refresh(self.learners, self.rollout, worker)
 
     # ----------------------------------------------------------------------------- outputs
     def step_metrics(self, rollouts: Rollouts, advantages: torch.Tensor, actor: dict[str, float], timer: Timer) -> dict[str, float]:
@@ -780,9 +740,8 @@ class Trainer:
         if hasattr(self, "tracker"):
             self.tracker.close()
         if hasattr(self, "placement"):
-            if getattr(self, "sync_backend", None) == "shm":
-                with contextlib.suppress(Exception):  # a dead learner leaves them to the next run's sweep
-                    ray.get([r.close_shared.remote() for r in self.learners], timeout=30)
+            if hasattr(self, "transport"):
+                self.transport.close(self.learners)
             self.placement.shutdown()  # every learner, rollout and reward actor
 
 

@@ -19,7 +19,7 @@ from pjray.config import ModelConfig, RolloutConfig, load
 from pjray.data.prompts import render_batch
 from pjray.models.base_judge import BaseJudgeRecipe, judge_scenes
 from pjray.recipes.base_judge import build_base_judge
-from pjray.rl.rollout import HFEngine
+from pjray.rollout.hf_engine import HFEngine
 
 pytestmark = pytest.mark.slow
 

@@ -81,8 +81,8 @@ def test_training_eval_through_a_rollout_pool(judge):
     from pjray.cluster import connect
     from pjray.config import load
     from pjray.eval.bias import training_eval
-    from pjray.rl.placement import Placement, RoleResources, WorkerPool
-    from pjray.rl.rollout import RolloutWorker, generate_with_pool
+    from pjray.placement import Placement, RoleResources, WorkerPool
+    from pjray.rollout.worker import RolloutWorker, generate_with_pool
 
     cfg = load(overrides=["model.init=tiny", "eval.every_steps=1", "eval.train_num_items=2", "data.image_size=64",
                           "rollout.max_new_tokens=8", "ray.num_cpus=2"])  # fmt: skip

@@ -27,10 +27,12 @@ from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
 from pjray.models.loading import load_judge, placeholder_ids, render_chat
 from pjray.models.tiny import build_tiny_judge
 from pjray.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
-from pjray.rl.learner import LearnerRank, collate, forward_logprobs, forwarded_positions, lr_multiplier
-from pjray.rl.placement import free_address
-from pjray.rl.rollout import HFEngine
-from pjray.rl.weights import state_checksums, unpack
+from pjray.rl.ds_setup import lr_multiplier
+from pjray.rl.learner import LearnerRank
+from pjray.rl.logprobs import collate, forward_logprobs, forwarded_positions
+from pjray.placement import free_address
+from pjray.rollout.hf_engine import HFEngine
+from pjray.sync.buckets import state_checksums, unpack
 from pjray.types import Experience, JudgePrompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -227,7 +229,7 @@ def test_right_padded_batch_matches_unpadded_sequences(any_arch_judge_dir: str) 
 def test_only_the_response_positions_are_projected(judge_dir: str) -> None:
     """forward_logprobs runs the output projection from the first position that predicts a
     response token on, and its log-probs and logits there equal the full projection's."""
-    from pjray.rl.learner import _model_inputs
+    from pjray.rl.logprobs import model_inputs as _model_inputs
 
     model, processor = load_judge(judge_dir, trainable=False)
     batch = collate(processor, _experiences(4, seed=5) + [_dummy()])
@@ -833,8 +835,8 @@ def test_hybrid_zero3_ranks_generate_what_the_hf_engine_does(judge_dir: str, gat
     chunk equals the HF engine's sample of it at that worker's seed."""
     import ray
 
-    from pjray.rl.placement import RankGroup
-    from pjray.rl.rollout import generate_with_pool
+    from pjray.placement import RankGroup
+    from pjray.rollout.worker import generate_with_pool
 
     rollout_cfg = dataclasses.replace(HYBRID_ROLLOUT, hybrid_gather=gather)
     model_cfg, learner_cfg, algo_cfg = _configs(zero_stage=3, micro_batch_size=2)

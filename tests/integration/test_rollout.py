@@ -27,9 +27,11 @@ from safetensors.torch import load_file, save_file
 from pjray.config import ModelConfig, RolloutConfig
 from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs, render_chat
 from pjray.models.tiny import build_tiny_judge
-from pjray.rl import rollout as rollout_module
-from pjray.rl.rollout import HFEngine, RolloutEngine, RolloutWorker
-from pjray.rl.weights import Bucket, BucketEntry, pack, plan_buckets, state_checksums
+from pjray.rollout import hf_engine as rollout_module
+from pjray.rollout.engine import RolloutEngine
+from pjray.rollout.hf_engine import HFEngine
+from pjray.rollout.worker import RolloutWorker
+from pjray.sync.buckets import Bucket, BucketEntry, pack, plan_buckets, state_checksums
 from pjray.types import Completion, JudgePrompt
 
 MAX_NEW_TOKENS = 16

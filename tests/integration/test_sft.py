@@ -11,7 +11,7 @@ from pjray.config import load
 from pjray.data.scenes import generate_scene, render
 from pjray.models.loading import load_judge
 from pjray.models.tiny import build_tiny_judge
-from pjray.rl.learner import collate
+from pjray.rl.logprobs import collate
 from pjray.rl.sft import SFTDataError, read_chat_examples, run_sft, to_experience
 from pjray.types import ChatExample, JudgePrompt
 

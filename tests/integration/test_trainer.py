@@ -13,6 +13,7 @@ import torch
 from pjray.cli import main
 from pjray.config import load
 from pjray.rl.trainer import Timer, Trainer, latest_checkpoint
+from pjray.sync.transports import make_transport
 from pjray.types import Completion, Timed
 
 
@@ -253,8 +254,9 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
     try:
         trainer.setup()
         # auto: HF engines on the learner's node sync through shared memory (set up here).
-        assert trainer.sync_backend == "shm"
-        trainer.sync_backend = "object_store"  # for steps 1 and 2
+        assert trainer.transport.name == "shm"
+        shared = trainer.transport
+        trainer.transport = make_transport("object_store", shared.bucket_bytes)  # for steps 1 and 2
         trainer.step = 1
         trainer.train_step()
         engines_hold_the_learners_weights()
@@ -266,7 +268,7 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
         # Shared memory. Kill one rollout worker and the reward worker between steps: the next
         # step rebuilds them, gives the new rollout worker the current weights and completes,
         # counting each prompt once.
-        trainer.sync_backend = "shm"
+        trainer.transport = shared
         consumed = trainer.sampler.state.consumed
         ray.kill(trainer.rollout.actors[0], no_restart=True)
         ray.kill(trainer.reward.actors[0], no_restart=True)
@@ -303,7 +305,7 @@ def test_colocated_sync_hands_gpu_memory_over_in_order(ray_local, tmp_path):
     learners free the packed copy, and only then do the engines wake their KV caches."""
     from recording_actors import CallLog, RecordingLearnerRank, RecordingRolloutWorker
 
-    from pjray.rl.placement import Placement, RoleResources, WorkerPool
+    from pjray.placement import Placement, RoleResources, WorkerPool
 
     cfg = load(overrides=TINY + [
         f"trainer.run_dir={tmp_path}", "rollout.backend=vllm", "rollout.colocate=true", "trainer.sync_backend=ipc",
@@ -316,6 +318,7 @@ def test_colocated_sync_hands_gpu_memory_over_in_order(ray_local, tmp_path):
     placement = Placement({"rollout": RoleResources(2, 0.1, 0.0)}, strategy="PACK")
     trainer.rollout = WorkerPool(placement, "rollout", RecordingRolloutWorker, lambda i: (log, i), max_retries=0)
     try:
+        trainer.init_weight_sync()  # trainer.sync_backend=ipc: the CUDA IPC transport, nothing to connect
         trainer.sync_weights()
         calls = ray.get(log.calls.remote())
     finally:

@@ -44,10 +44,11 @@ from pjray.models.tiny import build_tiny_judge  # noqa: E402
 from pjray.ppjd import llm as ppjd_llm  # noqa: E402
 from pjray.ppjd.pipeline import LlmStage, _frame  # noqa: E402
 from pjray.ppjd.sources import RawRow  # noqa: E402
-from pjray.rl.learner import collate, forward_logprobs  # noqa: E402
+from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402
-from pjray.rl.vllm_engine import VllmEngine  # noqa: E402
-from pjray.rl.weights import pack, plan_buckets  # noqa: E402
+from pjray.sync.transports import make_transport  # noqa: E402
+from pjray.rollout.vllm_engine import VllmEngine  # noqa: E402
+from pjray.sync.buckets import pack, plan_buckets  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402
 
 pytestmark = [
@@ -211,7 +212,7 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
         assert max(abs(a - b) for a, b in zip(after_gloo, initial)) > 1e-3  # new weights served
 
         # One more step, synced through the object store (the transport every layout has).
-        trainer.sync_backend = "object_store"  # the transport the trainer resolved at set-up
+        trainer.transport = make_transport("object_store", trainer.transport.bucket_bytes)
         trainer.cfg.trainer.steps = 3
         trainer.run()
         after_store = _served_matches_learner(trainer, prompt, continuation)

@@ -48,10 +48,10 @@ from pjray.config import load  # noqa: E402
 from pjray.models.loading import load_judge, placeholder_ids, render_chat  # noqa: E402
 from pjray.models.tiny import TINY_ARCHS, build_tiny_judge  # noqa: E402
 from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
-from pjray.rl.sync import SharedBuckets  # noqa: E402
+from pjray.sync.shared import SharedBuckets  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402
-from pjray.rl.vllm_engine import VllmEngine  # noqa: E402
-from pjray.rl.weights import pack, plan_buckets  # noqa: E402
+from pjray.rollout.vllm_engine import VllmEngine  # noqa: E402
+from pjray.sync.buckets import pack, plan_buckets  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402
 
 pytestmark = [
@@ -256,7 +256,7 @@ def test_grpo_with_images_and_a_trainable_vision_tower(ray_local, tmp_path: Path
     trainer = Trainer(cfg)
     try:
         trainer.setup()
-        assert trainer.sync_backend == "shm"
+        assert trainer.transport.name == "shm"
         visual_before = ray.get(trainer.learners[0].checksums.remote())
         trainer.run()
         metrics = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -12,7 +12,7 @@ side of that is tests/integration/test_vllm_vl_cpu.py.
 
 from __future__ import annotations
 
-from pjray.rl.vllm_engine import VllmEngine
+from pjray.rollout.vllm_engine import VllmEngine
 
 
 class RecordingLLM:

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pjray.models.loading import load_judge, placeholder_ids, render_chat
+from pjray.models.loading import ban_tokens, load_judge, placeholder_ids, render_chat
 from pjray.models.tiny import build_tiny_judge
-from pjray.rl.grpo import ban_tokens, entropy_from_logits, token_logprobs
+from pjray.rl.grpo import entropy_from_logits, token_logprobs
 from pjray.rl.logprobs import collate, forward_logprobs
-from pjray.rl.sync import nccl_options
+from pjray.sync.collective import nccl_options
 from pjray.types import Experience, JudgePrompt
 
 

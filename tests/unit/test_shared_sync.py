@@ -1,5 +1,5 @@
 """The same-node weight transport: shared-memory buffers written in place by the learner and
-mapped by the engines (`pjray.rl.sync.SharedBuckets` / `SharedBucketReader`), and what
+mapped by the engines (`pjray.sync.shared.SharedBuckets` / `SharedBucketReader`), and what
 trainer.sync_backend=auto picks."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from pjray.config import RolloutConfig
-from pjray.rl.sync import SharedBucketReader, SharedBuckets, auto_transport, remove_stale_buffers
-from pjray.rl.weights import pack, plan_buckets, state_checksums, unpack
+from pjray.sync.shared import SharedBucketReader, SharedBuckets, remove_stale_buffers
+from pjray.sync.transports import auto_transport
+from pjray.sync.buckets import pack, plan_buckets, state_checksums, unpack
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -78,7 +79,7 @@ def test_buffers_of_dead_writers_are_swept_and_live_ones_kept(tmp_path):
 
 
 def test_a_buffer_too_large_for_the_shared_directory_goes_to_the_temporary_one(tmp_path, monkeypatch):
-    import pjray.rl.sync as sync
+    import pjray.sync.shared as sync
 
     small, temp = tmp_path / "shm", tmp_path / "tmp"
     small.mkdir()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pjray.rl.placement import shared_threads, split_evenly
+from pjray.placement import shared_threads, split_evenly
 
 PACKAGE = Path(__file__).parents[2] / "pjray"
 
@@ -53,7 +53,7 @@ def test_the_models_do_not_run_the_trainer():
 
 def test_weight_transports_live_beside_sync():
     from pjray.rl.learner import LearnerRank
-    from pjray.rl.sync import WeightSender
+    from pjray.sync.sender import WeightSender
 
     transports = ("export_weights", "sync_address", "init_weight_sync", "weight_plan", "broadcast_weights",
                   "export_ipc", "release_ipc", "checksums", "_full_buckets")  # fmt: skip
@@ -61,6 +61,31 @@ def test_weight_transports_live_beside_sync():
         assert getattr(LearnerRank, name) is getattr(WeightSender, name), name
     learner_source = inspect.getsource(sys.modules["pjray.rl.learner"])
     assert not [name for name in transports if f"def {name}(" in learner_source]
+
+
+def test_the_rollout_and_sync_packages_stand_below_the_trainer():
+    """The rollout side (engines, rollout worker) and weight sync are packages of their own that
+    import nothing of the learner, the driver, the evaluation or the recipes (the learner and the
+    driver import them), and the placement of actors imports none of the three."""
+    upward = r"^\s*(from|import) pjray\.(rl|eval|recipes|sweep|cli)\b"
+    importers = [name for name, text in _sources().items()
+                 if name.startswith(("pjray/rollout/", "pjray/sync/")) and re.search(upward, text, re.M)]
+    assert importers == []
+    placement = (PACKAGE / "placement.py").read_text()
+    assert not re.search(r"^\s*(from|import) pjray\.(rl|rollout|sync)\b", placement, re.M)
+    assert sorted(p.name for p in (PACKAGE / "rl").glob("*.py")) == [
+        "__init__.py", "checkpoint.py", "ds_ops.py", "ds_setup.py", "grpo.py", "learner.py", "logprobs.py", "sft.py", "trainer.py",
+    ]
+
+
+def test_the_trainer_holds_no_branch_on_the_weight_transport():
+    """The transport is chosen once (`pjray.sync.transports.make_transport`): no transport name
+    is written in the driver, so none can be compared there."""
+    trainer = (PACKAGE / "rl" / "trainer.py").read_text()
+    assert [name for name in ("shm", "object_store", "gloo", "nccl", "ipc") if f'"{name}"' in trainer] == []
+    from pjray.sync.transports import TRANSPORTS
+
+    assert sorted(TRANSPORTS) == ["gloo", "ipc", "nccl", "none", "object_store", "shm"]
 
 
 def test_one_eos_constant():
@@ -71,7 +96,7 @@ def test_one_eos_constant():
 
 
 def test_one_chunking_helper():
-    assert [name for name, text in _sources().items() if "divmod(len(" in text] == ["pjray/rl/placement.py"]
+    assert [name for name, text in _sources().items() if "divmod(len(" in text] == ["pjray/placement.py"]
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 
 from pjray.cli import main
 from pjray.config import ConfigError, load
-from pjray.rl.placement import Placement, RoleResources, placement_plan
+from pjray.placement import Placement, RoleResources, placement_plan
 from pjray.rl.trainer import training_roles
 from pjray.sweep import (
     DRIVER_BUNDLE,
@@ -166,7 +166,7 @@ def test_the_trainer_places_its_actors_in_a_group_it_is_given(monkeypatch):
     """`Placement(group=..., first=1)`: the actors go to the given group's bundles from `first`
     on (a Tune trial's: bundle 0 is the trial driver's), the group must hold exactly the plan's
     bundles, and it is left to its owner at shutdown."""
-    from pjray.rl import placement as placement_module
+    from pjray import placement as placement_module
 
     cfg = load(None, ["rollout.backend=hf", "rollout.num_workers=2"])
     roles = training_roles(cfg)

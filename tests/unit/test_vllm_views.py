@@ -18,8 +18,8 @@ import torch
 from pjray.config import ConfigError, load
 from pjray.models.loading import image_token_count, load_processor, processor_inputs, render_chat
 from pjray.models.tiny import TINY_ARCHS, build_tiny_judge
-from pjray.rl.learner import collate
-from pjray.rl.vllm_engine import vllm_request
+from pjray.rl.logprobs import collate
+from pjray.rollout.vllm_engine import vllm_request
 from pjray.types import Experience, JudgePrompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -192,7 +192,7 @@ def test_vllm_backend_without_vllm_is_a_config_error() -> None:
     import importlib.util
 
     from pjray.config import ModelConfig, RolloutConfig
-    from pjray.rl.rollout import build_engine
+    from pjray.rollout.engine import build_engine
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm imports here; this checks the message where it does not")
@@ -205,8 +205,8 @@ def test_text_only_judge_rollout_and_learner_views_agree(tmp_path) -> None:
     learner's collate: the learner's logprobs of the sampled tokens are the sampler's."""
     from pjray.config import load as load_config
     from pjray.models.loading import load_judge
-    from pjray.rl.learner import forward_logprobs
-    from pjray.rl.rollout import HFEngine
+    from pjray.rl.logprobs import forward_logprobs
+    from pjray.rollout.hf_engine import HFEngine
 
     path = str(build_tiny_judge(tmp_path / "qwen2", arch="qwen2", seed=0))
     cfg = load_config(overrides=["model.tiny_arch=qwen2", "data.images=false", "rollout.max_new_tokens=8"])

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pjray.rl.weights import (
+from pjray.sync.buckets import (
     Bucket,
     BucketEntry,
     pack,

