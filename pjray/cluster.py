@@ -47,6 +47,10 @@ def actor_env() -> dict[str, str]:
         # Weight buckets travel as out-of-band buffers, mapped read-only on get: 3.5x faster
         # sync of a 114M model than pickling (benchmarks/bench_sync.py). Receivers only copy.
         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+        # vLLM turns NCCL's cuMem allocator off in its workers at import; a learner that kept it
+        # on would join the weight-sync group with a different setting (hangs or errors in the
+        # broadcast). Every actor gets the same value, the learner's included.
+        "NCCL_CUMEM_ENABLE": "0",
     }
     if not verbose():
         defaults["PYTHONWARNINGS"] = ACTOR_WARNING_FILTERS

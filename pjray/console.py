@@ -117,6 +117,38 @@ class PhaseClock:
             self.logger.info("set-up: %s %.1fs", phase, took)
 
 
+class StallWatch:
+    """Says on the console when a run stops learning for a reason a setting fixes: for `window`
+    steps in a row, more than half the responses cut at rollout.max_new_tokens (they score 0
+    unless reward.score_truncated), or more than 90% of the groups with all-equal rewards (no
+    gradient). One line per streak, saying what to change."""
+
+    CUT, FLAT = 0.5, 0.9
+
+    def __init__(self, max_new_tokens: int, window: int = 5) -> None:
+        self.max_new_tokens, self.window = max_new_tokens, window
+        self.cut_streak = self.flat_streak = 0
+
+    def update(self, metrics: dict[str, float]) -> list[str]:
+        cut, flat = metrics.get("response_length/clip_ratio", 0.0), metrics.get("rollout/frac_zero_std", 0.0)
+        self.cut_streak = self.cut_streak + 1 if cut > self.CUT else 0
+        self.flat_streak = self.flat_streak + 1 if flat > self.FLAT else 0
+        lines = []
+        if self.cut_streak == self.window:
+            lines.append(
+                f"{self.window} steps in a row with more than half the responses cut at rollout.max_new_tokens="
+                f"{self.max_new_tokens} ({cut:.0%} at this step): a cut response scores 0; raise "
+                "rollout.max_new_tokens (and rollout.max_model_len), or add reward.overlong_buffer"
+            )
+        if self.flat_streak == self.window:
+            lines.append(
+                f"{self.window} steps in a row with more than 90% of the groups' rewards all equal ({flat:.0%} "
+                "at this step): they carry no gradient; raise algo.group_size or rollout.temperature, or set "
+                "algo.filter_zero_std=true"
+            )
+        return lines
+
+
 def step_line(step: int, total: int, metrics: dict[str, float], seconds_per_step: float) -> str:
     """`step 13/20  reward 0.412  format 0.950  ranking 0.433  1.1s/step  ETA 8s`."""
     return (
@@ -196,6 +228,11 @@ def run_summary(run_dir: Path, wall_s: float) -> list[str]:
             if all(key in r for r in rows)
         ]
         lines.append(f"  {', '.join(learned)} (mean of {span}, {len(rows)} steps logged)")
+        if all("response_length/clip_ratio" in r and "rollout/frac_zero_std" in r for r in rows):
+            lines.append(
+                f"  responses cut at rollout.max_new_tokens: {mean(rows, 'response_length/clip_ratio'):.0%}; "
+                f"groups with all-equal rewards (no gradient): {mean(rows, 'rollout/frac_zero_std'):.0%} (mean over steps)"
+            )
     held_out = run_dir / HELD_OUT
     if held_out.is_file():
         check = json.loads(held_out.read_text(encoding="utf-8"))

@@ -44,7 +44,7 @@ from ray.util.placement_group import PlacementGroup
 
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, to_dict
-from pjray.console import HELD_OUT, HELD_OUT_ITEMS, PhaseClock, step_line
+from pjray.console import HELD_OUT, HELD_OUT_ITEMS, PhaseClock, StallWatch, step_line
 from pjray.data.hf import DatasetItems, StreamSampler, StreamState, open_dataset, train_ref
 from pjray.data.prompts import render_batch
 from pjray.data.sampler import ItemSampler, SamplerState, shown_order
@@ -259,6 +259,7 @@ class Trainer:
         # a group of the training's own (`pjray.placement.Placement`).
         self.placement_group, self.first_bundle = placement_group, first_bundle
         self.on_step = on_step
+        self.stalls = StallWatch(cfg.rollout.max_new_tokens)
         self.run_dir = Path(cfg.trainer.run_dir).resolve()
         self.step = 0
         self.checkpointed_step = 0  # the step of the newest checkpoint, saved or resumed from
@@ -445,6 +446,8 @@ class Trainer:
                 self.on_step(self.step, metrics)
             seconds_per_step = (time.perf_counter() - started) / (self.step - first_step)
             log.info(step_line(self.step, cfg.steps, metrics, seconds_per_step))
+            for line in self.stalls.update(metrics):
+                log.warning(line)
             if self.step in cfg.export_steps:
                 self.export_hf(self.run_dir / f"hf_model_step_{self.step}")
             if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == cfg.steps:

@@ -41,10 +41,11 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from pjray.config import ConfigError, ModelConfig, RolloutConfig
+from pjray.data.prompts import EOS_TOKEN
 from pjray.sync.buckets import Bucket
 from pjray.types import Completion, JudgePrompt
 
-__all__ = ["RolloutEngine", "build_engine"]
+__all__ = ["RolloutEngine", "build_engine", "checkpoint_eos_ids", "stop_token_ids"]
 
 
 @runtime_checkable
@@ -74,6 +75,29 @@ class RolloutEngine(Protocol):
     def wake_up(self) -> None:
         """Undo `sleep` before the next sync or generation."""
         ...
+
+
+def stop_token_ids(tokenizer: Any, checkpoint_eos: int | list[int] | None, name: str = "") -> tuple[int, ...]:
+    """Where every engine stops a response: `EOS_TOKEN`, the tokenizer's EOS and every
+    `eos_token_id` of the checkpoint's generation config (a Thinking or Instruct checkpoint may
+    list several), without None and the unknown token (an unknown EOS_TOKEN maps to it)."""
+    ids = {tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.eos_token_id}
+    ids |= set(checkpoint_eos if isinstance(checkpoint_eos, list) else [checkpoint_eos])
+    ids.discard(None)
+    ids.discard(tokenizer.unk_token_id)
+    if not ids:
+        raise ValueError(f"{name}: no EOS token ({EOS_TOKEN} unknown, no eos_token, none in generation_config)")
+    return tuple(sorted(ids))
+
+
+def checkpoint_eos_ids(model_path: str) -> int | list[int] | None:
+    """The `eos_token_id` of the checkpoint's generation_config.json (None without one)."""
+    from transformers import GenerationConfig  # noqa: PLC0415
+
+    try:
+        return GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        return None
 
 
 def build_engine(

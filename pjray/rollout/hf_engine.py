@@ -11,7 +11,6 @@ import torch
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from pjray.config import ModelConfig, RolloutConfig
-from pjray.data.prompts import EOS_TOKEN
 from pjray.models.loading import (
     ban_tokens,
     continued_positions,
@@ -21,6 +20,7 @@ from pjray.models.loading import (
     prompt_positions,
     render_chat,
 )
+from pjray.rollout.engine import stop_token_ids
 from pjray.sync.buckets import Bucket, state_checksums, unpack
 from pjray.sync.shared import SharedBucketReader
 from pjray.types import Completion, JudgePrompt
@@ -106,15 +106,7 @@ class HFEngine:
         self.model, self.processor = model, processor
         self.synced = synced
         tokenizer = self.processor.tokenizer
-        eos_ids = {tokenizer.convert_tokens_to_ids(EOS_TOKEN)}
-        checkpoint_eos = self.model.generation_config.eos_token_id
-        if checkpoint_eos is not None:
-            eos_ids |= set(checkpoint_eos if isinstance(checkpoint_eos, list) else [checkpoint_eos])
-        eos_ids.discard(None)
-        eos_ids.discard(tokenizer.unk_token_id)  # an unknown EOS_TOKEN maps to unk, not a stop
-        if not eos_ids:
-            raise ValueError(f"{name}: no EOS token ({EOS_TOKEN} unknown, none in generation_config)")
-        self.eos_ids: tuple[int, ...] = tuple(sorted(eos_ids))
+        self.eos_ids: tuple[int, ...] = stop_token_ids(tokenizer, self.model.generation_config.eos_token_id, name)
         self.pad_id: int = tokenizer.pad_token_id
         self.banned_ids: tuple[int, ...] = placeholder_ids(self.processor)
         self._eos = torch.tensor(self.eos_ids, device=self.device)

@@ -58,12 +58,12 @@ import ray
 import torch
 
 from pjray.config import ModelConfig, RolloutConfig
-from pjray.data.prompts import EOS_TOKEN
 from pjray.models.loading import decode_image, is_text_only, load_processor, placeholder_ids, render_chat
+from pjray.rollout.engine import checkpoint_eos_ids, stop_token_ids
+from pjray.sync.buckets import Bucket, flat_bytes, from_bytes, state_checksums, unpack
 from pjray.sync.collective import WeightSyncGroup, dumps, loads, receive_buckets
 from pjray.sync.ipc import open_ipc_handle
 from pjray.sync.shared import SharedBucketReader
-from pjray.sync.buckets import Bucket, flat_bytes, from_bytes, state_checksums, unpack
 from pjray.types import Completion, JudgePrompt
 
 __all__ = ["VllmEngine", "WeightSyncExtension", "vllm_request"]
@@ -198,13 +198,9 @@ class VllmEngine:
         from vllm import LLM  # noqa: PLC0415  (imported only when this backend is chosen)
 
         self.processor = load_processor(model_path)
-        tokenizer = self.processor.tokenizer
-        eos = {tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.eos_token_id}
-        eos.discard(None)
-        eos.discard(tokenizer.unk_token_id)
-        if not eos:
-            raise ValueError(f"{model_path}: no EOS token ({EOS_TOKEN} unknown and no eos_token)")
-        self.eos_ids: tuple[int, ...] = tuple(sorted(eos))
+        # The engine runs with generation_config="vllm" (sampling from RolloutConfig only), so the
+        # checkpoint's EOS ids are read here and passed as stop tokens.
+        self.eos_ids: tuple[int, ...] = stop_token_ids(self.processor.tokenizer, checkpoint_eos_ids(model_path), model_path)
         self.banned_ids: tuple[int, ...] = placeholder_ids(self.processor)
         self.sleep_enabled = rollout_cfg.colocate
         self.sleeping: set[str] = set()  # what sleep() released and no wake-up brought back yet

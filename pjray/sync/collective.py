@@ -47,14 +47,21 @@ class WeightSyncGroup:
             raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
         timeout = timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.backend = rank, world_size, backend
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-        prefixed = dist.PrefixStore(_STORE_PREFIX, store)
-        if backend == "nccl":
-            self.group: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_options(timeout))
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-            self.device = torch.device("cpu")
+        where = f"weight-sync group ({backend}, rank {rank} of {world_size}, store {host}:{port}, timeout {timeout_s:g}s)"
+        try:
+            store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+            prefixed = dist.PrefixStore(_STORE_PREFIX, store)
+            if backend == "nccl":
+                self.group: Any = dist.ProcessGroupNCCL(prefixed, rank, world_size, nccl_options(timeout))
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            else:
+                self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+                self.device = torch.device("cpu")
+            # NCCL builds its communicator at the first collective: run one now, so a group that
+            # cannot work fails at set-up, naming itself, and not at the end of the first step.
+            self.broadcast(torch.zeros(1, device=self.device))
+        except (RuntimeError, dist.DistError) as err:
+            raise RuntimeError(f"{where}: could not form the group or run its first collective: {err}") from err
         self._store = store  # keep the store (rank 0 serves it) alive with the group
 
     def broadcast(self, tensor: Tensor, src: int = 0) -> None:

@@ -56,6 +56,7 @@ def test_actor_defaults_yield_to_the_job_runtime_env(monkeypatch):
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps(job))
     assert "TOKENIZERS_PARALLELISM" not in actor_env()
     assert actor_env()["RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"] == "1"
+    assert actor_env()["NCCL_CUMEM_ENABLE"] == "0"  # learner and vLLM engines alike
 
 
 def test_cluster_manifests_parse_and_agree():

@@ -13,6 +13,7 @@ from pjray.console import (
     NO_PROGRESS_BARS_ENV,
     VERBOSE_ENV,
     PhaseClock,
+    StallWatch,
     duration,
     quiet_ray_data,
     quiet_stack,
@@ -29,6 +30,31 @@ def test_step_line_has_progress_rewards_time_and_eta():
         "step 13/20  reward 0.412  format 0.950  ranking 0.433  1.1s/step  ETA 8s"
     )
     assert step_line(20, 20, METRICS, 1.2).endswith("ETA 0s")
+
+
+def test_the_summary_reports_cut_responses_and_flat_groups(tmp_path):
+    rows = [{"step": s, "reward/mean": 0.5, "response_length/clip_ratio": c, "rollout/frac_zero_std": z}
+            for s, c, z in ((1, 0.5, 1.0), (2, 0.25, 0.5))]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert run_summary(tmp_path, 1.0)[2] == (
+        "  responses cut at rollout.max_new_tokens: 38%; groups with all-equal rewards (no gradient): 75% (mean over steps)"
+    )
+
+
+def test_a_run_that_cannot_learn_says_so_once_a_streak_and_what_to_change():
+    watch = StallWatch(max_new_tokens=2048, window=3)
+    cut = {"response_length/clip_ratio": 0.8, "rollout/frac_zero_std": 0.2}
+    flat = {"response_length/clip_ratio": 0.0, "rollout/frac_zero_std": 0.95}
+    assert [watch.update(cut) for _ in range(2)] == [[], []]
+    [line] = watch.update(cut)
+    assert line.startswith("3 steps in a row with more than half the responses cut at rollout.max_new_tokens=2048 (80%")
+    assert "reward.overlong_buffer" in line
+    assert watch.update(cut) == []  # once a streak
+    assert watch.update(flat) == [] and watch.update(flat) == []
+    [line] = watch.update(flat)
+    assert "more than 90% of the groups' rewards all equal (95%" in line and "algo.filter_zero_std=true" in line
+    watch.update({"response_length/clip_ratio": 0.1, "rollout/frac_zero_std": 0.1})  # a healthy step ends both
+    assert watch.cut_streak == watch.flat_streak == 0
 
 
 def test_durations_read_at_a_glance():

@@ -1,0 +1,49 @@
+"""The weight-sync broadcast group is formed and tested at set-up: its first collective runs in
+the constructor (NCCL would otherwise build its communicator lazily, at the end of step 1), and
+a group that cannot form fails with one error naming the backend, ranks, store and timeout. The
+gloo group here is the NCCL path's code on CPU tensors."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pjray.placement import free_address
+from pjray.sync.collective import WeightSyncGroup
+
+
+def test_two_members_form_the_group_and_broadcast():
+    _, port = free_address()
+    groups: dict[int, WeightSyncGroup] = {}
+    errors: list[BaseException] = []
+
+    def join(rank: int) -> None:
+        try:
+            groups[rank] = WeightSyncGroup("127.0.0.1", port, rank, 2, "gloo", timeout_s=60)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert not errors and sorted(groups) == [0, 1]
+    sent, received = torch.arange(5.0), torch.zeros(5)
+    threads = [threading.Thread(target=groups[0].broadcast, args=(sent,)),
+               threading.Thread(target=groups[1].broadcast, args=(received,))]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert torch.equal(received, sent)
+    for group in groups.values():
+        group.close()
+
+
+def test_a_member_that_never_joins_fails_the_set_up_with_the_groups_address():
+    _, port = free_address()
+    with pytest.raises(RuntimeError, match=rf"weight-sync group \(gloo, rank 0 of 2, store 127\.0\.0\.1:{port}, timeout 2s\)"):
+        WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=2)
