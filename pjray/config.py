@@ -74,6 +74,14 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # Append "<think>\n" after the generation prompt, as the released training code does.
     think_prefix: bool = True
+    # Image budget in pixels, applied alike by the learner's processor and by vLLM's: an image is
+    # resized (aspect kept) to at most max_pixels and at least min_pixels. max_pixels caps the
+    # checkpoint's own setting and never raises it; 1,003,520 = 1,280 x 28 x 28 keeps an image
+    # under ~1,280 tokens on Qwen2/2.5-VL (28 px a token) and ~980 on Qwen3-VL (32 px), where
+    # their checkpoints allow up to 16,384. 0: the checkpoint's own. min_pixels 0: the
+    # checkpoint's own, lowered to max_pixels if above it.
+    min_pixels: int = 0
+    max_pixels: int = 1_003_520
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -559,6 +567,10 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"learner.zero_stage={cfg.learner.zero_stage}: must be 0, 1, 2 or 3")
     if cfg.algo.group_size < 2:
         raise ConfigError("algo.group_size: GRPO needs at least 2 responses per prompt")
+    if cfg.model.min_pixels < 0 or cfg.model.max_pixels < 0:
+        raise ConfigError("model.min_pixels / model.max_pixels: pixels, >= 0 (0: the checkpoint's own)")
+    if cfg.model.max_pixels and cfg.model.min_pixels > cfg.model.max_pixels:
+        raise ConfigError(f"model.min_pixels={cfg.model.min_pixels} > model.max_pixels={cfg.model.max_pixels}")
     if 0 < cfg.algo.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={cfg.algo.dual_clip}: must be > 1 (or 0 to disable)")
     _validate_policy_loss(cfg.algo, cfg.rollout.backend)

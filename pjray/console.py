@@ -161,6 +161,7 @@ def step_line(step: int, total: int, metrics: dict[str, float], seconds_per_step
 SUMMARY_WINDOW = 5  # steps averaged at each end of the run in the summary
 HELD_OUT = "held_out.json"  # in a run dir: the held-out check of a run from the base judge
 HELD_OUT_ITEMS = "held_out_items.parquet"  # ... and its verdicts, one row per judge and item
+DATA_REJECTS = "data_rejects.jsonl"  # in a run dir: the training rows left out, one JSON object a line
 
 
 def mean(rows: list[dict[str, Any]], key: str) -> float:
@@ -228,6 +229,8 @@ def run_summary(run_dir: Path, wall_s: float) -> list[str]:
             if all(key in r for r in rows)
         ]
         lines.append(f"  {', '.join(learned)} (mean of {span}, {len(rows)} steps logged)")
+        if rows[-1].get("data/rejected"):
+            lines.append(f"  training rows skipped: {int(rows[-1]['data/rejected'])} (each with its reason in {run_dir / DATA_REJECTS})")
         if all("response_length/clip_ratio" in r and "rollout/frac_zero_std" in r for r in rows):
             lines.append(
                 f"  responses cut at rollout.max_new_tokens: {mean(rows, 'response_length/clip_ratio'):.0%}; "

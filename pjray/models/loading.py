@@ -39,6 +39,7 @@ from transformers import (
     AutoTokenizer,
     PreTrainedModel,
 )
+from transformers.image_utils import SizeDict
 from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
@@ -57,6 +58,7 @@ __all__ = [
     "TextOnlyProcessor",
     "ban_tokens",
     "decode_image",
+    "image_budget",
     "image_token_count",
     "is_text_only",
     "load_judge",
@@ -242,8 +244,18 @@ def _has_vision(path: str | os.PathLike) -> bool:
     return config["model_type"] in IMAGE_ONLY_PROCESSORS or "vision_config" in config
 
 
-def load_processor(path: str | os.PathLike) -> ProcessorMixin:
-    """The image-only processor of the judge at `path` (local dir or hub id).
+def image_budget(shortest: int, longest: int, min_pixels: int = 0, max_pixels: int = 0) -> tuple[int, int]:
+    """The (shortest_edge, longest_edge) pixel bounds of a Qwen-VL image processor under
+    `model.min_pixels` / `model.max_pixels` (0: the checkpoint's own): max_pixels caps the
+    checkpoint's bound and never raises it, and the lower bound never exceeds the upper."""
+    upper = min(longest, max_pixels) if max_pixels else longest
+    lower = min_pixels if min_pixels else shortest
+    return min(lower, upper), upper
+
+
+def load_processor(path: str | os.PathLike, min_pixels: int = 0, max_pixels: int = 0) -> ProcessorMixin:
+    """The image-only processor of the judge at `path` (local dir or hub id), its images resized
+    within `image_budget(..., min_pixels, max_pixels)` (`model.min_pixels` / `model.max_pixels`).
 
     Has `.tokenizer`, `.image_processor`, and `__call__(text=..., images=...)` returning
     input_ids, attention_mask, mm_token_type_ids, pixel_values and image_grid_thw. A checkpoint
@@ -272,6 +284,9 @@ def load_processor(path: str | os.PathLike) -> ProcessorMixin:
     if processor.tokenizer.pad_token_id is None:
         # Batched inputs need a pad id; Qwen checkpoints pad with <|endoftext|>.
         processor.tokenizer.pad_token = "<|endoftext|>"
+    size = processor.image_processor.size
+    lower, upper = image_budget(size.shortest_edge, size.longest_edge, min_pixels, max_pixels)
+    processor.image_processor.size = SizeDict(shortest_edge=lower, longest_edge=upper)
     return processor
 
 
@@ -286,15 +301,18 @@ def load_judge(
     device: str | torch.device = "cpu",
     trainable: bool = True,
     attn_implementation: str | None = None,
+    min_pixels: int = 0,
+    max_pixels: int = 0,
 ) -> tuple[PreTrainedModel, ProcessorMixin]:
     """Load the judge at `path` as `(model, processor)`.
 
     `trainable=False` puts the model in eval mode with gradients off (reference / rollout copy).
     `attn_implementation` is passed through ("sdpa", "flash_attention_2", ...); None = default.
+    `min_pixels` / `max_pixels`: the processor's image budget (`load_processor`).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    processor = load_processor(path)
+    processor = load_processor(path, min_pixels, max_pixels)
     kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype]}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation

@@ -145,7 +145,8 @@ class LearnerRank(WeightSender, RankCheckpoints):
 
         self.zero3 = learner_cfg.zero_stage == 3
         config = ds_config(learner_cfg, grad_accum_steps, world_size, ds_config_overrides or {})
-        model, self.processor = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=True)
+        budget = {"min_pixels": model_cfg.min_pixels, "max_pixels": model_cfg.max_pixels}
+        model, self.processor = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=True, **budget)
         # The distribution the engines sample from has no placeholder tokens; the log-probs here
         # are of that same distribution.
         self.banned = placeholder_ids(self.processor)
@@ -184,7 +185,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
             # The frozen base weights are the reference: the policy with its adapters disabled.
             self.ref = self.engine
         elif algo_cfg.kl_coef > 0:
-            ref_model, _ = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=False)
+            ref_model, _ = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=False, **budget)
             if self.zero3:
                 # The reference is sharded like the policy: a ZeRO-3 engine without optimizer.
                 ref_config = ref_ds_config(config, learner_cfg, world_size)

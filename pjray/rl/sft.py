@@ -122,7 +122,7 @@ def run_sft(cfg: Config, model_path: str, examples: list[ChatExample] | None = N
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     chosen = examples if examples is not None else _examples(cfg)
-    processor = load_processor(model_path)
+    processor = load_processor(model_path, cfg.model.min_pixels, cfg.model.max_pixels)
     experiences = [to_experience(processor, e, cfg.model.think_prefix) for e in chosen]
     log.info("sft: %d examples", len(experiences))
     connect(cfg.ray)

@@ -44,13 +44,13 @@ from ray.util.placement_group import PlacementGroup
 
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, to_dict
-from pjray.console import HELD_OUT, HELD_OUT_ITEMS, PhaseClock, StallWatch, step_line
+from pjray.console import DATA_REJECTS, HELD_OUT, HELD_OUT_ITEMS, PhaseClock, StallWatch, step_line
 from pjray.data.hf import DatasetItems, StreamSampler, StreamState, open_dataset, train_ref
 from pjray.data.prompts import render_batch
 from pjray.data.sampler import ItemSampler, SamplerState, shown_order
-from pjray.data.sources import Rows, scan_items, write_rejects
+from pjray.data.sources import RowReject, Rows, scan_items, write_rejects
 from pjray.memory import peak_memory_mib
-from pjray.models.loading import load_processor, opens_think, render_chat
+from pjray.models.loading import load_processor, opens_think, processor_inputs, render_chat
 from pjray.ppjd.swap import counterfactual_pair
 from pjray.reward.workers import RewardWorker
 from pjray.rl.grpo import group_advantages, zero_std_groups
@@ -68,8 +68,6 @@ log = logging.getLogger(__name__)
 # no loss, no gradient and no share of the token counts.
 FILLER = Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.0)
 
-# Training rows skipped as unusable, one JSON object a line, in the run directory.
-DATA_REJECTS = "data_rejects.jsonl"
 
 # Phases whose work runs in workers that time it themselves (Timed answers).
 COMPUTE_PHASES = ("gen", "reward", "ref", "old_log_prob", "update")
@@ -178,6 +176,27 @@ def refill_size(need: int, kept: int, seen: int) -> int:
     return min(need * MAX_REFILL_FACTOR, math.ceil(need * seen / kept))
 
 
+def drop_overlong(rows: Rows[JudgeItem], processor: Any, cfg: Config) -> Rows[JudgeItem]:
+    """The rows whose prompt as the engines see it (chat template, image expanded into its
+    tokens under the image budget) leaves room for rollout.max_new_tokens within
+    rollout.max_model_len; the others move to the rejects with their length (verl's
+    filter_overlong_prompts: vLLM would fail the whole generate call for one of them)."""
+    room = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
+    kept, rejects = [], list(rows.rejects)
+    for item in rows.rows:
+        prompt = render_batch(item, None, style=cfg.reward.style, shown=tuple(range(len(item.candidates))))
+        image = prompt.image if cfg.data.images else None
+        text = render_chat(processor, dataclasses.replace(prompt, image=image), think_prefix=cfg.model.think_prefix)
+        length = int(processor_inputs(processor, [text], [image])["input_ids"].shape[1])
+        if length > room:
+            reason = (f"prompt of {length} tokens + rollout.max_new_tokens={cfg.rollout.max_new_tokens} > "
+                      f"rollout.max_model_len={cfg.rollout.max_model_len} (lower model.max_pixels, or raise max_model_len)")  # fmt: skip
+            rejects.append(RowReject(where=f"{rows.source} item {item.id}", row_id=item.id, reason=reason))
+        else:
+            kept.append(item)
+    return Rows(rows.source, kept, rejects)
+
+
 def load_items(cfg: Config) -> Rows[JudgeItem] | DatasetItems:
     """The training items: a PPJD parquet, a dataset (data.source=hf), or scenes built by the
     PPJD job (rules + oracle), each row checked; fails when more than data.max_reject_fraction
@@ -278,8 +297,12 @@ class Trainer:
         clock.done("data")
         connect(cfg.ray)
         clock.done("ray")
-        self.data = data
+        self.model_path = self.resolve_model()
+        self.processor = load_processor(self.model_path, cfg.model.min_pixels, cfg.model.max_pixels)
+        clock.done("judge")
         if isinstance(data, Rows):  # a stream lists its bad rows as it reads them (StreamSampler)
+            data = drop_overlong(data, self.processor, cfg)
+            data.check(cfg.data.max_reject_fraction)
             write_rejects(data.rejects, self.run_dir / DATA_REJECTS)
             if data.rejects:
                 log.warning(
@@ -287,9 +310,7 @@ class Trainer:
                     len(data.rows) + len(data.rejects), self.run_dir / DATA_REJECTS, data.rejects[0].where,
                     data.rejects[0].reason,
                 )
-        self.model_path = self.resolve_model()
-        self.processor = load_processor(self.model_path)
-        clock.done("judge")
+        self.data = data
 
         self.placement = Placement(
             training_roles(cfg), strategy=cfg.ray.placement_strategy, timeout_s=cfg.ray.placement_timeout_s,

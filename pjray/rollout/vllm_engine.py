@@ -197,7 +197,7 @@ class VllmEngine:
             cpu_engine_env()
         from vllm import LLM  # noqa: PLC0415  (imported only when this backend is chosen)
 
-        self.processor = load_processor(model_path)
+        self.processor = load_processor(model_path, model_cfg.min_pixels, model_cfg.max_pixels)
         # The engine runs with generation_config="vllm" (sampling from RolloutConfig only), so the
         # checkpoint's EOS ids are read here and passed as stop tokens.
         self.eos_ids: tuple[int, ...] = stop_token_ids(self.processor.tokenizer, checkpoint_eos_ids(model_path), model_path)
@@ -228,6 +228,10 @@ class VllmEngine:
             kwargs["distributed_executor_backend"] = "mp" if rollout_cfg.tensor_parallel_size > 1 else None
         if not is_text_only(self.processor):
             kwargs["limit_mm_per_prompt"] = {"image": 1, "video": 0}
+            # The learner's image budget (model.min_pixels / max_pixels, `load_processor`), so
+            # both sides resize an image to the same grid.
+            size = self.processor.image_processor.size
+            kwargs["mm_processor_kwargs"] = {"size": {"shortest_edge": size.shortest_edge, "longest_edge": size.longest_edge}}
         self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
 
     # -- generation -----------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from pjray.cli import main
 from pjray.data.sources import write_items
 from pjray.ppjd.perturb import scene_items
-from pjray.rl.trainer import DATA_REJECTS
+from pjray.console import DATA_REJECTS
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from huggingface_hub import DatasetCard
 from pjray.cli import main
 from pjray.data.sources import PPJD_FEATURES
 from pjray.ppjd.perturb import scene_items
-from pjray.rl.trainer import DATA_REJECTS
+from pjray.console import DATA_REJECTS
 
 pytestmark = pytest.mark.slow
 
