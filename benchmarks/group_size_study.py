@@ -25,9 +25,10 @@ code is reused; a started run of the same key resumes from its checkpoint.
 
 Per run and kind (color, size, pooled): held-out image-following (and its Wilson interval) and
 correct first; per run: the reward curve, the fraction of groups whose rewards all equal (no
-gradient), the median step time and its phases, responses per second (responses over the summed
-step time), the time in training steps (their sum: the wall time the plots use; a run's set-up,
-exports and held-out check add about the same to every run), the peak host memory of each role. Seed intervals are 95% t-intervals on the seed
+gradient), the median step time and its phases, responses per second and the time in training
+steps (at the median step: steps x its time, the wall time the plots use; a run's set-up, exports
+and held-out check add about the same to every run), the peak host memory of each role (the
+driver's is the study process's, which trains every run: its peak only grows). Seed intervals are 95% t-intervals on the seed
 means. Writes group_size.{json,md,png} into benchmarks/results (or --out DIR).
 """
 
@@ -44,14 +45,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import stats
 
 from pjray.config import Config, load
 from pjray.ppjd.cache import code_hash
 from pjray.recipes.base_judge import RECIPES, base_judge, weights_sha256
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from study_looking import ensure_run  # noqa: E402  (a sibling script)
+from study_looking import ensure_run, t_interval  # noqa: E402  (a sibling script)
 
 SAMPLES_PER_STEP = 64
 PROMPTS = 8
@@ -120,16 +120,17 @@ def metrics_rows(run_dir: Path) -> list[dict[str, float]]:
 def run_summary(run: Run, run_dir: Path, train_seconds: float) -> dict[str, Any]:
     """The per-run numbers (everything but the per-kind held-out ones)."""
     rows = metrics_rows(run_dir)
-    step_s = [r["timing_s/step"] for r in rows]
+    step_s = statistics.median(r["timing_s/step"] for r in rows)
     responses = run.group_size * run.prompts_per_step
     out: dict[str, Any] = {
         "G": run.group_size, "prompts_per_step": run.prompts_per_step, "responses_per_step": responses,
         "steps": run.steps, "seed": run.seed, "responses_consumed": responses * run.steps,
         "zero_variance_groups": statistics.fmean(r["rollout/frac_zero_std"] for r in rows),
-        "step_s": statistics.median(step_s), "responses_per_s": responses * len(rows) / sum(step_s),
+        # Timing at the median step: robust to a step slowed by other work on the machine.
+        "step_s": step_s, "responses_per_s": responses / step_s,
         # The time in training steps (the x of "against wall time"): set-up, exports and the
         # held-out check cost about the same for every G and are left out.
-        "train_wall_s": round(sum(step_s), 1), "run_s": round(train_seconds, 1),
+        "train_wall_s": round(step_s * len(rows), 1), "run_s": round(train_seconds, 1),
         "reward_first5": statistics.fmean(r["reward/mean"] for r in rows[:5]),
         "reward_last5": statistics.fmean(r["reward/mean"] for r in rows[-5:]),
         "reward_curve": [round(r["reward/mean"], 4) for r in rows],
@@ -157,15 +158,6 @@ def kind_rows(run: Run, summary: dict[str, Any], held_out: dict[str, Any]) -> li
 
 
 # --------------------------------------------------------------------------- across seeds
-def t_interval(values: list[float]) -> dict[str, float | None]:
-    """Mean and 95% t-interval of seed means (no interval from one seed)."""
-    mean = float(np.mean(values))
-    if len(values) < 2:
-        return {"mean": mean, "lo": None, "hi": None, "n": len(values)}
-    half = float(stats.t.ppf(0.975, len(values) - 1) * np.std(values, ddof=1) / np.sqrt(len(values)))
-    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(values)}
-
-
 def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (budget, G, kind): t-intervals over seeds of image-following and correct first, and
     the means of the cost columns."""
@@ -178,8 +170,8 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "budget": budget, "G": g, "kind": kind, "seeds": sorted(r["seed"] for r in rs),
             "prompts_per_step": rs[0]["prompts_per_step"], "steps": rs[0]["steps"],
             "responses_consumed": rs[0]["responses_consumed"],
-            "image_following": t_interval([r["image_following"] for r in rs]),
-            "correct_first": t_interval([r["correct_first"] for r in rs]),
+            "image_following": {**t_interval([r["image_following"] for r in rs]), "n": len(rs)},
+            "correct_first": {**t_interval([r["correct_first"] for r in rs]), "n": len(rs)},
             "disposition_image": float(np.mean([r["disposition_image"] for r in rs])),
             "zero_variance_groups": float(np.mean([r["zero_variance_groups"] for r in rs])),
             "step_s": float(np.mean([r["step_s"] for r in rs])),
@@ -221,24 +213,25 @@ def markdown(results: dict[str, Any]) -> str:
         if not agg:
             continue
         lines += [f"## {title}", "",
-                  "| G | prompts | seeds | image-following color | size | correct first color | size | "
+                  "| G | prompts | seeds | image-following color | size | correct first color | size | \"by the image\" | "
                   "zero-variance groups | step (s) | gen / reward / ref / update / sync (s) | responses/s | "
-                  "reward first 5 -> last 5 | peak MiB learner / reward / driver |",
-                  "|" + "---|" * 13]  # fmt: skip
+                  "reward first 5 -> last 5 | peak MiB learner / reward |",
+                  "|" + "---|" * 14]  # fmt: skip
         for g in sorted({a["G"] for a in agg}):
             by_kind = {a["kind"]: a for a in agg if a["G"] == g}
             c, s = by_kind["color"], by_kind["size"]
             ph = " / ".join(f"{c['phases_s'][p]:.2f}" for p in PHASES)
-            mem = " / ".join(f"{c['peak_mib'][r]:.0f}" for r in ("learner", "reward", "driver"))
+            mem = " / ".join(f"{c['peak_mib'][r]:.0f}" for r in ("learner", "reward"))
             lines.append(
                 f"| {g} | {c['prompts_per_step']} | {len(c['seeds'])} | {_ci(c['image_following'])} | "
                 f"{_ci(s['image_following'])} | {_ci(c['correct_first'])} | {_ci(s['correct_first'])} | "
+                f"{100 * by_kind['pooled']['disposition_image']:.0f}% | "
                 f"{100 * c['zero_variance_groups']:.0f}% | {c['step_s']:.2f} | {ph} | {c['responses_per_s']:.1f} | "
                 f"{c['reward_first5']:.3f} -> {c['reward_last5']:.3f} | {mem} |"
             )
         lines.append("")
-    lines += ["## Every run", "", "| budget | G | prompts | steps | seed | image-following color | size | correct first color | size | zero-variance groups | step (s) | responses/s |",
-              "|" + "---|" * 12]  # fmt: skip
+    lines += ["## Every run", "", "| budget | G | prompts | steps | seed | image-following color | size | correct first color | size | \"by the image\" | zero-variance groups | step (s) | responses/s |",
+              "|" + "---|" * 13]  # fmt: skip
     per_run: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in results["rows"]:
         per_run.setdefault((r["budget"], r["G"], r["steps"], r["seed"]), {})[r["kind"]] = r
@@ -247,6 +240,7 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"| {budget} | {g} | {c['prompts_per_step']} | {steps} | {seed} | {100 * c['image_following']:.0f}% | "
             f"{100 * s['image_following']:.0f}% | {100 * c['correct_first']:.0f}% | {100 * s['correct_first']:.0f}% | "
+            f"{100 * kinds['pooled']['disposition_image']:.0f}% | "
             f"{100 * c['zero_variance_groups']:.0f}% | {c['step_s']:.2f} | {c['responses_per_s']:.1f} |"
         )
     return "\n".join(lines) + "\n"

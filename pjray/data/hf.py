@@ -267,8 +267,16 @@ class StreamSampler:
     to the state's count on resume); the run fails when more than `max_reject_fraction` of the
     rows read are bad (judged from STREAM_CHECK_ROWS rows on, and at the end of the first pass)."""
 
-    def __init__(self, items: DatasetItems, state: StreamState | None, rejects_path: Path, max_reject_fraction: float):
+    def __init__(
+        self,
+        items: DatasetItems,
+        state: StreamState | None,
+        rejects_path: Path,
+        max_reject_fraction: float,
+        reject: Callable[[JudgeItem], str | None] = lambda item: None,
+    ):
         self.items, self.rejects_path, self.max_reject_fraction = items, rejects_path, max_reject_fraction
+        self.reject = reject  # why a well-formed item cannot be used (the trainer's: overlong), or None
         self.state = state or StreamState()
         self._start = items.data.rows.state_dict()
         kept = rejects_path.read_text(encoding="utf-8").splitlines(keepends=True) if rejects_path.exists() else []
@@ -297,6 +305,9 @@ class StreamSampler:
             self.state.position = self.items.data.rows.state_dict()
             try:
                 item = self.items.item(index, raw)
+                reason = self.reject(item)
+                if reason is not None:
+                    raise DataError(reason)
             except DataError as err:
                 if self.state.epoch == 0:
                     self._record(_reject(self.items.data.label, index, raw, self.items.columns, err))

@@ -176,24 +176,30 @@ def refill_size(need: int, kept: int, seen: int) -> int:
     return min(need * MAX_REFILL_FACTOR, math.ceil(need * seen / kept))
 
 
+def overlong(item: JudgeItem, processor: Any, cfg: Config) -> str | None:
+    """Why `item` cannot be trained on, when its prompt as the engines see it (chat template,
+    image expanded into its tokens under the image budget) leaves less than
+    rollout.max_new_tokens within rollout.max_model_len; None when it fits (verl's
+    filter_overlong_prompts: vLLM would fail the whole generate call for one such prompt)."""
+    prompt = render_batch(item, None, style=cfg.reward.style, shown=tuple(range(len(item.candidates))))
+    image = prompt.image if cfg.data.images else None
+    text = render_chat(processor, dataclasses.replace(prompt, image=image), think_prefix=cfg.model.think_prefix)
+    length = int(processor_inputs(processor, [text], [image])["input_ids"].shape[1])
+    if length + cfg.rollout.max_new_tokens <= cfg.rollout.max_model_len:
+        return None
+    return (f"prompt of {length} tokens + rollout.max_new_tokens={cfg.rollout.max_new_tokens} > "
+            f"rollout.max_model_len={cfg.rollout.max_model_len} (lower model.max_pixels, or raise max_model_len)")  # fmt: skip
+
+
 def drop_overlong(rows: Rows[JudgeItem], processor: Any, cfg: Config) -> Rows[JudgeItem]:
-    """The rows whose prompt as the engines see it (chat template, image expanded into its
-    tokens under the image budget) leaves room for rollout.max_new_tokens within
-    rollout.max_model_len; the others move to the rejects with their length (verl's
-    filter_overlong_prompts: vLLM would fail the whole generate call for one of them)."""
-    room = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
+    """`rows` without the items that are `overlong`, which move to the rejects with the reason."""
     kept, rejects = [], list(rows.rejects)
     for item in rows.rows:
-        prompt = render_batch(item, None, style=cfg.reward.style, shown=tuple(range(len(item.candidates))))
-        image = prompt.image if cfg.data.images else None
-        text = render_chat(processor, dataclasses.replace(prompt, image=image), think_prefix=cfg.model.think_prefix)
-        length = int(processor_inputs(processor, [text], [image])["input_ids"].shape[1])
-        if length > room:
-            reason = (f"prompt of {length} tokens + rollout.max_new_tokens={cfg.rollout.max_new_tokens} > "
-                      f"rollout.max_model_len={cfg.rollout.max_model_len} (lower model.max_pixels, or raise max_model_len)")  # fmt: skip
-            rejects.append(RowReject(where=f"{rows.source} item {item.id}", row_id=item.id, reason=reason))
-        else:
+        reason = overlong(item, processor, cfg)
+        if reason is None:
             kept.append(item)
+        else:
+            rejects.append(RowReject(where=f"{rows.source} item {item.id}", row_id=item.id, reason=reason))
     return Rows(rows.source, kept, rejects)
 
 
@@ -357,7 +363,10 @@ class Trainer:
         if isinstance(data, Rows):
             self.sampler = ItemSampler(data.rows, cfg.trainer.seed, SamplerState(**saved))
         else:
-            self.sampler = StreamSampler(data, StreamState(**saved), self.run_dir / DATA_REJECTS, cfg.data.max_reject_fraction)
+            self.sampler = StreamSampler(
+                data, StreamState(**saved), self.run_dir / DATA_REJECTS, cfg.data.max_reject_fraction,
+                reject=lambda item: overlong(item, self.processor, cfg),
+            )
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         self.tracker = Tracker(
             cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None, start_step=self.step

@@ -45,7 +45,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from pjray.config import load  # noqa: E402
-from pjray.models.loading import load_judge, placeholder_ids, render_chat  # noqa: E402
+from pjray.models.loading import image_token_count, load_judge, load_processor, placeholder_ids, render_chat  # noqa: E402
 from pjray.models.tiny import TINY_ARCHS, build_tiny_judge  # noqa: E402
 from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
 from pjray.sync.shared import SharedBuckets  # noqa: E402
@@ -92,10 +92,15 @@ ON_DEVICE = (
 )
 
 
+# An image budget below the tiny judges' own bound (16 tokens: 12,544 px on Qwen2/2.5-VL, 16,384 on
+# Qwen3-VL) and above their lower one, so it binds on large images: ~10 and 8 tokens at most.
+BUDGET = 8 * 32 * 32
+
+
 def _overrides(arch: str) -> list[str]:
     return [
         "model.init=tiny", f"model.tiny_arch={arch}", "rollout.backend=vllm", *ON_DEVICE,
-        "rollout.max_model_len=1024", f"rollout.max_new_tokens={MAX_NEW}",
+        "rollout.max_model_len=1024", f"rollout.max_new_tokens={MAX_NEW}", f"model.max_pixels={BUDGET}",
     ]  # fmt: skip
 
 
@@ -116,8 +121,9 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def _learner_logprobs(path: str, prompts: list[JudgePrompt], completions, temperature: float, banned: bool) -> list[torch.Tensor]:
-    """The learner's teacher-forced log-probs of each completion (its own forward function)."""
-    model, processor = load_judge(path, trainable=False)
+    """The learner's teacher-forced log-probs of each completion (its own forward function), its
+    processor under the served engine's image budget."""
+    model, processor = load_judge(path, trainable=False, max_pixels=BUDGET)
     experiences = [
         Experience(prompt_text=render_chat(processor, prompts[c.prompt_index]), image=prompts[c.prompt_index].image,
                    response_ids=c.token_ids, advantage=0.0)
@@ -186,6 +192,32 @@ def test_served_logprobs_equal_the_learners(served: Served) -> None:
     served_lp = served.engine.continuation_logprobs(PROMPTS[0], continuation)
     (expected,) = _learner_logprobs_on(model, processor, PROMPTS[:1], [continuation])
     assert _max_gap(served_lp, expected) <= 1e-4
+
+
+def _rect_png(width: int, height: int) -> bytes:
+    image = Image.new("RGB", (width, height), (40, 160, 90))
+    image.paste((220, 220, 30), (width // 4, height // 4, width // 2, height // 2))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def test_images_of_any_size_reach_vllm_as_they_reach_the_learner(served: Served) -> None:
+    """Processor parity under a binding image budget: images of several sizes and aspect ratios
+    expand to different grids, every one within the budget, and vLLM's samples' log-probs are the
+    learner's (1e-4), which holds only if both sides resized each image to the same grid and
+    pixels (another grid shifts every position after the image)."""
+    sizes = [(97, 61), (640, 480), (1920, 1080), (3000, 400)]
+    prompts = [dataclasses.replace(PROMPTS[0], item_id=f"s{w}x{h}", image=_rect_png(w, h)) for w, h in sizes]
+    processor = load_processor(served.path, max_pixels=BUDGET)
+    factor = processor.image_processor.patch_size * processor.image_processor.merge_size
+    tokens = [image_token_count(processor, p.image) for p in prompts]
+    assert len(set(tokens)) > 1 and max(tokens) <= BUDGET // (factor * factor), tokens
+    out = served.engine.generate(prompts, n=1, seed=3)
+    learner = _learner_logprobs(served.path, prompts, out, served.engine.rollout_cfg.temperature, banned=True)
+    gap = max(_max_gap(c.logprobs, lp) for c, lp in zip(out, learner))
+    print(f"\n{served.arch}: image tokens {tokens}; served vs learner max |d logprob| {gap:.2e}")
+    assert gap <= 1e-4, gap
 
 
 def _named(path: str) -> tuple[dict[str, torch.Tensor], object, object]:

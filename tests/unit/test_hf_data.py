@@ -272,6 +272,20 @@ def test_a_stream_of_mostly_bad_rows_fails_with_the_first_of_them(tmp_path):
         s.take(10)
 
 
+def test_a_streamed_row_the_trainer_cannot_use_is_listed_with_its_reason(tmp_path):
+    """The trainer's check of a well-formed row (its prompt too long for rollout.max_model_len)
+    rejects it as the stream reads it, once, with the reason it gave."""
+    folder = stream_folder(tmp_path / "s", 6, bad=set())
+    items = DatasetItems(open_dataset(DatasetRef(str(folder), "train"), streaming=True), {}, 3, "s")
+    too_long = {scene_items(6, seed=5, num_candidates=3, image_size=64)[2].id}
+    rejects = tmp_path / "rejects.jsonl"
+    s = StreamSampler(items, None, rejects, 0.5, reject=lambda item: "prompt of 9000 tokens" if item.id in too_long else None)
+    taken = [it.id for _, it in s.take(10)]
+    assert not too_long & set(taken) and len(taken) == 10
+    [listed] = [json.loads(line) for line in rejects.read_text().splitlines()]
+    assert listed["where"] == f"{folder} [train] row 2" and "prompt of 9000 tokens" in listed["reason"]
+
+
 def test_perceptual_bias_items_from_a_dataset_equal_those_from_its_parquet(tmp_path, items):
     from pjray.eval.bias import load_diagnosis_items
 
