@@ -35,14 +35,14 @@ from pathlib import Path
 
 import ray
 
+from pjray.cluster import actor_env
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
 from pjray.data.prompts import render_batch
 from pjray.models.loading import load_processor, render_chat
 from pjray.models.tiny import build_base_judge, build_tiny_judge
+from pjray.placement import free_address
 from pjray.ppjd.perturb import scene_items
 from pjray.rl.learner import LearnerRank
-from pjray.placement import free_address
-from pjray.cluster import actor_env
 from pjray.types import Experience
 
 

@@ -41,8 +41,8 @@ from pjray.config import ModelConfig, RolloutConfig
 from pjray.models.loading import load_judge
 from pjray.models.tiny import build_base_judge, build_tiny_judge
 from pjray.rollout.worker import RolloutWorker
-from pjray.sync.shared import SharedBuckets
 from pjray.sync.buckets import pack, plan_buckets, state_checksums
+from pjray.sync.shared import SharedBuckets
 
 
 # name -> (hidden, layers, heads) of `build_base_judge`; "tiny" is the test judge.

@@ -28,11 +28,11 @@ import torch
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
 from pjray.models.tiny import build_tiny_judge
-from pjray.rl.learner import LearnerRank
 from pjray.placement import free_address
+from pjray.rl.learner import LearnerRank
+from pjray.sync.buckets import state_checksums, unpack
 from pjray.sync.collective import dumps, loads
 from pjray.sync.ipc import open_ipc_handle
-from pjray.sync.buckets import state_checksums, unpack
 from pjray.types import Experience
 
 BUCKET_BYTES = 1 << 16  # several buckets even for a tiny model

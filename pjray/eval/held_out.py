@@ -19,14 +19,6 @@ from pjray.config import Config
 from pjray.data.prompts import render_batch
 from pjray.data.scenes import SceneQA, scene_split
 from pjray.eval.bias import probe_prompt
-from pjray.models.base_judge import (
-    TOKENIZER_SCENES,
-    TOKENIZER_SEED,
-    BaseJudgeRecipe,
-    disposition,
-    judge_scenes,
-    ranking_target,
-)
 from pjray.eval.looking import (
     LookingItem,
     LookingVerdict,
@@ -36,6 +28,14 @@ from pjray.eval.looking import (
     judge_looking,
     looking_items,
     looking_report,
+)
+from pjray.models.base_judge import (
+    TOKENIZER_SCENES,
+    TOKENIZER_SEED,
+    BaseJudgeRecipe,
+    disposition,
+    judge_scenes,
+    ranking_target,
 )
 from pjray.ppjd.perturb import Change, probe_for
 from pjray.ppjd.shortcuts import scene_qa

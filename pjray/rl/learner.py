@@ -51,12 +51,12 @@ from pjray.console import quiet_actor_warnings
 from pjray.memory import peak_memory_mib
 from pjray.models.loading import load_judge, placeholder_ids
 from pjray.models.lora import apply_lora, base_model
+from pjray.placement import split_evenly
 from pjray.rl.checkpoint import RankCheckpoints
 from pjray.rl.ds_ops import skip_unused_ops
 from pjray.rl.ds_setup import ds_config, lr_multiplier, optimizer, ref_ds_config, vision_tower
 from pjray.rl.grpo import IS_SUMS, entropy_from_logits, grpo_loss, rollout_is_metrics, rollout_is_weights, sft_loss
 from pjray.rl.logprobs import can_share_prefix, collate, forward_logprobs, forwarded_positions
-from pjray.placement import split_evenly
 from pjray.rollout.hf_engine import HFEngine
 from pjray.sync.sender import WeightSender
 from pjray.types import Completion, Experience, JudgePrompt, Timed

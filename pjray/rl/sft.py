@@ -28,8 +28,8 @@ from pjray.cluster import connect
 from pjray.config import AlgoConfig, Config, ConfigError, to_dict
 from pjray.errors import InputError
 from pjray.models.loading import decode_image, load_processor, render_chat
-from pjray.rl.learner import LearnerRank
 from pjray.placement import Placement, RoleResources
+from pjray.rl.learner import LearnerRank
 from pjray.tracking import Tracker
 from pjray.types import ChatExample, Experience, JudgePrompt
 

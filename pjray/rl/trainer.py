@@ -51,14 +51,14 @@ from pjray.data.sampler import ItemSampler, SamplerState, shown_order
 from pjray.data.sources import RowReject, Rows, scan_items, write_rejects
 from pjray.memory import peak_memory_mib
 from pjray.models.loading import load_processor, opens_think, processor_inputs, render_chat
+from pjray.placement import Placement, RankGroup, RoleResources, WorkerPool, split_evenly
 from pjray.ppjd.swap import counterfactual_pair
 from pjray.reward.workers import RewardWorker
 from pjray.rl.grpo import group_advantages, zero_std_groups
-from pjray.placement import Placement, RankGroup, RoleResources, WorkerPool, split_evenly
 from pjray.rl.learner import LearnerRank
 from pjray.rollout.worker import RolloutWorker, generate_with_pool
-from pjray.sync.transports import auto_transport, make_transport
 from pjray.signals import Interrupted, StopRequest
+from pjray.sync.transports import auto_transport, make_transport
 from pjray.tracking import Tracker
 from pjray.types import Completion, Experience, JudgeItem, JudgePrompt, RewardResult, Timed
 
@@ -67,7 +67,6 @@ log = logging.getLogger(__name__)
 # Pads a step's experiences to a whole number of micro-batches per rank: no response tokens, so
 # no loss, no gradient and no share of the token counts.
 FILLER = Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.0)
-
 
 # Phases whose work runs in workers that time it themselves (Timed answers).
 COMPUTE_PHASES = ("gen", "reward", "ref", "old_log_prob", "update")

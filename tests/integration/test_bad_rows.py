@@ -9,9 +9,9 @@ import json
 import pytest
 
 from pjray.cli import main
+from pjray.console import DATA_REJECTS
 from pjray.data.sources import write_items
 from pjray.ppjd.perturb import scene_items
-from pjray.console import DATA_REJECTS
 
 pytestmark = pytest.mark.slow
 

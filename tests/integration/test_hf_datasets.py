@@ -13,9 +13,9 @@ import pytest
 from huggingface_hub import DatasetCard
 
 from pjray.cli import main
+from pjray.console import DATA_REJECTS
 from pjray.data.sources import PPJD_FEATURES
 from pjray.ppjd.perturb import scene_items
-from pjray.console import DATA_REJECTS
 
 pytestmark = pytest.mark.slow
 

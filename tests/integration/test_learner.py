@@ -26,11 +26,11 @@ from safetensors.torch import load_file, save_file
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
 from pjray.models.loading import load_judge, placeholder_ids, render_chat
 from pjray.models.tiny import build_tiny_judge
-from pjray.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
+from pjray.placement import free_address
 from pjray.rl.ds_setup import lr_multiplier
+from pjray.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from pjray.rl.learner import LearnerRank
 from pjray.rl.logprobs import collate, forward_logprobs, forwarded_positions
-from pjray.placement import free_address
 from pjray.rollout.hf_engine import HFEngine
 from pjray.sync.buckets import state_checksums, unpack
 from pjray.types import Experience, JudgePrompt

@@ -46,9 +46,9 @@ from pjray.ppjd.pipeline import LlmStage, _frame  # noqa: E402
 from pjray.ppjd.sources import RawRow  # noqa: E402
 from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402
-from pjray.sync.transports import make_transport  # noqa: E402
 from pjray.rollout.vllm_engine import VllmEngine  # noqa: E402
 from pjray.sync.buckets import pack, plan_buckets  # noqa: E402
+from pjray.sync.transports import make_transport  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402
 
 pytestmark = [

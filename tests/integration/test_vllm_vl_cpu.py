@@ -48,10 +48,10 @@ from pjray.config import load  # noqa: E402
 from pjray.models.loading import image_token_count, load_judge, load_processor, placeholder_ids, render_chat  # noqa: E402
 from pjray.models.tiny import TINY_ARCHS, build_tiny_judge  # noqa: E402
 from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
-from pjray.sync.shared import SharedBuckets  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.rollout.vllm_engine import VllmEngine  # noqa: E402
 from pjray.sync.buckets import pack, plan_buckets  # noqa: E402
+from pjray.sync.shared import SharedBuckets  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402
 
 pytestmark = [

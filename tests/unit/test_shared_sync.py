@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from pjray.config import RolloutConfig
+from pjray.sync.buckets import pack, plan_buckets, state_checksums, unpack
 from pjray.sync.shared import SharedBucketReader, SharedBuckets, remove_stale_buffers
 from pjray.sync.transports import auto_transport
-from pjray.sync.buckets import pack, plan_buckets, state_checksums, unpack
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
