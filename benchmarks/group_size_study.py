@@ -188,9 +188,10 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # --------------------------------------------------------------------------- report
 def _ci(c: dict[str, Any]) -> str:
+    """A seed mean with its t-interval, the interval shown within [0, 100]% (a rate's bounds)."""
     if c["lo"] is None:
         return f"{100 * c['mean']:.0f}%"
-    return f"{100 * c['mean']:.0f}% [{100 * c['lo']:.0f}, {100 * c['hi']:.0f}]"
+    return f"{100 * c['mean']:.0f}% [{100 * max(c['lo'], 0.0):.0f}, {100 * min(c['hi'], 1.0):.0f}]"
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -246,6 +247,13 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bar(c: dict[str, Any]) -> tuple[float, float]:
+    """Error-bar lengths below and above a seed mean, in %, the interval within [0, 100]."""
+    if c["lo"] is None:
+        return 0.0, 0.0
+    return 100 * (c["mean"] - max(c["lo"], 0.0)), 100 * (min(c["hi"], 1.0) - c["mean"])
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     """Held-out image-following (color, size) against G, responses consumed and training wall time."""
     import matplotlib
@@ -261,13 +269,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
                                               ("train_wall_s", "time in training steps (s)"))):  # fmt: skip
             ax = axes[row][col]
             for budget, (style, label) in styles.items():
-                agg = sorted((a for a in results["aggregate"] if a["budget"] == budget and a["kind"] == kind), key=lambda a: a["G"])
+                agg = sorted((a for a in results["aggregate"] if a["budget"] == budget and a["kind"] == kind), key=lambda a: a[xkey])
                 if not agg:
                     continue
                 x = [a[xkey] for a in agg]
                 y = [100 * a["image_following"]["mean"] for a in agg]
-                lo = [100 * (a["image_following"]["mean"] - (a["image_following"]["lo"] if a["image_following"]["lo"] is not None else a["image_following"]["mean"])) for a in agg]
-                hi = [100 * ((a["image_following"]["hi"] if a["image_following"]["hi"] is not None else a["image_following"]["mean"]) - a["image_following"]["mean"]) for a in agg]
+                lo, hi = zip(*(bar(a["image_following"]) for a in agg))
                 ax.errorbar(x, y, yerr=[lo, hi], fmt=style, capsize=3, label=label)
                 if xkey != "train_wall_s":
                     for a, xv, yv in zip(agg, x, y):

@@ -3,8 +3,8 @@
 `RolloutEngine` is the interface the driver talks to (through `RolloutWorker`); each backend
 implements it once:
 
-* `pjray.rollout.hf_engine.HFEngine`: a transformers model sampled with a KV cache, each prompt prefilled once
-  for its n samples; the CPU default and the tested path.
+* `pjray.rollout.hf_engine.HFEngine`: a transformers model sampled with a KV cache, each prompt
+  prefilled once for its n samples; the CPU default and the tested path.
   `HFEngine.around` runs it over a model already in memory: the hybrid engine
   (`rollout.backend=hybrid`), where each learner rank generates with the module it trains.
 * `pjray.rollout.vllm_engine.VllmEngine` (GPU, or vLLM's CPU build): loaded lazily
