@@ -107,6 +107,14 @@ def run_config(run: Run, run_dir: Path, extra: list[str]) -> Config:
                        "tracking.group=group_size_study", "trainer.save_every=0"])  # fmt: skip
 
 
+def finished(run_dir: Path, key: dict[str, Any]) -> bool:
+    """Whether `run_dir` holds a finished run of `key` (what `ensure_run` would reuse)."""
+    marker = run_dir / "study_run.json"
+    if not marker.exists() or not (run_dir / "hf_model" / "COMPLETE").exists():
+        return False
+    return json.loads(marker.read_text())["key"] == json.loads(json.dumps(key))
+
+
 # --------------------------------------------------------------------------- one run's numbers
 def metrics_rows(run_dir: Path) -> list[dict[str, float]]:
     rows: dict[int, dict[str, float]] = {}
@@ -231,6 +239,8 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{c['reward_first5']:.3f} -> {c['reward_last5']:.3f} | {mem} |"
             )
         lines.append("")
+    if results.get("missing"):
+        lines += [f"Not run yet: {', '.join(results['missing'])}.", ""]
     lines += ["## Every run", "", "| budget | G | prompts | steps | seed | image-following color | size | correct first color | size | \"by the image\" | zero-variance groups | step (s) | responses/s |",
               "|" + "---|" * 13]  # fmt: skip
     per_run: dict[tuple, dict[str, dict[str, Any]]] = {}
@@ -309,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="group_size", help="the output files' stem")
     ap.add_argument("--work", default="runs/group_size_study", help="run directories (reused when finished with the same key)")
     ap.add_argument("--report", action="store_true", help="only re-render <name>.md and .png from <name>.json")
+    ap.add_argument("--finished-only", action="store_true",
+                    help="train nothing: report the runs already finished with their key, list the others as missing")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -329,9 +341,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     held_out_items = 0
     base_forced: dict[str, float] = {}
+    missing: list[str] = []
     for index, run in enumerate(runs, start=1):
         run_dir = work / run.name
         key = {"overrides": [*run.overrides, *extra], "base_weights": judge_id, "code": code}
+        if args.finished_only and not finished(run_dir, key):
+            missing.append(run.name)
+            continue
         seconds, reused = ensure_run(run_dir, key, run_config(run, run_dir, extra), held_out=check)
         held_out = json.loads((run_dir / "held_out.json").read_text())
         held_out_items = held_out["per_kind"]
@@ -345,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "code": code, "base_weights": judge_id, "machine": f"{__import__('os').cpu_count()} CPUs, no GPU",
         "items_per_kind": held_out_items, "base_forced": base_forced, "null_image_following": NULL,
-        "runs": [dataclasses.asdict(r) for r in runs], "rows": rows, "aggregate": aggregate(rows),
+        "runs": [dataclasses.asdict(r) for r in runs], "missing": missing, "rows": rows, "aggregate": aggregate(rows),
         "study_s": round(time.perf_counter() - started, 1),
     }  # fmt: skip
     (out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
