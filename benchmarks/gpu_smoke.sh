@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU smoke check of the production path: first the VL engine checks on the GPU (below), then
-# three GRPO steps of a tiny random Qwen2-VL judge on images with
+# GPU smoke check of the production path: first the VL engine checks on the GPU (below) and the
+# bf16 parity table, then three GRPO steps of a tiny random Qwen2-VL judge on images with
 # vLLM rollouts and a DeepSpeed learner, colocated on one GPU (CUDA-IPC weight sync, vLLM
 # sleeping while the learner trains), then split over two GPUs (NCCL broadcast) when there are
 # two. Prints each mode's per-step table (benchmarks/step_table.py): phase timings, the
@@ -26,6 +26,16 @@ fi
 echo "== VL engine checks (tests/integration/test_vllm_vl_cpu.py on cuda)"
 PJRAY_VLLM_DEVICE=cuda "$PY" -m pytest -q -s -p no:cacheprovider tests/integration/test_vllm_vl_cpu.py -k "not grpo" 2>&1 \
   | grep -E "d logprob|after the bytes sync|passed|failed|Error" || true
+
+# bf16 parity of vLLM against the learner's forward on the GPU, before and after a sync, with
+# top-k/top-p off, for untied and tied tiny judges; with Model Runner V2 off and on, and with
+# tensor parallelism 2 when two GPUs exist. One markdown table per run, to paste into an issue.
+echo "== bf16 parity (benchmarks/gpu_vllm_parity.py)"
+VLLM_USE_V2_MODEL_RUNNER=0 "$PY" benchmarks/gpu_vllm_parity.py || true
+VLLM_USE_V2_MODEL_RUNNER=1 "$PY" benchmarks/gpu_vllm_parity.py || true
+if [ "$GPUS" -ge 2 ]; then
+  "$PY" benchmarks/gpu_vllm_parity.py --tp 2 || true
+fi
 
 COMMON=(
   model.init=tiny model.tiny_arch=qwen2_vl rollout.backend=vllm rollout.device=cuda rollout.max_model_len=2048
@@ -59,4 +69,29 @@ if [ "$GPUS" -ge 2 ]; then
     trainer.sync_backend=nccl
 else
   echo "== split: skipped ($GPUS GPU visible, needs 2)"
+fi
+
+# Async rollouts against the synchronous loop (benchmarks/bench_async.py's comparison, with vLLM):
+# the engine on a GPU of its own generates step t+1 while the learner trains step t, with TIS.
+# Ten steps each; the table's timing_s/step rows give the steps per second of both. An engine
+# needs a whole GPU of its own unless colocated, and colocated engines sleep while the learner
+# trains (nothing to overlap), so this needs two GPUs.
+if [ "$GPUS" -ge 2 ]; then
+  ASYNC=(trainer.steps=10 algo.rollout_is=token ray.num_gpus=2 learner.num_ranks=1 rollout.num_workers=1
+         learner.num_gpus_per_rank=1 rollout.num_gpus_per_worker=1 rollout.gpu_memory_utilization=0.5
+         trainer.sync_backend=nccl)
+  run_mode sync-k0 "${ASYNC[@]}" trainer.max_staleness=0
+  run_mode async-k1 "${ASYNC[@]}" trainer.max_staleness=1
+  "$PY" - "$ROOT" <<'PYEOF'
+import json, sys
+from pathlib import Path
+rate = {}
+for mode in ("sync-k0", "async-k1"):
+    rows = [json.loads(l) for l in (Path(sys.argv[1]) / mode / "metrics.jsonl").read_text().splitlines()][1:]
+    rate[mode] = len(rows) / sum(r["timing_s/step"] for r in rows)
+    print(f"{mode}: {rate[mode]:.3f} steps/s, staleness max {max(r['rollout/staleness_max'] for r in rows):.0f}")
+print(f"async speed-up on two GPUs: {rate['async-k1'] / rate['sync-k0']:.2f}x")
+PYEOF
+else
+  echo "== async: skipped ($GPUS GPU visible, needs 2: an engine of its own beside the learner)"
 fi

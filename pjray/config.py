@@ -205,9 +205,10 @@ class AlgoConfig:
     # Rollout correction, for samples of an engine that is not the learner (rollout workers: HF
     # or vLLM, split or colocated): importance weights old policy / engine, per token or per
     # sequence, multiply the policy loss; truncated at rollout_is_upper (TIS), or with
-    # rollout_is_lower set, 0 outside [lower, upper] (IcePop). none: no correction (the hybrid
-    # engine samples with the learner's own weights and needs none).
-    rollout_is: str = "none"  # none | token | sequence
+    # rollout_is_lower set, 0 outside [lower, upper] (IcePop). none: no correction. auto: token
+    # (TIS) wherever rollout workers sample, none for the hybrid engine, which samples with the
+    # learner's own weights (`resolved_rollout_is`; config.json holds the resolved value).
+    rollout_is: str = "auto"  # auto | none | token | sequence
     rollout_is_upper: float = 2.0
     rollout_is_lower: float | None = None
     # Drop groups whose rewards all equal (zero advantage) and refill with fresh prompts.
@@ -264,6 +265,11 @@ class TrainerConfig:
     # object_store (the run's log says which; pjray.sync.transports.auto_transport).
     sync_backend: str = "auto"
     max_step_retries: int = 2  # a step is retried when a rollout or reward worker dies
+    # Async rollouts: the rollout workers generate the batches of steps t+1 .. t+k while the
+    # learner trains step t, so a batch is trained on by weights k versions newer than those
+    # that sampled it (rollout/staleness_*; correct the gap with algo.rollout_is). 0: the
+    # synchronous loop. Split layouts only (hf or vllm workers on cores or GPUs of their own).
+    max_staleness: int = 0
 
 
 @dataclass
@@ -474,7 +480,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "reward.style": ("ranking", "scores"),
     "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
     "algo.policy_loss": ("grpo", "gspo"),
-    "algo.rollout_is": ("none", "token", "sequence"),
+    "algo.rollout_is": ("auto", "none", "token", "sequence"),
     "learner.lr_schedule": ("constant", "cosine"),
     "tracking.mode": ("auto", "online", "offline"),
     "ray.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
@@ -504,7 +510,7 @@ _NON_NEGATIVE: tuple[str, ...] = (
     "algo.clip_low", "algo.clip_high", "algo.dual_clip", "algo.kl_coef", "algo.adv_eps",
     "algo.max_refill_rounds", "learner.num_cpus_per_rank", "learner.num_gpus_per_rank",
     "learner.lr", "learner.weight_decay", "learner.warmup_steps", "learner.grad_clip",
-    "learner.min_lr_ratio", "trainer.save_every", "trainer.max_step_retries", "ray.num_cpus",
+    "learner.min_lr_ratio", "trainer.save_every", "trainer.max_step_retries", "trainer.max_staleness", "ray.num_cpus",
     "ray.num_gpus", "ray.placement_timeout_s",
     "ppjd.llm_temperature", "ppjd.num_cpus_per_actor", "ppjd.num_gpus_per_actor",
     "ppjd.phash_max_distance",
@@ -573,7 +579,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError(f"model.min_pixels={cfg.model.min_pixels} > model.max_pixels={cfg.model.max_pixels}")
     if 0 < cfg.algo.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={cfg.algo.dual_clip}: must be > 1 (or 0 to disable)")
+    cfg.algo.rollout_is = resolved_rollout_is(cfg.algo.rollout_is, hybrid=cfg.rollout.backend == "hybrid")
     _validate_policy_loss(cfg.algo, cfg.rollout.backend)
+    _validate_async(cfg)
     _validate_layout(cfg)
     if cfg.rollout.backend != "vllm" and cfg.rollout.tensor_parallel_size != 1:
         raise ConfigError("rollout.tensor_parallel_size: only the vllm backend shards the model")
@@ -859,6 +867,29 @@ def _validate_eval(cfg: Config) -> None:
     if e.every_steps and cfg.data.source == "scenes" and e.train_seed == cfg.data.seed:
         # The held-out eval must not judge the scenes the policy trains on.
         raise ConfigError(f"eval.train_seed={e.train_seed}: must differ from data.seed for a held-out eval")
+
+
+def resolved_rollout_is(level: str, hybrid: bool) -> str:
+    """What algo.rollout_is=auto means: TIS per token (`token`) where rollout workers sample, `none`
+    with the hybrid engine (its samples are the learner's own); other levels as they are."""
+    if level != "auto":
+        return level
+    return "none" if hybrid else "token"
+
+
+def _validate_async(cfg: Config) -> None:
+    k = cfg.trainer.max_staleness
+    if k == 0:
+        return
+    if cfg.rollout.backend == "hybrid":
+        raise ConfigError(f"trainer.max_staleness={k}: rollout.backend=hybrid generates on the learner ranks, which cannot "
+                          "train at the same time; use rollout.backend=hf or vllm (workers of their own)")  # fmt: skip
+    if cfg.rollout.colocate:
+        raise ConfigError(f"trainer.max_staleness={k}: colocated engines sleep while the learner trains on their GPU, "
+                          "so nothing overlaps; set rollout.colocate=false")  # fmt: skip
+    if cfg.algo.filter_zero_std:
+        raise ConfigError(f"trainer.max_staleness={k}: algo.filter_zero_std refills a batch with items taken after the "
+                          "batches in flight, which a resumed run could not replay; set one of them off")  # fmt: skip
 
 
 def _validate_policy_loss(algo: AlgoConfig, backend: str) -> None:

@@ -256,8 +256,18 @@ class WorkerPool:
 
     def call(self, method: str, per_worker_args: list[tuple]) -> list[Any]:
         """Call `method(*per_worker_args[i])` on worker i (fewer args lists than workers is fine)."""
+        return self.submit(method, per_worker_args).wait()
+
+    def submit(self, method: str, per_worker_args: list[tuple]) -> PendingCall:
+        """`call` without waiting: the calls start now, `wait()` on the answer collects them
+        (rebuilding dead workers and retrying their calls then)."""
+        refs = {i: getattr(self.actors[i], method).remote(*a) for i, a in enumerate(per_worker_args)}
+        return PendingCall(self, method, per_worker_args, refs)
+
+    def collect(self, started: PendingCall) -> list[Any]:
+        """The answers of `started`, a worker that died meanwhile rebuilt and its call retried."""
+        method, per_worker_args, pending = started.method, started.per_worker_args, started.refs
         results: list[Any] = [None] * len(per_worker_args)
-        pending = {i: getattr(self.actors[i], method).remote(*a) for i, a in enumerate(per_worker_args)}
         attempts = 0
         while pending:
             failed = []
@@ -284,6 +294,19 @@ class WorkerPool:
             ray.kill(actor, no_restart=True)
 
 
+@dataclass
+class PendingCall:
+    """Calls a pool has started (`submit`); `wait` returns their answers in worker order."""
+
+    pool: WorkerPool | RankGroup
+    method: str
+    per_worker_args: list[tuple]
+    refs: dict[int, Any]
+
+    def wait(self) -> list[Any]:
+        return self.pool.collect(self)
+
+
 class RankGroup:
     """The learner ranks seen through the pool interface (`call`, `broadcast`, `len`), for the
     hybrid engine's generation. Ranks run collectives together, so every call goes to every
@@ -298,9 +321,16 @@ class RankGroup:
         return len(self.actors)
 
     def call(self, method: str, per_worker_args: list[tuple]) -> list[Any]:
+        return self.submit(method, per_worker_args).wait()
+
+    def submit(self, method: str, per_worker_args: list[tuple]) -> PendingCall:
         if len(per_worker_args) != len(self.actors):
             raise ValueError(f"{method}: {len(per_worker_args)} argument lists for {len(self.actors)} ranks (lockstep)")
-        return ray.get([getattr(a, method).remote(*args) for a, args in zip(self.actors, per_worker_args)])
+        refs = {i: getattr(a, method).remote(*args) for i, (a, args) in enumerate(zip(self.actors, per_worker_args))}
+        return PendingCall(self, method, per_worker_args, refs)
+
+    def collect(self, started: PendingCall) -> list[Any]:
+        return ray.get([started.refs[i] for i in range(len(started.refs))])
 
     def broadcast(self, method: str, *args: Any) -> list[Any]:
         return self.call(method, [args] * len(self.actors))

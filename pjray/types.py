@@ -79,6 +79,9 @@ class Completion:
     logprobs: tuple[float, ...]  # log softmax(logits / temperature) at each response token, [L]
     text: str  # decoded response (special tokens skipped)
     finish_reason: str  # "stop" (EOS or a stop string) | "length" (hit max_new_tokens)
+    # The weights it was sampled with: the training step whose update they hold (0: the
+    # starting weights), stamped by the rollout worker.
+    weight_version: int = 0
 
 
 @dataclass(frozen=True)

@@ -163,8 +163,9 @@ def image_processor(patch_size: int, image_size: int = 0, merge: int = 2) -> Qwe
     )
 
 
-def _config(arch: str, tok: PreTrainedTokenizerFast) -> Any:
-    """A ~0.2M-parameter config of `arch` whose special-token ids come from `tok`."""
+def _config(arch: str, tok: PreTrainedTokenizerFast, tied: bool = False) -> Any:
+    """A ~0.2M-parameter config of `arch` whose special-token ids come from `tok`; `tied`: the
+    output projection is the input embedding (as Qwen3-VL-4B's)."""
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     text: dict[str, Any] = {
         "vocab_size": len(tok),
@@ -180,7 +181,7 @@ def _config(arch: str, tok: PreTrainedTokenizerFast) -> Any:
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tied,
     }
     if arch == "qwen2":
         # A plain 1-D RoPE causal LM: the text part of the VLMs above.
@@ -207,10 +208,12 @@ def _config(arch: str, tok: PreTrainedTokenizerFast) -> Any:
         text["rope_parameters"]["mrope_interleaved"] = True
     else:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS + TEXT_ONLY_ARCHS}")
-    return vlm_config(arch, tok, text, vision)
+    return vlm_config(arch, tok, text, vision, tied)
 
 
-def vlm_config(arch: str, tok: PreTrainedTokenizerFast, text: dict[str, Any], vision: dict[str, Any]) -> Any:
+def vlm_config(
+    arch: str, tok: PreTrainedTokenizerFast, text: dict[str, Any], vision: dict[str, Any], tied: bool = False
+) -> Any:
     """A Qwen-VL config of `arch` from its text and vision parts, image/video ids from `tok`."""
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     return AutoConfig.for_model(
@@ -221,14 +224,15 @@ def vlm_config(arch: str, tok: PreTrainedTokenizerFast, text: dict[str, Any], vi
         video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
 
 
-def build_tiny_judge(out_dir: str | os.PathLike, arch: str = "qwen2_vl", seed: int = 0) -> Path:
+def build_tiny_judge(out_dir: str | os.PathLike, arch: str = "qwen2_vl", seed: int = 0, tied: bool = False) -> Path:
     """Write a tiny random `arch` VLM judge as an HF directory at `out_dir`; returns its path.
 
-    Same `seed` -> identical weights; the tokenizer does not depend on the seed.
+    Same `seed` -> identical weights; the tokenizer does not depend on the seed. `tied`: the
+    output projection shares the input embedding's tensor (tie_word_embeddings, as Qwen3-VL-4B).
     """
     if arch not in TINY_ARCHS + TEXT_ONLY_ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; choose one of {TINY_ARCHS + TEXT_ONLY_ARCHS}")
@@ -236,7 +240,7 @@ def build_tiny_judge(out_dir: str | os.PathLike, arch: str = "qwen2_vl", seed: i
     out.mkdir(parents=True, exist_ok=True)
 
     tok = build_tokenizer()
-    config = _config(arch, tok)
+    config = _config(arch, tok, tied)
     # Seed right before construction: the weights are the first thing drawn from the RNG.
     # The global RNG state is restored so building a judge does not perturb the caller.
     rng_state = torch.random.get_rng_state()

@@ -39,6 +39,7 @@ Conventions shared with the driver:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 from collections.abc import Sequence
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 
-from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
+from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig, resolved_rollout_is
 from pjray.console import quiet_actor_warnings
 from pjray.memory import peak_memory_mib
 from pjray.models.loading import load_judge, placeholder_ids
@@ -113,6 +114,8 @@ class LearnerRank(WeightSender, RankCheckpoints):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         quiet_actor_warnings()
         self.temperature = temperature
+        # A config that did not pass validation may still say rollout_is=auto.
+        algo_cfg = dataclasses.replace(algo_cfg, rollout_is=resolved_rollout_is(algo_cfg.rollout_is, hybrid=rollout_cfg is not None))
         self.model_cfg, self.learner_cfg, self.algo_cfg = model_cfg, learner_cfg, algo_cfg
         self.rank, self.world_size = rank, world_size
         self.grad_accum_steps = grad_accum_steps

@@ -20,10 +20,19 @@ dynamic sampling), a refill sized by the fraction kept so far; `reward/*` stay t
 response generated, so they measure the policy, not the selection. Beyond the paper,
 `data.counterfactual_pairs` makes each group the same tuple on its image and on its swapped image
 (half the responses each, one advantage group), so a verdict from the text alone cannot win both.
+
+Async rollouts (`trainer.max_staleness` = k >= 1, split layouts): the driver starts the generation
+of steps t+1 .. t+k before training step t, so the rollout workers sample while the learner
+trains. A worker runs its calls in the order the driver sent them, so a sync waits for the
+generations started before it and a generation started after it samples with its weights: the
+batch of step t is sampled by the weights of step t-1-k (before step 1, the starting ones) and
+trained by those of step t-1, never more than k versions apart. Every completion carries the
+version that sampled it (`rollout/staleness_*`), and `algo.rollout_is` corrects the gap.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -31,7 +40,7 @@ import math
 import shutil
 import signal
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -56,7 +65,7 @@ from pjray.ppjd.swap import counterfactual_pair
 from pjray.reward.workers import RewardWorker
 from pjray.rl.grpo import group_advantages, zero_std_groups
 from pjray.rl.learner import LearnerRank
-from pjray.rollout.worker import RolloutWorker, generate_with_pool
+from pjray.rollout.worker import PendingGeneration, RolloutWorker, generate_with_pool, submit_generation
 from pjray.signals import Interrupted, StopRequest
 from pjray.sync.transports import auto_transport, make_transport
 from pjray.tracking import Tracker
@@ -131,7 +140,9 @@ class Timer:
         """timing_s/<phase> (wall) for every phase; for each phase of COMPUTE_PHASES that ran,
         timing_s/<phase>_compute and timing_s/<phase>_overhead (wall - compute: Ray dispatch,
         transfers, driver work inside the phase); timing_s/compute, their sum; and
-        timing_s/ray_overhead = timing_s/step - timing_s/compute."""
+        timing_s/ray_overhead = timing_s/step - timing_s/compute. With trainer.max_staleness > 0,
+        gen's wall time is the wait for a batch generated during earlier steps, so its overhead
+        goes negative by the generation it hid."""
         out = {f"timing_s/{k}": v for k, v in self.seconds.items()}
         ran = [p for p in COMPUTE_PHASES if p in self.seconds]
         for phase in ran:
@@ -157,6 +168,19 @@ class Rollouts:
 
     def groups(self, group_size: int) -> int:
         return len(self.rewards) // group_size
+
+
+@dataclasses.dataclass
+class Batch:
+    """A step's first round of prompts, its generation started (`Trainer.submit_batch`), and the
+    sampler's state before it took its items: with batches in flight, a checkpoint records the
+    state before the first of them, so a resumed run takes those items again."""
+
+    step: int
+    sampler_state: Any
+    prompts: list[JudgePrompt]
+    texts: list[str]
+    generation: PendingGeneration
 
 
 # A refill round asks for at most this many times the groups still needed.
@@ -287,6 +311,12 @@ class Trainer:
         self.run_dir = Path(cfg.trainer.run_dir).resolve()
         self.step = 0
         self.checkpointed_step = 0  # the step of the newest checkpoint, saved or resumed from
+        # The training step whose update the learner's weights hold; the engines hold it after a
+        # sync, and stamp it on what they sample (Completion.weight_version).
+        self.weight_version = 0
+        # Batches whose generation has started, oldest first: the current step's and, with
+        # trainer.max_staleness = k, those of up to k steps ahead.
+        self.in_flight: deque[Batch] = deque()
         self.hybrid = cfg.rollout.backend == "hybrid"
         # SIGINT / SIGTERM: during set-up they stop at once; in the loop, after the step.
         self.stop = StopRequest()
@@ -354,7 +384,7 @@ class Trainer:
         if resume_from is not None:
             trainer_state = json.loads((resume_from / "trainer_state.json").read_text())
             ray.get([r.load_checkpoint.remote(str(resume_from / "learner")) for r in self.learners])
-            self.step = self.checkpointed_step = trainer_state["step"]
+            self.step = self.checkpointed_step = self.weight_version = trainer_state["step"]
             saved = trainer_state["sampler"]
             self.sync_weights()
             log.info("resumed from %s at step %d", resume_from, self.step)
@@ -488,6 +518,10 @@ class Trainer:
 
         # Generate and score; with filtering, drop zero-variance groups and refill (gen, reward).
         rollouts = self.collect(timer)
+        stale = self.staleness(rollouts.completions)
+        if max(stale, default=0) > self.cfg.trainer.max_staleness:
+            raise RuntimeError(f"step {self.step}: a sample {max(stale)} weight versions old, over "
+                               f"trainer.max_staleness={self.cfg.trainer.max_staleness}")  # fmt: skip
         if self.cfg.rollout.colocate:
             # Colocated vLLM hands its GPU memory to the learner until the next sync wakes it.
             with timer("sleep"):
@@ -515,13 +549,24 @@ class Trainer:
         # The policy update: mini-batches x epochs optimizer steps over DeepSpeed ranks.
         with timer("update"):
             actor_metrics = self.update(experiences, timer)
+        self.weight_version = self.step
 
         # Send the new weights to every rollout engine.
         with timer("sync"):
             self.sync_weights()
 
         timer.seconds["step"] = time.perf_counter() - start
-        return {**self.step_metrics(rollouts, advantages, actor_metrics, timer), **self.memory_metrics()}
+        metrics = self.step_metrics(rollouts, advantages, actor_metrics, timer)
+        metrics["rollout/staleness_mean"] = mean([float(v) for v in stale])
+        metrics["rollout/staleness_max"] = float(max(stale, default=0))
+        return {**metrics, **self.memory_metrics()}
+
+    def staleness(self, completions: list[Completion]) -> list[int]:
+        """Weight versions between the learner's weights now and those that sampled each
+        completion (the hybrid engine samples with the learner's own: 0)."""
+        if self.hybrid:
+            return [0] * len(completions)
+        return [self.weight_version - c.weight_version for c in completions]
 
     def memory_metrics(self) -> dict[str, float]:
         """memory/<role>_peak_mib (host RSS, the largest actor of the role) and, where a role
@@ -552,7 +597,12 @@ class Trainer:
         for round_index in range(rounds):
             need = refill_size(want - kept.groups(n), kept.groups(n), kept.groups_seen)
             with timer("gen"):
-                prompts, texts, completions = self.generate(need, seed=self.step * 1_000 + round_index, timer=timer)
+                if round_index == 0:
+                    batch = self.next_batch()
+                    prompts, texts = batch.prompts, batch.texts
+                    completions = timer.unwrap("gen", [batch.generation.result()])[0]
+                else:
+                    prompts, texts, completions = self.generate(need, seed=self.step * 1_000 + round_index, timer=timer)
             with timer("reward"):
                 results = self.score(prompts, texts, completions, timer)
             with timer("adv"):
@@ -583,13 +633,42 @@ class Trainer:
         image and on its swapped image, each with half the group's responses."""
         return 2 if self.cfg.data.counterfactual_pairs else 1
 
+    def next_batch(self) -> Batch:
+        """This step's batch: first the generation of every step up to `max_staleness` ahead is
+        started (each samples with the weights its workers hold when it reaches them: a sync
+        queued behind it waits for it), then the oldest batch, this step's, is handed out."""
+        last = self.in_flight[-1].step if self.in_flight else self.step - 1
+        for step in range(last + 1, min(self.step + self.cfg.trainer.max_staleness, self.cfg.trainer.steps) + 1):
+            self.in_flight.append(self.submit_batch(step))
+        batch = self.in_flight.popleft()
+        assert batch.step == self.step, (batch.step, self.step)
+        return batch
+
+    def submit_batch(self, step: int) -> Batch:
+        """Take a step's items and start generating their groups."""
+        state = copy.deepcopy(self.sampler.state)
+        prompts, texts = self.sample_prompts(self.cfg.trainer.prompts_per_step)
+        n = self.cfg.algo.group_size // self.prompts_per_group
+        return Batch(step, state, prompts, texts, submit_generation(self.rollout, prompts, n, seed=step * 1_000))
+
+    def trained_state(self) -> Any:
+        """The sampler's state after the items of the batches trained on so far: the state before
+        the oldest batch in flight, if any."""
+        return self.in_flight[0].sampler_state if self.in_flight else self.sampler.state
+
     def generate(
         self, num_groups: int, seed: int, timer: Timer
     ) -> tuple[list[JudgePrompt], list[str], list[Completion]]:
-        """Sample items, render prompts (candidates in the stream's balanced orders, `shown_order`)
-        and generate a group's responses for each, group by group (with counterfactual pairs two
-        prompts a group, the same letters on both images). Also returns each prompt's chat text,
-        as the engines and the learner render it."""
+        """`sample_prompts` and generate a group's responses for each, now."""
+        prompts, texts = self.sample_prompts(num_groups)
+        answer = generate_with_pool(self.rollout, prompts, self.cfg.algo.group_size // self.prompts_per_group, seed)
+        return prompts, texts, timer.unwrap("gen", [answer])[0]
+
+    def sample_prompts(self, num_groups: int) -> tuple[list[JudgePrompt], list[str]]:
+        """Sample items and render prompts (candidates in the stream's balanced orders,
+        `shown_order`), group by group (with counterfactual pairs two prompts a group, the same
+        letters on both images), with each prompt's chat text as the engines and the learner
+        render it."""
         prompts = []
         for index, item in self.sampler.take(num_groups):
             shown = shown_order(index, len(item.candidates), self.cfg.trainer.seed)
@@ -598,8 +677,7 @@ class Trainer:
                 # data.images=false: a text-only judge (validated against the model in config).
                 prompts.append(prompt if self.cfg.data.images else dataclasses.replace(prompt, image=None))
         texts = [render_chat(self.processor, p, think_prefix=self.cfg.model.think_prefix) for p in prompts]
-        answer = generate_with_pool(self.rollout, prompts, self.cfg.algo.group_size // self.prompts_per_group, seed)
-        return prompts, texts, timer.unwrap("gen", [answer])[0]
+        return prompts, texts
 
     def judge_texts(self, prompts: list[JudgePrompt], seed: int) -> list[str]:
         """One response text per prompt from the rollout workers: the evaluation hook's generate."""
@@ -702,12 +780,15 @@ class Trainer:
         if colocated:
             ray.get([r.release_memory.remote() for r in self.learners])
         self.transport.send(self.learners, self.rollout)
+        if not self.hybrid:
+            self.rollout.broadcast("set_weight_version", self.weight_version)
         if colocated:
             self.rollout.broadcast("wake_up")
 
     def sync_worker(self, worker) -> None:
         """Bring one rebuilt rollout worker to the learner's current weights."""
         self.transport.refresh(self.learners, self.rollout, worker)
+        ray.get(worker.set_weight_version.remote(self.weight_version))
 
     # ----------------------------------------------------------------------------- outputs
     def step_metrics(self, rollouts: Rollouts, advantages: torch.Tensor, actor: dict[str, float], timer: Timer) -> dict[str, float]:
@@ -732,7 +813,7 @@ class Trainer:
             "advantages/mean": float(advantages.mean()) if advantages.numel() else 0.0,
             "advantages/max": float(advantages.max()) if advantages.numel() else 0.0,
             "advantages/min": float(advantages.min()) if advantages.numel() else 0.0,
-            "data/consumed": float(self.sampler.state.consumed),
+            "data/consumed": float(self.trained_state().consumed),
             "data/rejected": float(self.rejected_rows()),
             "data/epoch": float(self.sampler.epoch),
             "perf/total_num_tokens": float(tokens),
@@ -751,7 +832,7 @@ class Trainer:
         cfg = self.cfg.trainer
         path = self.run_dir / "checkpoints" / f"global_step_{self.step}"
         ray.get([r.save_checkpoint.remote(str(path / "learner"), {"step": self.step}) for r in self.learners])
-        state = {"step": self.step, "sampler": dataclasses.asdict(self.sampler.state), "seed": cfg.seed}
+        state = {"step": self.step, "sampler": dataclasses.asdict(self.trained_state()), "seed": cfg.seed}
         (path / "trainer_state.json").write_text(json.dumps(state))
         (path / "COMPLETE").touch()  # written last: a checkpoint without it is ignored by resume
         self.checkpointed_step = self.step

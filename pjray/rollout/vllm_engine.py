@@ -38,7 +38,8 @@ layout out) inside vLLM's layerwise in-place reload (`pjray_begin_update` /
 linear weights). After every sync the engine resets its encoder cache (the vision tower's
 embeddings of images it has seen, computed with the old weights) and its prefix cache (KV
 blocks of the old weights). vLLM's multimodal processor cache is kept: it holds the processor's
-outputs (pixel values, grid sizes), which no weight changes. Colocated engines run with sleep mode: `sleep()` frees weights and
+outputs (pixel values, grid sizes), which no weight changes; colocated engines run without it,
+since every sleep clears it. Colocated engines run with sleep mode: `sleep()` frees weights and
 KV cache while the learner trains; a sync wakes the weights alone and loads them, and the KV
 cache wakes only when the driver calls `wake_up()`, after the learner has released its packed
 copy of the weights and its allocator's cached blocks (`pjray.sync.sender.WeightSender`).
@@ -110,9 +111,14 @@ class WeightSyncExtension:
         return rank
 
     def pjray_receive_broadcast(self, plan: bytes) -> None:
-        """Receive every bucket of `plan` from learner rank 0 and load it (one update)."""
+        """Receive every bucket of `plan` from learner rank 0 and load it (one update). If the
+        collective fails (a member died), this rank leaves the group, as the learner's does."""
         self.pjray_begin_update()
-        receive_buckets(self._pjray_group, loads(plan), self._pjray_load)
+        try:
+            receive_buckets(self._pjray_group, loads(plan), self._pjray_load)
+        except Exception:
+            self._pjray_group.close()
+            raise
         self.pjray_finish_update()
 
     def pjray_load_ipc(self, plan: bytes, handles: bytes) -> None:
@@ -183,6 +189,45 @@ def cpu_engine_env() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+def llm_kwargs(model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, processor: Any) -> dict[str, Any]:
+    """The arguments of `vllm.LLM` for this engine (pure: no vLLM import)."""
+    sleep = rollout_cfg.colocate
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "tokenizer": model_path,
+        "dtype": model_cfg.dtype,
+        "tensor_parallel_size": rollout_cfg.tensor_parallel_size,
+        "max_model_len": rollout_cfg.max_model_len,
+        "enable_prefix_caching": True,
+        "enable_sleep_mode": sleep,
+        # Sampling comes from RolloutConfig only, never from the checkpoint's defaults.
+        "generation_config": "vllm",
+        "worker_extension_cls": f"{__name__}.WeightSyncExtension",
+        # Sampled tokens' logprobs after temperature (the learner's quantity), not the raw ones.
+        "logprobs_mode": "processed_logprobs",
+        "seed": 0,
+    }
+    if rollout_cfg.device == "cpu":
+        kwargs["enforce_eager"] = True  # no compile step for a test-sized model
+    else:
+        kwargs["gpu_memory_utilization"] = rollout_cfg.gpu_memory_utilization
+        # TP ranks as processes of this actor, on the GPUs Ray gave it (one node).
+        if rollout_cfg.tensor_parallel_size > 1:
+            kwargs["distributed_executor_backend"] = "mp"
+    if not is_text_only(processor):
+        kwargs["limit_mm_per_prompt"] = {"image": 1, "video": 0}
+        # The learner's image budget (model.min_pixels / max_pixels, `load_processor`), so
+        # both sides resize an image to the same grid.
+        size = processor.image_processor.size
+        kwargs["mm_processor_kwargs"] = {"size": {"shortest_edge": size.shortest_edge, "longest_edge": size.longest_edge}}
+        if sleep:
+            # Every sleep clears the processor cache (its front-end half, and with it what the
+            # engine core mirrors), so a sleeping engine gains nothing from it but its host
+            # memory (4 GiB by default) and the risk of the two halves disagreeing: off.
+            kwargs["mm_processor_cache_gb"] = 0
+    return kwargs
+
+
 class VllmEngine:
     """Rollouts with `vllm.LLM` (GPU, or vLLM's CPU build).
 
@@ -192,8 +237,7 @@ class VllmEngine:
 
     def __init__(self, model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig) -> None:
         self.model_cfg, self.rollout_cfg = model_cfg, rollout_cfg
-        on_cpu = rollout_cfg.device == "cpu"
-        if on_cpu:
+        if rollout_cfg.device == "cpu":
             cpu_engine_env()
         from vllm import LLM  # noqa: PLC0415  (imported only when this backend is chosen)
 
@@ -205,34 +249,8 @@ class VllmEngine:
         self.sleep_enabled = rollout_cfg.colocate
         self.sleeping: set[str] = set()  # what sleep() released and no wake-up brought back yet
 
-        kwargs: dict[str, Any] = {
-            "model": model_path,
-            "tokenizer": model_path,
-            "dtype": model_cfg.dtype,
-            "tensor_parallel_size": rollout_cfg.tensor_parallel_size,
-            "max_model_len": rollout_cfg.max_model_len,
-            "enable_prefix_caching": True,
-            "enable_sleep_mode": self.sleep_enabled,
-            # Sampling comes from RolloutConfig only, never from the checkpoint's defaults.
-            "generation_config": "vllm",
-            "worker_extension_cls": f"{__name__}.WeightSyncExtension",
-            # Sampled tokens' logprobs after temperature (the learner's quantity), not the raw ones.
-            "logprobs_mode": "processed_logprobs",
-            "seed": 0,
-        }
-        if on_cpu:
-            kwargs["enforce_eager"] = True  # no compile step for a test-sized model
-        else:
-            kwargs["gpu_memory_utilization"] = rollout_cfg.gpu_memory_utilization
-            # TP ranks as processes of this actor, on the GPUs Ray gave it (one node).
-            kwargs["distributed_executor_backend"] = "mp" if rollout_cfg.tensor_parallel_size > 1 else None
-        if not is_text_only(self.processor):
-            kwargs["limit_mm_per_prompt"] = {"image": 1, "video": 0}
-            # The learner's image budget (model.min_pixels / max_pixels, `load_processor`), so
-            # both sides resize an image to the same grid.
-            size = self.processor.image_processor.size
-            kwargs["mm_processor_kwargs"] = {"size": {"shortest_edge": size.shortest_edge, "longest_edge": size.longest_edge}}
-        self.llm = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        kwargs = llm_kwargs(model_path, model_cfg, rollout_cfg, self.processor)
+        self.llm = LLM(**kwargs)
 
     # -- generation -----------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -18,9 +19,9 @@ from pjray.sync.buckets import Bucket
 from pjray.types import Completion, JudgePrompt, Timed
 
 if TYPE_CHECKING:
-    from pjray.placement import RankGroup, WorkerPool
+    from pjray.placement import PendingCall, RankGroup, WorkerPool
 
-__all__ = ["RolloutWorker", "generate_with_pool"]
+__all__ = ["PendingGeneration", "RolloutWorker", "generate_with_pool", "submit_generation"]
 
 
 def generate_with_pool(pool: WorkerPool | RankGroup, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
@@ -35,20 +36,39 @@ def generate_with_pool(pool: WorkerPool | RankGroup, prompts: list[JudgePrompt],
     collectively) is called on every worker: one left without prompts generates for the first
     prompt, and that answer is dropped.
     """
+    return submit_generation(pool, prompts, n, seed).result()
+
+
+@dataclass
+class PendingGeneration:
+    """A generation the workers are running (`submit_generation`); `result()` waits for it."""
+
+    chunks: list[list[int]]
+    started: PendingCall | None  # None: no prompts
+
+    def result(self) -> Timed[list[Completion]]:
+        if self.started is None:
+            return Timed([], 0.0)
+        answers: list[Timed[list[Completion]]] = self.started.wait()
+        completions = [
+            dataclasses.replace(c, prompt_index=chunk[c.prompt_index])
+            for chunk, answer in zip(self.chunks, answers)  # zip drops the fillers' answers
+            for c in answer.value
+        ]
+        completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
+        return Timed(completions, max(a.compute_s for a in answers))
+
+
+def submit_generation(pool: WorkerPool | RankGroup, prompts: list[JudgePrompt], n: int, seed: int) -> PendingGeneration:
+    """`generate_with_pool`, started and not waited for: the workers generate while the caller
+    goes on (async rollouts), each with the weights it holds when the call reaches it."""
     if not prompts:
-        return Timed([], 0.0)
+        return PendingGeneration([], None)
     chunks = split_evenly(range(len(prompts)), len(pool))
     calls = [([prompts[i] for i in chunk], n, seed * 1_000 + w) for w, chunk in enumerate(chunks)]
     if pool.lockstep:
         calls += [([prompts[0]], n, seed * 1_000 + w) for w in range(len(chunks), len(pool))]
-    answers: list[Timed[list[Completion]]] = pool.call("generate_timed", calls)
-    completions = [
-        dataclasses.replace(c, prompt_index=chunk[c.prompt_index])
-        for chunk, answer in zip(chunks, answers)  # zip drops the fillers' answers
-        for c in answer.value
-    ]
-    completions.sort(key=lambda c: (c.prompt_index, c.sample_index))
-    return Timed(completions, max(a.compute_s for a in answers))
+    return PendingGeneration(chunks, pool.submit("generate_timed", calls))
 
 
 class RolloutWorker:
@@ -65,14 +85,22 @@ class RolloutWorker:
         # Ray hides unassigned GPUs, so a GPU is visible here exactly when one was requested.
         device = "cuda" if rollout_cfg.num_gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
         self.engine: RolloutEngine = build_engine(model_path, model_cfg, rollout_cfg, device=device)
+        self.weight_version = 0  # the training step whose weights the engine holds
 
     def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
-        """See `RolloutEngine.generate`; prompt_index counts within this call's `prompts`."""
-        return self.engine.generate(prompts, n, seed)
+        """See `RolloutEngine.generate`; prompt_index counts within this call's `prompts`, and
+        every completion carries the weight version it was sampled with."""
+        completions = self.engine.generate(prompts, n, seed)
+        return [dataclasses.replace(c, weight_version=self.weight_version) for c in completions]
 
     def generate_timed(self, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
-        """`generate`, with the seconds the engine's generate took in this worker."""
-        return Timed.measure(self.engine.generate, prompts, n, seed)
+        """`generate`, with the seconds it took in this worker."""
+        return Timed.measure(self.generate, prompts, n, seed)
+
+    def set_weight_version(self, version: int) -> None:
+        """Called by the driver after each sync (calls reach an actor in the order sent, so a
+        generation started before a sync is stamped with the weights it really used)."""
+        self.weight_version = version
 
     def load_weights(self, plan: list[Bucket], refs: list[Any]) -> None:
         """See `HFEngine.load_weights`. Pass `refs` inside a list so Ray does not resolve them

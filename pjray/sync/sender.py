@@ -129,8 +129,17 @@ class WeightSender:
         self._sync_group = WeightSyncGroup(host, port, 0, world_size, backend) if self.rank == 0 else None
 
     def broadcast_weights(self, bucket_bytes: int) -> list[Bucket]:
-        """Send every bucket from rank 0 over the broadcast group; returns the plan sent."""
-        return broadcast_buckets(getattr(self, "_sync_group", None), self._full_buckets(bucket_bytes))
+        """Send every bucket from rank 0 over the broadcast group; returns the plan sent. If the
+        collective fails (an engine died), rank 0 leaves the group, so the other engines' receives
+        fail at once instead of waiting out the timeout; the driver then forms a new one."""
+        group = getattr(self, "_sync_group", None)
+        try:
+            return broadcast_buckets(group, self._full_buckets(bucket_bytes))
+        except Exception:
+            if group is not None:
+                group.close()
+                self._sync_group = None
+            raise
 
     # -- CUDA IPC -----------------------------------------------------------------------------
 

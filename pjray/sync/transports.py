@@ -10,11 +10,13 @@ their actor methods: `connect` at set-up, `send` at every sync, `refresh` for on
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import TYPE_CHECKING, Any
 
 import ray
 
 from pjray.config import RolloutConfig
+from pjray.placement import WORKER_FAILURES
 
 if TYPE_CHECKING:
     from pjray.placement import WorkerPool
@@ -115,6 +117,8 @@ class BroadcastTransport(Transport):
     broadcast per bucket. `gloo` on CPU tensors, `nccl` GPU to GPU."""
 
     name = "gloo"
+    # How long the members of a collective that lost one may take to fail out of it.
+    timeout_s = 120.0
 
     def connect(self, learners: list[Any], workers: WorkerPool) -> None:
         """Form the group, every member joining at once (each blocks in the rendezvous until all
@@ -129,10 +133,35 @@ class BroadcastTransport(Transport):
         self.plan = ray.get(learners[0].weight_plan.remote(self.bucket_bytes))
 
     def send(self, learners: list[Any], workers: WorkerPool) -> None:
+        """One broadcast. An engine that died before or during it ends the collective for every
+        member (each leaves the group on the failure); the dead workers are rebuilt, which forms
+        a new group and sends again (`refresh`). A collective still running `timeout_s` after a
+        death is an error naming the dead workers, never a hang."""
         # Direct calls, not the restartable pool: a retry could not rejoin a collective that the
         # learner is still blocked in.
         sends = [r.broadcast_weights.remote(self.bucket_bytes) for r in learners]
-        ray.get([w.receive_weights.remote(self.plan) for w in workers.actors] + sends)
+        receives = {w.receive_weights.remote(self.plan): i for i, w in enumerate(workers.actors)}
+        dead, failures, pending = [], [], [*receives, *sends]
+        deadline = None
+        while pending:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not done:
+                raise RuntimeError(
+                    f"weight sync ({self.name}): rollout workers {dead} died and the collective did not end "
+                    f"within {self.timeout_s:g}s; the learner may be blocked in it"
+                )
+            try:
+                ray.get(done[0])
+            except WORKER_FAILURES:
+                dead.append(receives[done[0]])
+                deadline = deadline or time.monotonic() + self.timeout_s
+            except ray.exceptions.RayTaskError as err:
+                failures.append(err)
+        if not dead and failures:
+            raise failures[0]
+        for index in sorted(dead):
+            workers.restart(index)  # rebuilds it and re-forms the group (on_restart -> refresh)
 
     def refresh(self, learners: list[Any], workers: WorkerPool, worker: Any) -> None:
         self.connect(learners, workers)

@@ -32,7 +32,7 @@ from pjray.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from pjray.rl.learner import LearnerRank
 from pjray.rl.logprobs import collate, forward_logprobs, forwarded_positions
 from pjray.rollout.hf_engine import HFEngine
-from pjray.sync.buckets import state_checksums, unpack
+from pjray.sync.buckets import pack, state_checksums, unpack
 from pjray.types import Experience, JudgePrompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -496,6 +496,59 @@ def test_checkpoint_and_hf_export(judge_dir: str, rank_env: None, tmp_path: Path
         # Same weights (the checksums above are exact); the batch's shape differs from the
         # rank's micro-batches, so the projection's float rounding may differ in the last bit.
         torch.testing.assert_close(logp[i][mask[i]], torch.tensor(expected), atol=LOGP_ATOL, rtol=0)
+
+
+def _policy_logprobs(model, processor, exps: list[Experience]) -> list[torch.Tensor]:
+    batch = collate(processor, exps)
+    with torch.no_grad():
+        logp, _ = forward_logprobs(model, processor, batch, banned=placeholder_ids(processor))
+    mask = batch.response_mask[:, 1:].bool()
+    return [logp[i][mask[i]] for i in range(len(exps))]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
+def test_a_tied_judge_trains_syncs_and_exports_tied(arch: str, rank_env: None, tmp_path: Path) -> None:
+    """Qwen3-VL-4B ties its output projection to the input embedding. After a step the learner's
+    two are still one tensor, the sync sends it once (as embed_tokens; there is no lm_head
+    parameter of its own), an HF engine that loads the sync computes the learner's log-probs (its
+    head followed the embedding), and the HF export reloads tied with the same log-probs."""
+    from transformers import AutoModelForImageTextToText
+
+    path = str(build_tiny_judge(tmp_path / arch, arch=arch, seed=0, tied=True))
+    exps = _experiences(4, seed=7)
+    rank = _direct_rank(path, grad_accum_steps=2, micro_batch_size=2)
+    try:
+        module = rank.engine.module
+        assert module.get_output_embeddings().weight is module.get_input_embeddings().weight
+        before = module.get_input_embeddings().weight.detach().clone()
+        rank.train_step(exps, *_counts(exps))
+        assert module.get_output_embeddings().weight is module.get_input_embeddings().weight
+        assert not torch.equal(module.get_input_embeddings().weight.detach(), before)  # the tied tensor trained
+        buckets = list(rank._full_buckets(64 << 10))
+        plan = [b for b, _ in buckets]
+        names = [e.name for b in plan for e in b.entries]
+        assert "lm_head.weight" not in names and sum("embed_tokens" in n for n in names) == 1, names
+        packed = [pack(b, tensors).cpu() for b, tensors in buckets]
+        policy = [torch.tensor(lp) for lp in rank.compute_logprobs(exps)]
+        rank.save_hf(str(tmp_path / "hf"))
+    finally:
+        rank.shutdown()
+
+    engine = HFEngine(path, ModelConfig(), RolloutConfig(backend="hf"))
+    stale = _policy_logprobs(engine.model, engine.processor, exps)
+    engine.load_weights(plan, packed)
+    assert engine.model.get_output_embeddings().weight is engine.model.get_input_embeddings().weight
+    synced = _policy_logprobs(engine.model, engine.processor, exps)
+    assert max(float((a - b).abs().max()) for a, b in zip(stale, policy)) > 1e-4  # the step moved them
+    for got, expected in zip(synced, policy):
+        torch.testing.assert_close(got, expected, atol=LOGP_ATOL, rtol=0)
+
+    plain = AutoModelForImageTextToText.from_pretrained(str(tmp_path / "hf"))
+    assert plain.config.tie_word_embeddings
+    assert plain.get_output_embeddings().weight.data_ptr() == plain.get_input_embeddings().weight.data_ptr()
+    model, processor = load_judge(str(tmp_path / "hf"), trainable=False)
+    for got, expected in zip(_policy_logprobs(model, processor, exps), policy):
+        torch.testing.assert_close(got, expected, atol=LOGP_ATOL, rtol=0)
 
 
 def test_lr_schedule_advances_once_per_optimizer_step(judge_dir: str, rank_env: None) -> None:

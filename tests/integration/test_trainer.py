@@ -226,8 +226,9 @@ def thinking_judge(path: Path) -> Path:
 def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
     """The object store (the transport every layout has), then shared memory (what `auto` picks
     for HF engines on the learner's node): after each sync, and after dead workers are rebuilt
-    (a rollout worker brought to the current weights through each), every engine holds the
-    learner's weights."""
+    (a rollout worker brought to the current weights through each, whether it died between
+    steps or before a sync reached it), every engine holds the learner's weights and their
+    version."""
     # A thinking template with model.think_prefix=false: the prompts still open <think>.
     cfg = load(
         overrides=TINY
@@ -250,6 +251,7 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
         learner_sums = ray.get(trainer.learners[0].checksums.remote())
         for worker in trainer.rollout.actors:
             assert ray.get(worker.checksums.remote()) == learner_sums
+            assert ray.get(worker.__ray_call__.remote(lambda w: w.weight_version)) == trainer.weight_version
 
     try:
         trainer.setup()
@@ -264,6 +266,11 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
         trainer.step = 2
         assert trainer.train_step()["rollout/worker_restarts"] == 1
         engines_hold_the_learners_weights()
+        # A worker dead when the sync reaches it: rebuilt, given the weights, the sync completes.
+        ray.kill(trainer.rollout.actors[0], no_restart=True)
+        trainer.sync_weights()
+        assert trainer.rollout.restarts == 2
+        engines_hold_the_learners_weights()
 
         # Shared memory. Kill one rollout worker and the reward worker between steps: the next
         # step rebuilds them, gives the new rollout worker the current weights and completes,
@@ -274,9 +281,13 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
         ray.kill(trainer.reward.actors[0], no_restart=True)
         trainer.step = 3
         metrics = trainer.train_step()
-        assert metrics["rollout/worker_restarts"] == 3  # the run's restarts so far
+        assert metrics["rollout/worker_restarts"] == 4  # the run's restarts so far
         assert metrics["rollout/groups_kept"] == cfg.trainer.prompts_per_step
         assert trainer.sampler.state.consumed == consumed + cfg.trainer.prompts_per_step
+        engines_hold_the_learners_weights()
+        ray.kill(trainer.rollout.actors[1], no_restart=True)
+        trainer.sync_weights()
+        assert trainer.rollout.restarts == 4
         engines_hold_the_learners_weights()
 
         # The reward reads the think prefill from each prompt's text, not model.think_prefix:

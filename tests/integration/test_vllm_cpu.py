@@ -23,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -181,7 +182,9 @@ def _served_matches_learner(trainer: Trainer, prompt: JudgePrompt, continuation:
 def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None:
     """GRPO with vLLM rollouts end to end, syncing over the gloo broadcast group for two steps
     and then over the object store for a third (one setup, both transports of Trainer.sync_weights).
-    The reward (a leading space, ~0.2 for the random judge) has variance, so weights move."""
+    The reward (a leading space, ~0.2 for the random judge) has variance, so weights move. A
+    rollout worker killed before a gloo sync reaches it ends the collective for the learner at
+    once; the worker is rebuilt, a new group formed and the sync completes (never a hang)."""
     cfg = load(
         overrides=VLLM_CPU + [
             "trainer.sync_backend=gloo",
@@ -210,6 +213,13 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
         assert all(0 <= m["rollout/logprob_diff_mean"] <= m["rollout/logprob_diff_max"] < 5e-3 for m in metrics)
         after_gloo = _served_matches_learner(trainer, prompt, continuation)
         assert max(abs(a - b) for a, b in zip(after_gloo, initial)) > 1e-3  # new weights served
+
+        ray.kill(trainer.rollout.actors[0], no_restart=True)
+        started = time.monotonic()
+        trainer.sync_weights()
+        assert trainer.rollout.restarts == 1 and time.monotonic() - started < trainer.transport.timeout_s
+        worker = trainer.rollout.actors[0]
+        assert _served_matches_learner(trainer, prompt, continuation) == pytest.approx(after_gloo, abs=1e-5)
 
         # One more step, synced through the object store (the transport every layout has).
         trainer.transport = make_transport("object_store", trainer.transport.bucket_bytes)

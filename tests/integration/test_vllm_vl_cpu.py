@@ -14,7 +14,8 @@ on a GPU instead (vLLM's GPU build; the HF reference stays on the CPU). Per arch
 3. After a sync that changes every weight, vision tower included, the engine's log-probs on
    images it has already encoded equal the updated HF model's: vLLM's encoder cache is reset
    at every load. Both transports that reach a separate engine-core process run: bytes through
-   the RPC (the object-store path) and shared memory (only paths cross).
+   the RPC (the object-store path) and shared memory (only paths cross). A judge with tied
+   embeddings (Qwen2-VL, Qwen3-VL) follows a sync of its embedding with its output head.
 4. Three GRPO steps with rollout.backend=vllm, images on and the vision tower trainable: the
    rollout's log-probs stay within 1e-3 of the DeepSpeed learner's at every step. On Qwen3-VL
    only (the architecture of the GPU configs' judges): what differs between the three in this
@@ -264,6 +265,39 @@ def test_sync_of_every_weight_resets_the_encoder_cache(served: Served, tmp_path:
     expected_old = _learner_logprobs_on(old_model, processor, PROMPTS, continuations)
     back = [engine.continuation_logprobs(p, c) for p, c in zip(PROMPTS, continuations)]
     assert max(_max_gap(a, e) for a, e in zip(back, expected_old)) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
+def test_a_tied_judges_head_follows_a_sync_of_its_embedding(arch: str, tmp_path: Path) -> None:
+    """Qwen3-VL-4B ties its output projection to the input embedding, and the sync sends that
+    tensor once, as embed_tokens (the HF model has no lm_head parameter of its own). After a sync
+    that changes only the embedding, vLLM's log-probs equal the tied HF model's: its head moved
+    with the embedding."""
+    path = str(build_tiny_judge(tmp_path / arch, arch=arch, seed=0, tied=True))
+    cfg = load(overrides=_overrides(arch))
+    engine = VllmEngine(path, cfg.model, cfg.rollout)
+    try:
+        continuations = [engine.generate([p], n=1, seed=0)[0].token_ids for p in PROMPTS]
+        old, model, processor = _named(path)
+        assert not any(k.startswith("lm_head") for k in old)
+        served = [engine.continuation_logprobs(p, c) for p, c in zip(PROMPTS, continuations)]
+        expected = _learner_logprobs_on(model, processor, PROMPTS, continuations)
+        assert max(_max_gap(a, e) for a, e in zip(served, expected)) <= 1e-4
+
+        embedding = next(k for k in old if k.endswith("embed_tokens.weight"))
+        new = {embedding: old[embedding] + 0.5 * torch.randn(old[embedding].shape, generator=torch.Generator().manual_seed(0))}
+        plan = plan_buckets([(k, v.shape, v.dtype) for k, v in new.items()], 64 << 10)
+        engine.load_weights(plan, [pack(b, new) for b in plan])
+        with torch.no_grad():
+            model.get_input_embeddings().weight.copy_(new[embedding])  # the tied head with it
+        expected = _learner_logprobs_on(model, processor, PROMPTS, continuations)
+        after = [engine.continuation_logprobs(p, c) for p, c in zip(PROMPTS, continuations)]
+        gap = max(_max_gap(a, e) for a, e in zip(after, expected))
+        moved = min(_max_gap(a, torch.tensor(b)) for a, b in zip(after, served))
+        print(f"\n{arch} tied: after an embedding-only sync, served vs tied HF {gap:.2e}; moved {moved:.2e}")
+        assert gap <= 1e-4 and moved > 1e-2, (gap, moved)
+    finally:
+        engine.close()
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the GPU layouts' GRPO runs are tests/integration/test_vllm_gpu.py")

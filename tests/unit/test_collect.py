@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pjray.config import load
-from pjray.rl.trainer import MAX_REFILL_FACTOR, Timer, Trainer, refill_size
-from pjray.types import Completion, JudgePrompt, RewardResult
+from pjray.rl.trainer import MAX_REFILL_FACTOR, Batch, Timer, Trainer, refill_size
+from pjray.types import Completion, JudgePrompt, RewardResult, Timed
 
 
 def test_refill_size():
@@ -44,6 +44,11 @@ class ScriptedTrainer(Trainer):
         ]
         completions = [Completion(p, s, (1,), (0.0,), "x", "stop") for p in range(num_prompts) for s in range(n)]
         return prompts, ["t"] * num_prompts, completions
+
+    def submit_batch(self, step):
+        """A step's first round, scripted like the refills (`generate`)."""
+        prompts, texts, completions = self.generate(self.cfg.trainer.prompts_per_step, step * 1_000, None)
+        return Batch(step, self.sampler.state, prompts, texts, SimpleNamespace(result=lambda: Timed(completions, 0.0)))
 
     def score(self, prompts, texts, completions, timer):
         out = []

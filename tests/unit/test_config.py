@@ -164,3 +164,24 @@ def test_looking_options_are_checked(overrides, key):
         load(overrides=overrides)
     assert load(overrides=["data.counterfactual_pairs=true", "trainer.export_steps=[10,20]"]).data.counterfactual_pairs
     assert load(overrides=["eval.bench=looking", "eval.scene_kinds=[color,size]", "eval.num_items=120"]).eval.bench == "looking"
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["trainer.max_staleness=1"], "rollout.backend=hybrid generates on the learner ranks"),
+        (["trainer.max_staleness=-1", "rollout.backend=hf"], "must be >= 0"),
+        (["trainer.max_staleness=1", "rollout.backend=hf", "algo.filter_zero_std=true"], "algo.filter_zero_std"),
+        (["trainer.max_staleness=1", "rollout.backend=vllm", "rollout.colocate=true", "learner.num_gpus_per_rank=0.5",
+          "rollout.num_gpus_per_worker=0.4", "rollout.device=cuda"], "colocated engines sleep"),
+    ],
+)
+def test_async_rollouts_refuse_the_layouts_that_cannot_overlap(overrides, says):
+    with pytest.raises(ConfigError, match=r"trainer\.max_staleness") as err:
+        load(overrides=overrides)
+    assert says in str(err.value)
+
+
+def test_async_rollouts_load_on_split_layouts():
+    cfg = load(overrides=["trainer.max_staleness=2", "rollout.backend=hf", "algo.rollout_is=token"])
+    assert cfg.trainer.max_staleness == 2

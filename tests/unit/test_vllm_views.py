@@ -19,7 +19,7 @@ from pjray.config import ConfigError, load
 from pjray.models.loading import image_token_count, load_processor, processor_inputs, render_chat
 from pjray.models.tiny import TINY_ARCHS, build_tiny_judge
 from pjray.rl.logprobs import collate
-from pjray.rollout.vllm_engine import vllm_request
+from pjray.rollout.vllm_engine import llm_kwargs, vllm_request
 from pjray.types import Experience, JudgePrompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -221,3 +221,27 @@ def test_text_only_judge_rollout_and_learner_views_agree(tmp_path) -> None:
     mask = batch.response_mask[:, 1:].bool()
     for row, c in enumerate(out):
         torch.testing.assert_close(logp[row][mask[row]], torch.tensor(c.logprobs), atol=1e-4, rtol=0)
+
+
+def test_the_engine_arguments_follow_the_layout(vlm_processor) -> None:
+    """What `vllm.LLM` is given: the learner's image budget for the processor everywhere; sleep
+    mode and no multimodal processor cache for colocated engines (every sleep clears it); eager
+    mode on CPU, the GPU memory share and TP ranks as processes on GPUs."""
+    split = load(overrides=SPLIT + ["rollout.tensor_parallel_size=2", "rollout.num_gpus_per_worker=2", "ray.num_gpus=6"])
+    colocated = load(overrides=COLOCATED + ["ray.num_gpus=2"])
+    cpu = load(overrides=VLLM_CPU)
+    size = vlm_processor.image_processor.size
+    budget = {"size": {"shortest_edge": size.shortest_edge, "longest_edge": size.longest_edge}}
+
+    on_gpus = llm_kwargs("judge", split.model, split.rollout, vlm_processor)
+    assert on_gpus["mm_processor_kwargs"] == budget and on_gpus["limit_mm_per_prompt"] == {"image": 1, "video": 0}
+    assert not on_gpus["enable_sleep_mode"] and "mm_processor_cache_gb" not in on_gpus
+    assert on_gpus["distributed_executor_backend"] == "mp" and on_gpus["tensor_parallel_size"] == 2
+    assert on_gpus["gpu_memory_utilization"] == split.rollout.gpu_memory_utilization
+
+    sleeping = llm_kwargs("judge", colocated.model, colocated.rollout, vlm_processor)
+    assert sleeping["enable_sleep_mode"] and sleeping["mm_processor_cache_gb"] == 0
+    assert "distributed_executor_backend" not in sleeping
+
+    eager = llm_kwargs("judge", cpu.model, cpu.rollout, vlm_processor)
+    assert eager["enforce_eager"] and "gpu_memory_utilization" not in eager

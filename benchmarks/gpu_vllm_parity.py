@@ -1,0 +1,128 @@
+"""bf16 parity of vLLM on a GPU against the learner's forward, before and after a weight sync.
+
+    python benchmarks/gpu_vllm_parity.py [--tp 1] [--archs qwen2_vl,qwen3_vl]
+
+For each tiny judge (untied and tied embeddings) it serves the judge with `VllmEngine` in
+bfloat16 on the GPU (sampling with top-k and top-p off: the full distribution), samples a few
+answers on images, and compares vLLM's sampled-token log-probs with the learner's teacher-forced
+ones (`forward_logprobs`, bf16, same GPU); then it syncs changed weights (every tensor moved; on
+a tied judge the embedding alone, so the head must follow) and compares again. Prints one
+markdown table (with the vLLM version and whether Model Runner V2 was on, from
+`VLLM_USE_V2_MODEL_RUNNER`), ready to paste into an issue. `benchmarks/gpu_smoke.sh` runs it with
+Model Runner V2 off and on, and with tensor parallelism 2 when two GPUs exist.
+
+bf16 log-probs of two different kernels differ by ~1e-2 per token; what this looks for is a gap
+that is an order of magnitude larger (a processor, a head or a cache that did not follow).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from PIL import Image
+
+from pjray.config import load
+from pjray.models.loading import load_judge, placeholder_ids, render_chat
+from pjray.models.tiny import build_tiny_judge
+from pjray.rl.logprobs import collate, forward_logprobs
+from pjray.rollout.vllm_engine import VllmEngine
+from pjray.sync.buckets import pack, plan_buckets
+from pjray.types import Experience, JudgePrompt
+
+
+def png(rgb: tuple[int, int, int], size: tuple[int, int]) -> bytes:
+    image = Image.new("RGB", size, rgb)
+    image.paste((255 - rgb[0], 255 - rgb[1], 255 - rgb[2]), (4, 4, size[0] // 2, size[1] // 2))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+PROMPTS = [
+    JudgePrompt(item_id=str(i), system="You are a careful judge.", user=user, image=png(rgb, size), protocol="batch",
+                style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC")
+    for i, (user, rgb, size) in enumerate([
+        ("Which answer is right? A: red B: blue C: green", (200, 30, 30), (64, 64)),
+        ("Rank the three answers by the image.", (30, 60, 200), (640, 480)),
+        ("Is the object large? A: yes B: no C: cannot tell", (40, 160, 90), (1920, 1080)),
+    ])
+]  # fmt: skip
+
+
+def learner_logprobs(model, processor, completions) -> list[torch.Tensor]:
+    experiences = [
+        Experience(prompt_text=render_chat(processor, PROMPTS[c.prompt_index]), image=PROMPTS[c.prompt_index].image,
+                   response_ids=c.token_ids, advantage=0.0)
+        for c in completions
+    ]  # fmt: skip
+    batch = collate(processor, experiences)
+    with torch.no_grad():
+        logp, _ = forward_logprobs(model, processor, batch, torch.device("cuda"), banned=placeholder_ids(processor))
+    mask = batch.response_mask[:, 1:].bool()
+    return [logp[i][mask[i]].float().cpu() for i in range(len(completions))]
+
+
+def gaps(engine: VllmEngine, model, processor) -> tuple[float, float]:
+    completions = engine.generate(PROMPTS, n=4, seed=0)
+    ours = learner_logprobs(model, processor, completions)
+    diffs = torch.cat([(torch.tensor(c.logprobs) - lp).abs() for c, lp in zip(completions, ours)])
+    return float(diffs.max()), float(diffs.mean())
+
+
+def check(arch: str, tied: bool, tp: int, root: Path) -> dict[str, str]:
+    path = str(build_tiny_judge(root / f"{arch}-{tied}", arch=arch, seed=0, tied=tied))
+    cfg = load(overrides=[
+        "model.init=tiny", f"model.tiny_arch={arch}", "model.dtype=bfloat16", "rollout.backend=vllm",
+        "rollout.device=cuda", f"rollout.num_gpus_per_worker={tp}", f"rollout.tensor_parallel_size={tp}",
+        "rollout.gpu_memory_utilization=0.3", "rollout.max_model_len=2048", "rollout.max_new_tokens=24",
+        "rollout.top_k=0", "rollout.top_p=1.0", "rollout.temperature=1.0",
+    ])  # fmt: skip
+    engine = VllmEngine(path, cfg.model, cfg.rollout)
+    try:
+        model, processor = load_judge(path, dtype="bfloat16", device=torch.device("cuda"), trainable=False)
+        before = gaps(engine, model, processor)
+        state = {k: v.detach().clone() for k, v in model.named_parameters()}
+        noise = torch.Generator(device="cuda").manual_seed(0)
+        moved = [k for k in state if (k.endswith("embed_tokens.weight") if tied else True)]
+        with torch.no_grad():
+            for k in moved:
+                state[k] += 0.05 * torch.randn(state[k].shape, generator=noise, device="cuda", dtype=state[k].dtype)
+                dict(model.named_parameters())[k].copy_(state[k])
+        sent = {k: state[k] for k in moved}
+        plan = plan_buckets([(k, v.shape, v.dtype) for k, v in sent.items()], 32 << 20)
+        engine.load_weights(plan, [pack(b, sent).cpu() for b in plan])
+        after = gaps(engine, model, processor)
+    finally:
+        engine.close()
+    return {"arch": arch, "tied": str(tied), "tp": str(tp), "before_max": f"{before[0]:.3g}", "before_mean": f"{before[1]:.2g}",
+            "after_max": f"{after[0]:.3g}", "after_mean": f"{after[1]:.2g}", "synced": "embedding" if tied else "every weight"}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--archs", default="qwen2_vl,qwen3_vl")
+    args = ap.parse_args()
+    import vllm
+
+    runner = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "unset")
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        for arch in args.archs.split(","):
+            for tied in (False, True):
+                rows.append(check(arch, tied, args.tp, Path(root)))
+    print(f"\nvLLM {vllm.__version__}, VLLM_USE_V2_MODEL_RUNNER={runner}, {torch.cuda.get_device_name(0)}, bf16, top-k/top-p off")
+    print("| arch | tied | TP | synced | max |d logprob| before | mean before | max after | mean after |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['arch']} | {r['tied']} | {r['tp']} | {r['synced']} | {r['before_max']} | {r['before_mean']} | "
+              f"{r['after_max']} | {r['after_mean']} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
