@@ -36,16 +36,13 @@ import os
 import statistics
 import sys
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from pjray.config import load
-from pjray.ppjd.cache import code_hash
-from pjray.recipes.base_judge import RECIPES, base_judge, weights_sha256
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from group_size_study import metrics_rows  # noqa: E402  (sibling scripts)
+from group_size_study import default_run_keys, metrics_rows  # noqa: E402  (sibling scripts)
 from study_looking import ensure_run, t_interval  # noqa: E402
 
 SPLIT = ["rollout.backend=hf", "rollout.num_threads=1", "learner.num_threads=1", "algo.rollout_is=token"]
@@ -87,7 +84,7 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"`python benchmarks/bench_async.py --steps {results['steps']} --seeds {results['seeds']}` (pjray code "
         f"{results['code'][:12]}; {results['machine']}). Every run is the default `pjray train` in one layout "
-        "(see the script's docstring); split layouts use TIS (algo.rollout_is=token).",
+        "(see the script's docstring); sync, async1 and async2 use TIS (algo.rollout_is=token), sync_none none.",
         "",
         "## Speed (seed 0, steps 2..N)",
         "",
@@ -128,8 +125,6 @@ def _ci(c: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pjray.eval.held_out import held_out_check
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the learning comparison (sync_none, sync, async1)")
@@ -139,11 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work).resolve()
-    cfg = load(None, [])
-    recipe = RECIPES[cfg.model.init]
-    judge_id = weights_sha256(base_judge(cfg, recipe))[:16]
-    code = code_hash()
-    check = partial(held_out_check, recipe=recipe)
+    judge_id, code, check = default_run_keys()
     started = time.perf_counter()
     runs, speeds, gap = [], {}, {}
     for layout, seed in plan(args.seeds):

@@ -309,9 +309,17 @@ def write_report(results: dict[str, Any], out: Path, name: str) -> None:
 
 
 # --------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> int:
+def default_run_keys() -> tuple[str, str, Any]:
+    """What a cached run of the default base judge is keyed by (its weights' hash and pjray's
+    code hash), and the held-out check every run ends with."""
     from pjray.eval.held_out import held_out_check
 
+    cfg = load(None, [])
+    recipe = RECIPES[cfg.model.init]
+    return weights_sha256(base_judge(cfg, recipe))[:16], code_hash(), partial(held_out_check, recipe=recipe)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="three tiny runs through every stage (a test, not a study)")
     ap.add_argument("--parts", default="equal_samples,equal_prompts,long", help="comma-separated budgets to run")
@@ -332,11 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = SMOKE_OVERRIDES if args.smoke else []
     work = Path(args.work).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    cfg = load(None, [])
-    recipe = RECIPES[cfg.model.init]
-    judge_id = weights_sha256(base_judge(cfg, recipe))[:16]
-    code = code_hash()
-    check = partial(held_out_check, recipe=recipe)
+    judge_id, code, check = default_run_keys()
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     held_out_items = 0

@@ -262,11 +262,14 @@ class WorkerPool:
         """`call` without waiting: the calls start now, `wait()` on the answer collects them
         (rebuilding dead workers and retrying their calls then)."""
         refs = {i: getattr(self.actors[i], method).remote(*a) for i, a in enumerate(per_worker_args)}
-        return PendingCall(self, method, per_worker_args, refs)
+        return PendingCall(self, method, per_worker_args, refs, {i: self.actors[i] for i in refs})
 
     def collect(self, started: PendingCall) -> list[Any]:
-        """The answers of `started`, a worker that died meanwhile rebuilt and its call retried."""
-        method, per_worker_args, pending = started.method, started.per_worker_args, started.refs
+        """The answers of `started`, a worker that died meanwhile rebuilt and its call retried.
+        A call that went to a worker rebuilt since (by another call's collect: several calls may
+        be in flight) is sent again to the new one without rebuilding it twice."""
+        method, per_worker_args = started.method, started.per_worker_args
+        pending, sent_to = dict(started.refs), dict(started.actors)
         results: list[Any] = [None] * len(per_worker_args)
         attempts = 0
         while pending:
@@ -282,7 +285,9 @@ class WorkerPool:
             if attempts > self.max_retries:
                 raise RuntimeError(f"{self.role} workers {failed} kept dying ({attempts} attempts)")
             for i in failed:
-                self.restart(i)
+                if self.actors[i] is sent_to[i]:
+                    self.restart(i)
+            sent_to = {i: self.actors[i] for i in failed}
             pending = {i: getattr(self.actors[i], method).remote(*per_worker_args[i]) for i in failed}
         return results
 
@@ -302,6 +307,7 @@ class PendingCall:
     method: str
     per_worker_args: list[tuple]
     refs: dict[int, Any]
+    actors: dict[int, Any]  # the actor each call went to
 
     def wait(self) -> list[Any]:
         return self.pool.collect(self)
@@ -327,7 +333,7 @@ class RankGroup:
         if len(per_worker_args) != len(self.actors):
             raise ValueError(f"{method}: {len(per_worker_args)} argument lists for {len(self.actors)} ranks (lockstep)")
         refs = {i: getattr(a, method).remote(*args) for i, (a, args) in enumerate(zip(self.actors, per_worker_args))}
-        return PendingCall(self, method, per_worker_args, refs)
+        return PendingCall(self, method, per_worker_args, refs, dict(enumerate(self.actors)))
 
     def collect(self, started: PendingCall) -> list[Any]:
         return ray.get([started.refs[i] for i in range(len(started.refs))])

@@ -35,14 +35,16 @@ Weights, one call per sync from the driver, in one of four transports (trainer.s
 Each vLLM worker loads buckets with the model's own `load_weights` (HF names in, vLLM's fused
 layout out) inside vLLM's layerwise in-place reload (`pjray_begin_update` /
 `pjray_finish_update`), which re-runs the post-load processing of every layer (e.g. repacked CPU
-linear weights). After every sync the engine resets its encoder cache (the vision tower's
-embeddings of images it has seen, computed with the old weights) and its prefix cache (KV
-blocks of the old weights). vLLM's multimodal processor cache is kept: it holds the processor's
-outputs (pixel values, grid sizes), which no weight changes; colocated engines run without it,
-since every sleep clears it. Colocated engines run with sleep mode: `sleep()` frees weights and
-KV cache while the learner trains; a sync wakes the weights alone and loads them, and the KV
-cache wakes only when the driver calls `wake_up()`, after the learner has released its packed
-copy of the weights and its allocator's cached blocks (`pjray.sync.sender.WeightSender`).
+linear weights); a head tied to the input embedding (Qwen3-VL-4B) is fed the embedding too, or
+its processed copy would keep the old weights. After every sync the engine resets its encoder
+cache (the vision tower's embeddings of images it has seen, computed with the old weights) and
+its prefix cache (KV blocks of the old weights). vLLM's multimodal processor cache is kept: it
+holds the processor's outputs (pixel values, grid sizes), which no weight changes; colocated
+engines run without it, since every sleep clears it. Colocated engines run with sleep mode:
+`sleep()` frees weights and KV cache while the learner trains; a sync wakes the weights alone
+and loads them, and the KV cache wakes only when the driver calls `wake_up()`, after the learner
+has released its packed copy of the weights and its allocator's cached blocks
+(`pjray.sync.sender.WeightSender`).
 
 vLLM's model names differ from the learner's (fused qkv / gate_up projections), so
 `checksums()` hashes vLLM's own parameters: compare two engines with it, and an engine with the
@@ -90,6 +92,19 @@ def _prompt_seed(seed: int, prompt_index: int) -> int:
     """A per-request sampling seed: vLLM seeds each request on its own, so the samples of a
     prompt do not depend on which other prompts share the batch."""
     return int(np.random.SeedSequence([seed, prompt_index]).generate_state(1, dtype=np.uint32)[0] >> 1)
+
+
+# The HF name suffix of the input embedding a tied head shares (every Qwen LM and VLM).
+TIED_EMBEDDING = "embed_tokens.weight"
+
+
+def tied_heads(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The output heads (`ParallelLMHead`) of a vLLM model that share their weight tensor with an
+    input embedding (tie_word_embeddings)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    embeddings = [m.weight for m in model.modules() if type(m) is VocabParallelEmbedding]
+    return [m for m in model.modules() if isinstance(m, ParallelLMHead) and any(m.weight is e for e in embeddings)]
 
 
 class WeightSyncExtension:
@@ -143,6 +158,8 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        if not hasattr(self, "_pjray_tied_heads"):
+            self._pjray_tied_heads = tied_heads(self.model_runner.model)  # before params go to meta
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.model)
 
@@ -178,8 +195,17 @@ class WeightSyncExtension:
         from vllm.config import set_current_vllm_config
 
         # The model's own loader maps HF names onto vLLM's fused, tensor-parallel layout.
+        weights = unpack(bucket, flat)
         with set_current_vllm_config(self.vllm_config):
-            self.model_runner.model.load_weights(weights=list(unpack(bucket, flat).items()))
+            self.model_runner.model.load_weights(weights=list(weights.items()))
+            # A tied head (tie_word_embeddings) shares the embedding's tensor, and the model's
+            # loader skips lm_head.*; but the reload processes each layer apart, and a head that
+            # received nothing keeps its post-processed copy (e.g. the CPU GEMM's packed weight)
+            # of the old weights. So the embedding is fed to the head's own loader too.
+            for name, tensor in weights.items():
+                if name.endswith(TIED_EMBEDDING):
+                    for head in self._pjray_tied_heads:
+                        head.weight.weight_loader(head.weight, tensor)
 
 
 def cpu_engine_env() -> None:

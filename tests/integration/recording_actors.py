@@ -60,3 +60,6 @@ class RecordingRolloutWorker:
 
     def wake_up(self) -> None:
         self._record("wake_up")
+
+    def set_weight_version(self, version: int) -> None:
+        self._record("set_weight_version")

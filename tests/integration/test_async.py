@@ -11,9 +11,10 @@ import signal
 from pathlib import Path
 
 import pytest
+import ray
 
 from pjray.config import load
-from pjray.rl.trainer import train
+from pjray.rl.trainer import Trainer, train
 from pjray.signals import Interrupted
 
 pytestmark = pytest.mark.slow
@@ -98,3 +99,33 @@ def test_a_run_stopped_with_batches_in_flight_resumes_at_the_same_items(ray_loca
     assert consumed(stopped) == consumed(whole)
     # The resumed run's first batch was sampled by the checkpoint's own weights.
     assert metrics[3]["rollout/staleness_max"] == 0
+
+
+def test_a_worker_killed_with_batches_in_flight_is_rebuilt_once(ray_local, tmp_path):
+    """With k = 2, a worker killed with batches in flight: what it finished is kept, the next call
+    to reach it rebuilds it (at the learner's weights), and a generation sent to the dead worker
+    before the rebuild is sent again to the new one without rebuilding it a second time. Every
+    step trains on its own items."""
+    cfg = load(overrides=[*SPLIT, f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=4", "trainer.max_staleness=2"])
+    trainer = Trainer(cfg)
+    try:
+        trainer.setup()
+        trainer.step = 1
+        trainer.train_step()
+        assert [b.step for b in trainer.in_flight] == [2, 3]
+        ray.kill(trainer.rollout.actors[0], no_restart=True)
+        stale = []
+        for step in (2, 3, 4):
+            trainer.step = step
+            metrics = trainer.train_step()
+            assert metrics["data/consumed"] == 2 * step
+            stale.append(metrics["rollout/staleness_max"])
+        # Batches 2 and 3 were generated before the kill (step 1's sync waited for them) and are
+        # kept, sampled by the starting weights. Batch 4 went to the dead worker at step 2; the
+        # sync of step 2 found it dead and rebuilt it, and batch 4 was sent again when step 4
+        # collected it, without a second rebuild, and sampled by step 3's weights.
+        assert stale == [1, 2, 0]
+        assert trainer.rollout.restarts == 1
+        assert ray.get(trainer.rollout.actors[0].__ray_call__.remote(lambda w: w.weight_version)) == 4
+    finally:
+        trainer.shutdown()

@@ -313,7 +313,8 @@ def test_colocated_sync_hands_gpu_memory_over_in_order(ray_local, tmp_path):
     """The driver's side of the colocated IPC sync, with recording fakes of the learner ranks and
     the sleeping vLLM workers (no GPU here; the engine's side is tests/unit/test_colocated_sync.py):
     the learners return their cached blocks, export, the engines load their weights, the
-    learners free the packed copy, and only then do the engines wake their KV caches."""
+    learners free the packed copy, the engines learn the weights' version, and only then do the
+    engines wake their KV caches."""
     from recording_actors import CallLog, RecordingLearnerRank, RecordingRolloutWorker
 
     from pjray.placement import Placement, RoleResources, WorkerPool
@@ -337,6 +338,6 @@ def test_colocated_sync_hands_gpu_memory_over_in_order(ray_local, tmp_path):
         placement.shutdown()
         for actor in trainer.learners:
             ray.kill(actor)
-    order = ["release_memory", "export_ipc", "load_ipc", "release_ipc", "wake_up"]
+    order = ["release_memory", "export_ipc", "load_ipc", "release_ipc", "set_weight_version", "wake_up"]
     assert [method for method, _ in calls] == [m for m in order for _ in range(2)], calls
     assert all(sorted(i for m, i in calls if m == method) == [0, 1] for method in order)

@@ -184,7 +184,8 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
     and then over the object store for a third (one setup, both transports of Trainer.sync_weights).
     The reward (a leading space, ~0.2 for the random judge) has variance, so weights move. A
     rollout worker killed before a gloo sync reaches it ends the collective for the learner at
-    once; the worker is rebuilt, a new group formed and the sync completes (never a hang)."""
+    once; the worker is rebuilt, a new group formed and the sync completes (never a hang). Two
+    async steps (trainer.max_staleness=1) run over that group."""
     cfg = load(
         overrides=VLLM_CPU + [
             "trainer.sync_backend=gloo",
@@ -221,12 +222,22 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
         worker = trainer.rollout.actors[0]
         assert _served_matches_learner(trainer, prompt, continuation) == pytest.approx(after_gloo, abs=1e-5)
 
-        # One more step, synced through the object store (the transport every layout has).
+        # Two async steps (trainer.max_staleness=1) over the new gloo group: the batch of step 4
+        # is generated while step 3 trains, by step 2's weights, and the sync of step 3 waits for
+        # that generation to end before vLLM takes the new weights.
+        trainer.cfg.trainer.max_staleness, trainer.cfg.trainer.steps = 1, 4
+        trainer.run()
+        metrics = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert [(m["step"], m["rollout/staleness_max"]) for m in metrics[2:]] == [(3, 0), (4, 1)]
+        assert metrics[3]["rollout/logprob_diff_max"] > 1e-3  # sampled by older weights than it trains
+        after_async = _served_matches_learner(trainer, prompt, continuation)
+
+        # One more step, synchronous, synced through the object store (the transport every layout has).
         trainer.transport = make_transport("object_store", trainer.transport.bucket_bytes)
-        trainer.cfg.trainer.steps = 3
+        trainer.cfg.trainer.max_staleness, trainer.cfg.trainer.steps = 0, 5
         trainer.run()
         after_store = _served_matches_learner(trainer, prompt, continuation)
-        assert max(abs(a - b) for a, b in zip(after_store, after_gloo)) > 1e-3
+        assert max(abs(a - b) for a, b in zip(after_store, after_async)) > 1e-3
         assert len(ray.get(worker.generate.remote(PROMPTS, 2, 1))) == 4  # and it samples from them
     finally:
         trainer.shutdown()
