@@ -241,18 +241,24 @@ class WorkerPool:
         failed); with `wait=False` the caller gets them here and waits with other roles'."""
         return [a.ready.remote() for a in self.actors]
 
-    def restart(self, index: int) -> None:
-        log.warning("%s worker %d died; restarting it", self.role, index)
-        try:
-            ray.kill(self.actors[index], no_restart=True)
-        except Exception:  # already gone
-            pass
-        actor = self.placement.launch(self.role, self.cls, index, *self.args(index))
-        ray.get(actor.ready.remote())
-        self.actors[index] = actor
-        self.restarts += 1
+    def restart(self, *indices: int) -> None:
+        """Rebuild the workers at `indices`, all of them before `on_restart` sees any: bringing
+        one up to date may need every worker alive (a weight-sync group of them all)."""
+        rebuilt = []
+        for index in indices:
+            log.warning("%s worker %d died; restarting it", self.role, index)
+            try:
+                ray.kill(self.actors[index], no_restart=True)
+            except Exception:  # already gone
+                pass
+            actor = self.placement.launch(self.role, self.cls, index, *self.args(index))
+            ray.get(actor.ready.remote())
+            self.actors[index] = actor
+            self.restarts += 1
+            rebuilt.append(actor)
         if self.on_restart is not None:
-            self.on_restart(actor)
+            for actor in rebuilt:
+                self.on_restart(actor)
 
     def call(self, method: str, per_worker_args: list[tuple]) -> list[Any]:
         """Call `method(*per_worker_args[i])` on worker i (fewer args lists than workers is fine)."""
@@ -284,9 +290,7 @@ class WorkerPool:
             attempts += 1
             if attempts > self.max_retries:
                 raise RuntimeError(f"{self.role} workers {failed} kept dying ({attempts} attempts)")
-            for i in failed:
-                if self.actors[i] is sent_to[i]:
-                    self.restart(i)
+            self.restart(*[i for i in failed if self.actors[i] is sent_to[i]])
             sent_to = {i: self.actors[i] for i in failed}
             pending = {i: getattr(self.actors[i], method).remote(*per_worker_args[i]) for i in failed}
         return results

@@ -160,8 +160,8 @@ class BroadcastTransport(Transport):
                 failures.append(err)
         if not dead and failures:
             raise failures[0]
-        for index in sorted(dead):
-            workers.restart(index)  # rebuilds it and re-forms the group (on_restart -> refresh)
+        if dead:
+            workers.restart(*sorted(dead))  # rebuilds them and re-forms the group (on_restart -> refresh)
 
     def refresh(self, learners: list[Any], workers: WorkerPool, worker: Any) -> None:
         self.connect(learners, workers)

@@ -266,10 +266,12 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
         trainer.step = 2
         assert trainer.train_step()["rollout/worker_restarts"] == 1
         engines_hold_the_learners_weights()
-        # A worker dead when the sync reaches it: rebuilt, given the weights, the sync completes.
-        ray.kill(trainer.rollout.actors[0], no_restart=True)
+        # Both workers dead when the sync reaches them: both rebuilt before either is brought to
+        # the weights, and the sync completes.
+        for worker in trainer.rollout.actors:
+            ray.kill(worker, no_restart=True)
         trainer.sync_weights()
-        assert trainer.rollout.restarts == 2
+        assert trainer.rollout.restarts == 3
         engines_hold_the_learners_weights()
 
         # Shared memory. Kill one rollout worker and the reward worker between steps: the next
@@ -281,13 +283,13 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
         ray.kill(trainer.reward.actors[0], no_restart=True)
         trainer.step = 3
         metrics = trainer.train_step()
-        assert metrics["rollout/worker_restarts"] == 4  # the run's restarts so far
+        assert metrics["rollout/worker_restarts"] == 5  # the run's restarts so far
         assert metrics["rollout/groups_kept"] == cfg.trainer.prompts_per_step
         assert trainer.sampler.state.consumed == consumed + cfg.trainer.prompts_per_step
         engines_hold_the_learners_weights()
         ray.kill(trainer.rollout.actors[1], no_restart=True)
         trainer.sync_weights()
-        assert trainer.rollout.restarts == 4
+        assert trainer.rollout.restarts == 5
         engines_hold_the_learners_weights()
 
         # The reward reads the think prefill from each prompt's text, not model.think_prefix:
