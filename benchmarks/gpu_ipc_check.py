@@ -1,15 +1,19 @@
-"""The colocated weight sync's CUDA IPC hand-off, checked on a GPU without vLLM.
+"""The colocated weight sync's CUDA IPC stream, checked on a GPU without vLLM.
 
-A DeepSpeed learner rank (`LearnerRank`, world size 1, on cuda:0) exports its weights as CUDA
-IPC handles (`export_ipc`), the handles are pickled as the driver and vLLM's `collective_rpc`
-pickle them (`pjray.sync.collective.dumps`), and a second process maps them as the colocated engine does
-(`open_ipc_handle` with its own device index, then `unpack`). The receiver's checksums must equal
-the rank's own (`checksums()`), before and after each optimizer step (a later export reuses
-nothing stale). The sender's allocated GPU memory after each `release_ipc` is printed: it must
+A DeepSpeed learner rank (`LearnerRank`, world size 1, on cuda:0) streams its weights through
+two reused CUDA buffers (`pjray.sync.ipc.stream_buckets`, the code `WeightSender.stream_ipc`
+runs) to a second process, which maps the buffers' IPC handles as the colocated engine does
+(`open_ipc_handle` with its own device index), reads each bucket from its slot when told to
+(`slot_view`, a copy) and acknowledges it; the learner packs a slot again only after that
+acknowledgement. The receiver's checksums must equal the rank's own (`checksums()`), before and
+after each optimizer step (a later sync reuses nothing stale). Printed per sync: the sender's
+peak GPU memory above its resting level during the stream, against the packed model's size (the
+stream holds two buckets, not the model), and its allocated memory after the sync, which must
 not grow from sync to sync.
 
 Prints one line per sync with its figures, then PASS, or FAIL and a non-zero exit when a sync's
-checksums differ or a sync after a step sees no changed tensor.
+checksums differ, a sync after a step sees no changed tensor, or the stream's peak exceeds two
+of its buffers.
 Usage: python benchmarks/gpu_ipc_check.py [--arch qwen2_vl] [--syncs 3] [--bf16]
 """
 
@@ -22,6 +26,7 @@ import random
 import sys
 import tempfile
 import time
+from typing import Any
 
 import PIL.Image
 import torch
@@ -30,33 +35,60 @@ from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
 from pjray.models.tiny import build_tiny_judge
 from pjray.placement import free_address
 from pjray.rl.learner import LearnerRank
-from pjray.sync.buckets import state_checksums, unpack
+from pjray.sync.buckets import Bucket, state_checksums, unpack
 from pjray.sync.collective import dumps, loads
-from pjray.sync.ipc import open_ipc_handle
-from pjray.types import Experience
+from pjray.sync.ipc import open_ipc_handle, slot_view, stream_buckets
 
 BUCKET_BYTES = 1 << 16  # several buckets even for a tiny model
 
 
 def receiver(conn) -> None:  # noqa: ANN001  (a multiprocessing connection)
-    """The engine's side: map each message's handles, unpack, reply with the checksums."""
+    """The engine's side: map the slots at "begin", read and hash each bucket at "load" (a copy,
+    as `pjray_load_ipc_bucket` takes), acknowledge it, and reply with the checksums at "finish"."""
     torch.cuda.set_device(0)
     device_index = torch.cuda.current_device()
+    slots: list[torch.Tensor] = []
+    sums: dict[str, str] = {}
     while True:
         message = conn.recv_bytes()
         if not message:
             return
-        plan, handles = loads(message)
-        start = time.perf_counter()
-        sums: dict[str, str] = {}
-        for bucket, handle in zip(plan, handles):
-            flat = open_ipc_handle(handle, device_index)
-            if flat.device.type != "cuda":
-                raise RuntimeError(f"an IPC buffer was mapped on {flat.device}")
+        kind, payload = loads(message)
+        if kind == "begin":
+            slots, sums, start = [open_ipc_handle(h, device_index) for h in payload], {}, time.perf_counter()
+            if any(slot.device.type != "cuda" for slot in slots):
+                raise RuntimeError("an IPC slot was mapped off the GPU")
+        elif kind == "load":
+            bucket, slot = payload
+            flat = slot_view(slots[slot], bucket).clone()
+            torch.cuda.synchronize()
+            conn.send_bytes(b"read")  # the learner may pack this slot again
             sums.update(state_checksums(unpack(bucket, flat)))
-            del flat
-        torch.cuda.synchronize()
-        conn.send((sums, time.perf_counter() - start))
+        else:
+            slots = []
+            torch.cuda.synchronize()
+            conn.send((sums, time.perf_counter() - start))
+
+
+class PipeReceiver:
+    """The receiving end of `stream_buckets` over a pipe to `receiver` (`IpcReceiver`)."""
+
+    def __init__(self, conn) -> None:  # noqa: ANN001
+        self.conn = conn
+
+    def begin(self, handles: list[Any]) -> None:
+        self.conn.send_bytes(dumps(("begin", handles)))
+
+    def load(self, bucket: Bucket, slot: int) -> int:
+        self.conn.send_bytes(dumps(("load", (bucket, slot))))
+        return slot
+
+    def wait(self, pending: int) -> None:
+        if self.conn.recv_bytes() != b"read":  # acknowledgements come in the order of the loads
+            raise RuntimeError("the receiver answered out of turn")
+
+    def finish(self) -> None:
+        self.conn.send_bytes(dumps(("finish", None)))
 
 
 def experiences(n: int, seed: int) -> list[Experience]:
@@ -101,25 +133,32 @@ def main() -> int:
         baseline = None
         for sync in range(args.syncs):
             expected = rank.checksums()
+            plan = rank.weight_plan(BUCKET_BYTES)
+            capacity = max(b.nbytes for b in plan)
+            torch.cuda.synchronize()
+            resting = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-            plan, handles = rank.export_ipc(BUCKET_BYTES)
-            export_s = time.perf_counter() - start
-            message = dumps((plan, handles))
-            ours.send_bytes(message)
+            slots = [torch.empty(capacity, dtype=torch.uint8, device="cuda") for _ in range(2)]
+            sent = stream_buckets(rank._full_buckets(BUCKET_BYTES), slots, PipeReceiver(ours))
             got, load_s = ours.recv()
-            rank.release_ipc()
+            stream_s = time.perf_counter() - start
+            del slots
+            torch.cuda.ipc_collect()
+            torch.cuda.empty_cache()
+            peak = torch.cuda.max_memory_allocated() - resting
             allocated = torch.cuda.memory_allocated()
             baseline = allocated if baseline is None else baseline
             nbytes = sum(b.nbytes for b in plan)
             same = got == expected
             changed = sum(previous.get(k) != v for k, v in expected.items()) if previous else len(expected)
             print(
-                f"sync {sync}: {len(plan)} buckets, {nbytes / 2**20:.1f} MiB, handles {len(message)} B pickled; "
-                f"export {export_s * 1e3:.1f} ms, map+unpack+hash {load_s * 1e3:.1f} ms; "
-                f"{len(got)}/{len(expected)} tensors received, checksums {'EQUAL' if same else 'DIFFER'}; "
+                f"sync {sync}: {sent} buckets, model {nbytes / 2**20:.2f} MiB, slots 2 x {capacity / 2**10:.0f} KiB; "
+                f"stream {stream_s * 1e3:.1f} ms (receiver {load_s * 1e3:.1f} ms); sender peak +{peak / 2**20:.2f} MiB "
+                f"above rest; {len(got)}/{len(expected)} tensors received, checksums {'EQUAL' if same else 'DIFFER'}; "
                 f"{changed} tensors changed since the last sync; sender allocated {allocated / 2**20:.1f} MiB"
             )
-            if not same or (previous and changed == 0):
+            if not same or (previous and changed == 0) or peak > 2 * capacity + (1 << 20):
                 failures += 1
             previous = expected
             metrics = rank.train_step(batch, tokens, float(len(batch)))

@@ -775,7 +775,7 @@ class Trainer:
 
         Colocated, GPU memory changes hands in this order: the learners return their allocator's
         cached blocks, the sleeping engines wake their weights and load, the learners free their
-        packed copy, and only then do the engines wake their KV caches."""
+        two stream buffers, and only then do the engines wake their KV caches."""
         colocated = self.cfg.rollout.colocate
         if colocated:
             ray.get([r.release_memory.remote() for r in self.learners])

@@ -76,6 +76,14 @@ class RolloutEngine(Protocol):
         """Undo `sleep` before the next sync or generation."""
         ...
 
+    def alive(self) -> bool:
+        """False once the engine's own processes are gone (it will fail, or hang, every call)."""
+        ...
+
+    def is_dead(self, err: BaseException) -> bool:
+        """Whether `err`, raised by a call to the engine, comes from an engine that died."""
+        ...
+
 
 def stop_token_ids(tokenizer: Any, checkpoint_eos: int | list[int] | None, name: str = "") -> tuple[int, ...]:
     """Where every engine stops a response: `EOS_TOKEN`, the tokenizer's EOS and every

@@ -266,3 +266,10 @@ class HFEngine:
 
     def wake_up(self) -> None:
         """No-op, the counterpart of `sleep`."""
+
+    def alive(self) -> bool:
+        """Always: the model runs in the actor's own process, which dies with it."""
+        return True
+
+    def is_dead(self, err: BaseException) -> bool:
+        return False

@@ -29,8 +29,9 @@ Weights, one call per sync from the driver, in one of four transports (trainer.s
 * gloo / nccl: `init_weight_sync(...)` once, then `receive_weights(plan)` per sync: one
   `collective_rpc` in which every vLLM rank receives all buckets by broadcast from learner
   rank 0 (`pjray.sync`).
-* ipc: `load_ipc(plan, handles)`: one `collective_rpc` mapping the colocated learner rank's
-  CUDA IPC buffers.
+* ipc: `begin_ipc(handles)`, `load_ipc_bucket(bucket, slot)` per bucket, `finish_ipc()`:
+  called by the colocated learner rank itself, which streams its buckets through two CUDA
+  buffers that every vLLM worker maps (`pjray.sync.ipc`).
 
 Each vLLM worker loads buckets with the model's own `load_weights` (HF names in, vLLM's fused
 layout out) inside vLLM's layerwise in-place reload (`pjray_begin_update` /
@@ -43,7 +44,7 @@ holds the processor's outputs (pixel values, grid sizes), which no weight change
 engines run without it, since every sleep clears it. Colocated engines run with sleep mode:
 `sleep()` frees weights and KV cache while the learner trains; a sync wakes the weights alone
 and loads them, and the KV cache wakes only when the driver calls `wake_up()`, after the learner
-has released its packed copy of the weights and its allocator's cached blocks
+has released its two stream buffers and its allocator's cached blocks
 (`pjray.sync.sender.WeightSender`).
 
 vLLM's model names differ from the learner's (fused qkv / gate_up projections), so
@@ -54,6 +55,7 @@ learner through logprobs (the tests do).
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -65,7 +67,7 @@ from pjray.models.loading import decode_image, is_text_only, load_processor, pla
 from pjray.rollout.engine import checkpoint_eos_ids, stop_token_ids
 from pjray.sync.buckets import Bucket, flat_bytes, from_bytes, state_checksums, unpack
 from pjray.sync.collective import WeightSyncGroup, dumps, loads, receive_buckets
-from pjray.sync.ipc import open_ipc_handle
+from pjray.sync.ipc import open_ipc_handle, slot_view
 from pjray.sync.shared import SharedBucketReader
 from pjray.types import Completion, JudgePrompt
 
@@ -73,6 +75,9 @@ __all__ = ["VllmEngine", "WeightSyncExtension", "vllm_request"]
 
 # vLLM caps a logit bias at +-100: exp(-100) is 0 in every float format, an exact ban.
 _BAN_BIAS = -100.0
+# How long an engine call's error may precede vLLM's mark that the engine died (measured on CPU:
+# 0.2 s after a worker process was killed).
+ENGINE_DEATH_GRACE_S = 3.0
 
 
 def vllm_request(processor: Any, prompt: JudgePrompt, think_prefix: bool = True) -> dict[str, Any]:
@@ -136,14 +141,24 @@ class WeightSyncExtension:
             raise
         self.pjray_finish_update()
 
-    def pjray_load_ipc(self, plan: bytes, handles: bytes) -> None:
-        """Map the colocated learner's CUDA IPC buffers and load them (one update)."""
-        self.pjray_begin_update()
+    def pjray_begin_ipc(self, handles: bytes) -> None:
+        """Map the colocated learner rank's slots (`pjray.sync.ipc`) and start an update."""
         device_index = torch.cuda.current_device()
-        for bucket, handle in zip(loads(plan), loads(handles)):
-            self._pjray_load(bucket, open_ipc_handle(handle, device_index))
+        self._pjray_slots = [open_ipc_handle(handle, device_index) for handle in loads(handles)]
+        self.pjray_begin_update()
+
+    def pjray_load_ipc_bucket(self, bucket: bytes, slot: int) -> None:
+        """Load one bucket from slot `slot`. From a copy: vLLM's layerwise reload keeps the tensors
+        it is given until their layer is complete, possibly a later bucket, and the learner packs
+        another bucket into this slot as soon as this returns."""
+        plan_entry = loads(bucket)
+        self._pjray_load(plan_entry, slot_view(self._pjray_slots[slot], plan_entry).clone())
+        torch.cuda.synchronize()  # read before the learner writes the slot again
+
+    def pjray_finish_ipc(self) -> None:
         self.pjray_finish_update()
-        torch.cuda.synchronize()  # loaded before the learner frees the buffers
+        self._pjray_slots = []  # unmapped: the learner frees them
+        torch.cuda.synchronize()
 
     def pjray_begin_update(self) -> None:
         """Start an in-place reload of the checkpoint-format weights.
@@ -381,10 +396,18 @@ class VllmEngine:
         self.llm.collective_rpc("pjray_receive_broadcast", args=(dumps(plan),))
         self._after_load()
 
-    def load_ipc(self, plan: list[Bucket], handles: list[Any]) -> None:
-        """Colocated sync: map the learner rank's CUDA IPC buffers, in one RPC."""
+    def begin_ipc(self, handles: list[Any]) -> None:
+        """Colocated sync, streamed (`pjray.sync.ipc.stream_buckets`): map the learner rank's
+        slots on every vLLM worker and start an update; `load_ipc_bucket` per bucket, then
+        `finish_ipc`."""
         self._before_load()
-        self.llm.collective_rpc("pjray_load_ipc", args=(dumps(plan), dumps(handles)))
+        self.llm.collective_rpc("pjray_begin_ipc", args=(dumps(handles),))
+
+    def load_ipc_bucket(self, bucket: Bucket, slot: int) -> None:
+        self.llm.collective_rpc("pjray_load_ipc_bucket", args=(dumps(bucket), slot))
+
+    def finish_ipc(self) -> None:
+        self.llm.collective_rpc("pjray_finish_ipc")
         self._after_load()
 
     def _before_load(self) -> None:
@@ -406,6 +429,26 @@ class VllmEngine:
     def checksums(self) -> dict[str, str]:
         """`state_checksums` of vLLM's own parameters on its rank 0 (vLLM's names)."""
         return self.llm.collective_rpc("pjray_checksums")[0]
+
+    def alive(self) -> bool:
+        """False once vLLM's client has marked its engine core dead (the core, or one of its
+        workers, exited: a CUDA error, an out-of-memory kill, a lost collective peer)."""
+        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)  # a core in its own process
+        return resources is None or not resources.engine_dead
+
+    def is_dead(self, err: BaseException) -> bool:
+        """Whether `err` comes from an engine that died. A call in flight when a worker died
+        fails first with the core's own message ("Call to collective_rpc method failed:
+        cancelled"), a moment before the client marks the engine dead, so an error other than
+        `EngineDeadError` waits up to `ENGINE_DEATH_GRACE_S` for that mark."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(err, EngineDeadError):
+            return True
+        deadline = time.monotonic() + ENGINE_DEATH_GRACE_S
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self.alive()
 
     def close(self) -> None:
         """Stop vLLM's engine core (its process, when it runs in one) now, not at garbage

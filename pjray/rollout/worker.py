@@ -4,9 +4,15 @@ and `generate_with_pool`, how the driver spreads a step's prompts over a pool of
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import os
+import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import ray
 import torch
@@ -22,6 +28,10 @@ if TYPE_CHECKING:
     from pjray.placement import PendingCall, RankGroup, WorkerPool
 
 __all__ = ["PendingGeneration", "RolloutWorker", "generate_with_pool", "submit_generation"]
+
+log = logging.getLogger(__name__)
+ENGINE_WATCH_S = 0.5  # how often a rollout worker checks that its engine is alive
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def generate_with_pool(pool: WorkerPool | RankGroup, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
@@ -71,9 +81,26 @@ def submit_generation(pool: WorkerPool | RankGroup, prompts: list[JudgePrompt], 
     return PendingGeneration(chunks, pool.submit("generate_timed", calls))
 
 
+def engine_call(method: F) -> F:
+    """A `RolloutWorker` method that calls its engine, and exits the actor when the error it
+    raised comes from an engine that died (`RolloutWorker.exit_for_dead_engine`)."""
+
+    @functools.wraps(method)
+    def call(self: RolloutWorker, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as err:
+            if self.engine.is_dead(err):
+                self.exit_for_dead_engine(f"{method.__name__} raised {err!r}")
+            raise
+
+    return call  # type: ignore[return-value]
+
+
 class RolloutWorker:
     """One rollout replica. A plain class: the driver launches it with
     `ray.remote(num_cpus=..., num_gpus=...)(RolloutWorker)`, and tests can build it directly.
+    Every method that calls the engine is an `engine_call`.
     """
 
     def __init__(
@@ -86,7 +113,26 @@ class RolloutWorker:
         device = "cuda" if rollout_cfg.num_gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
         self.engine: RolloutEngine = build_engine(model_path, model_cfg, rollout_cfg, device=device)
         self.weight_version = 0  # the training step whose weights the engine holds
+        threading.Thread(target=self._watch_engine, name="pjray-engine-watch", daemon=True).start()
 
+    def exit_for_dead_engine(self, why: str) -> None:
+        """End the actor's process. An engine whose own processes died (vLLM's engine core or one
+        of its workers) fails every later call while the actor lives on, so the pool, which
+        rebuilds dead actors only, would never replace it; once the actor exits, its callers see
+        a dead worker (`pjray.placement.WORKER_FAILURES`), rebuilt at the learner's weights."""
+        log.error("rollout worker %d: its engine died (%s); exiting so that it is rebuilt", self.worker_index, why)
+        sys.stderr.flush()
+        os._exit(1)
+
+    def _watch_engine(self) -> None:
+        """Exit once the engine is dead, whatever the actor is doing: vLLM does not wake a call
+        blocked on an engine core that was killed (no message comes from it), so a generation or
+        a sync in flight would otherwise wait forever."""
+        while self.engine.alive():
+            time.sleep(ENGINE_WATCH_S)
+        self.exit_for_dead_engine("found by its watch")
+
+    @engine_call
     def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
         """See `RolloutEngine.generate`; prompt_index counts within this call's `prompts`, and
         every completion carries the weight version it was sampled with."""
@@ -102,11 +148,13 @@ class RolloutWorker:
         generation started before a sync is stamped with the weights it really used)."""
         self.weight_version = version
 
+    @engine_call
     def load_weights(self, plan: list[Bucket], refs: list[Any]) -> None:
         """See `HFEngine.load_weights`. Pass `refs` inside a list so Ray does not resolve them
         all up front: the engine fetches one bucket at a time."""
         self.engine.load_weights(plan, refs)
 
+    @engine_call
     def load_shared(self, plan: list[Bucket], paths: list[str]) -> None:
         """Same-node sync: the engine copies from learner rank 0's shared-memory buffers
         (`pjray.sync.shared`), mapped once and reused at every sync."""
@@ -116,6 +164,7 @@ class RolloutWorker:
         """The Ray node this worker runs on."""
         return ray.get_runtime_context().get_node_id()
 
+    @engine_call
     def checksums(self) -> dict[str, str]:
         return self.engine.checksums()
 
@@ -123,21 +172,37 @@ class RolloutWorker:
     # driver calls them only when trainer.sync_backend selects them, which config validation
     # allows only with rollout.backend=vllm.
 
+    @engine_call
     def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
         return self.engine.init_weight_sync(host, port, rank_offset, world_size, backend)  # type: ignore[attr-defined]
 
+    @engine_call
     def receive_weights(self, plan: list[Bucket]) -> None:
         self.engine.receive_weights(plan)  # type: ignore[attr-defined]
 
-    def load_ipc(self, plan: list[Bucket], handles: list[Any]) -> None:
-        self.engine.load_ipc(plan, handles)  # type: ignore[attr-defined]
+    # The colocated stream: called by the learner rank on this worker's GPU (`WeightSender.stream_ipc`).
 
+    @engine_call
+    def begin_ipc(self, handles: list[Any]) -> None:
+        self.engine.begin_ipc(handles)  # type: ignore[attr-defined]
+
+    @engine_call
+    def load_ipc_bucket(self, bucket: Bucket, slot: int) -> None:
+        self.engine.load_ipc_bucket(bucket, slot)  # type: ignore[attr-defined]
+
+    @engine_call
+    def finish_ipc(self) -> None:
+        self.engine.finish_ipc()  # type: ignore[attr-defined]
+
+    @engine_call
     def continuation_logprobs(self, prompt: JudgePrompt, continuation: tuple[int, ...]) -> list[float]:
         return self.engine.continuation_logprobs(prompt, continuation)  # type: ignore[attr-defined]
 
+    @engine_call
     def sleep(self) -> None:
         self.engine.sleep()
 
+    @engine_call
     def wake_up(self) -> None:
         self.engine.wake_up()
 

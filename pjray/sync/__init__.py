@@ -22,11 +22,11 @@ engine) sends. Transports (`trainer.sync_backend`):
   (`SharedBuckets`: a file in /dev/shm mapped by both sides, created once and reused at every
   sync), and each engine maps the same file once (`SharedBucketReader`) and copies from it into
   its parameters. One copy in and one copy out; nothing is serialised or sent over a socket.
-* IPC (`ipc`, colocated): learner rank i packs every bucket on its GPU and hands CUDA IPC
-  handles to engine i on the same GPU, which maps them without a copy over the wire and loads
-  them. Costs one extra copy of the weights in GPU memory until the engine has loaded them;
-  `release_ipc` frees it (and returns the allocator's cached blocks) before the engine wakes its
-  KV cache.
+* IPC (`ipc`, colocated): learner rank i streams its buckets to engine i on the same GPU
+  through two reused CUDA buffers, shared once per sync as CUDA IPC handles (`ipc`): it packs
+  bucket k+1 while the engine loads bucket k, and packs a buffer again only once the engine has
+  loaded it. Costs two buckets of GPU memory, freed (with the allocator's cached blocks) before
+  the engine wakes its KV cache.
 
 The receiving side of the broadcast and IPC paths is `pjray.rollout.vllm_engine.WeightSyncExtension`.
 """

@@ -12,17 +12,38 @@ from torch import Tensor
 from pjray.models.lora import ExportedParam, export_view
 from pjray.sync.buckets import Bucket, pack, plan_buckets, state_checksums
 from pjray.sync.collective import WeightSyncGroup, broadcast_buckets
-from pjray.sync.ipc import ipc_handles
+from pjray.sync.ipc import stream_buckets
 from pjray.sync.shared import SharedBuckets
 
 if TYPE_CHECKING:
     import ray
 
-__all__ = ["WeightSender"]
+__all__ = ["WeightSender", "WorkerReceiver"]
 
 
 def _plan(exported: list[ExportedParam], bucket_bytes: int) -> list[Bucket]:
     return plan_buckets([(p.name, p.shape, p.dtype) for p in exported], bucket_bytes)
+
+
+class WorkerReceiver:
+    """A rollout worker actor as the receiving end of a CUDA IPC stream (`pjray.sync.ipc`)."""
+
+    def __init__(self, worker: ray.actor.ActorHandle) -> None:
+        import ray
+
+        self.worker, self.get = worker, ray.get
+
+    def begin(self, handles: list[Any]) -> None:
+        self.get(self.worker.begin_ipc.remote(handles))
+
+    def load(self, bucket: Bucket, slot: int) -> ray.ObjectRef:
+        return self.worker.load_ipc_bucket.remote(bucket, slot)
+
+    def wait(self, pending: ray.ObjectRef) -> None:
+        self.get(pending)
+
+    def finish(self) -> None:
+        self.get(self.worker.finish_ipc.remote())
 
 
 class WeightSender:
@@ -143,20 +164,33 @@ class WeightSender:
 
     # -- CUDA IPC -----------------------------------------------------------------------------
 
-    def export_ipc(self, bucket_bytes: int) -> tuple[list[Bucket], list[Any]]:
-        """(plan, CUDA IPC handles) of this rank's full weights for its colocated engine.
+    def stream_ipc(self, worker: ray.actor.ActorHandle, bucket_bytes: int, slots: int = 2) -> bool:
+        """Colocated sync: stream this rank's full weights to `worker`, the rollout worker on this
+        rank's GPU, through `slots` reused CUDA buffers (`pjray.sync.ipc.stream_buckets`).
 
-        The packed buffers stay alive until `release_ipc`, after the engine has loaded them.
+        Returns False when the worker died during the stream (the driver rebuilds it). Every
+        rank gathers every bucket all the same, as ZeRO-3's collective gathers need.
         """
-        self._ipc_buffers: list[Tensor] = []
-        return ipc_handles(self._full_buckets(bucket_bytes), self._ipc_buffers)
+        from pjray.placement import WORKER_FAILURES
 
-    def release_ipc(self) -> None:
-        """Free the packed copy and return the allocator's cached blocks to the GPU, which the
-        colocated engine's KV cache takes next."""
-        self._ipc_buffers = []
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        plan = self.weight_plan(bucket_bytes)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        buffers = [torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=device) for _ in range(slots)]
+        buckets = self._full_buckets(bucket_bytes)
+        try:
+            stream_buckets(buckets, buffers, WorkerReceiver(worker))
+            return True
+        except Exception as err:
+            for _ in buckets:  # the other ranks gather the rest of the buckets
+                pass
+            if isinstance(err, WORKER_FAILURES):
+                return False
+            raise
+        finally:
+            del buffers
+            if torch.cuda.is_available():
+                torch.cuda.ipc_collect()  # blocks the engine no longer maps
+                torch.cuda.empty_cache()  # for the colocated engine's KV cache, which wakes next
 
     # -- verification -------------------------------------------------------------------------
 

@@ -173,17 +173,17 @@ class NcclTransport(BroadcastTransport):
 
 
 class CudaIpcTransport(Transport):
-    """Colocated engines: learner rank i packs its weights on the GPU it shares with engine i and
-    hands CUDA IPC handles over; the packed copy is freed once the engines have loaded."""
+    """Colocated engines: learner rank i streams its weights to engine i, on the GPU they share,
+    through two reused CUDA buffers (`WeightSender.stream_ipc`); an engine that died meanwhile is
+    rebuilt and brought up to date (`refresh`)."""
 
     name = "ipc"
 
     def send(self, learners: list[Any], workers: WorkerPool) -> None:
-        exported = ray.get([r.export_ipc.remote(self.bucket_bytes) for r in learners])
-        try:
-            workers.call("load_ipc", list(exported))  # engine i maps rank i's buffers
-        finally:
-            ray.get([r.release_ipc.remote() for r in learners])
+        streamed = ray.get([r.stream_ipc.remote(w, self.bucket_bytes) for r, w in zip(learners, workers.actors)])
+        dead = [i for i, ok in enumerate(streamed) if not ok]
+        if dead:
+            workers.restart(*dead)
 
 
 TRANSPORTS: dict[str, type[Transport]] = {

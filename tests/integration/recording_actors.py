@@ -11,6 +11,7 @@ from typing import Any
 class CallLog:
     def __init__(self) -> None:
         self.entries: list[tuple[str, int]] = []
+        self.doomed: set[int] = set()  # workers that die in their next load_ipc_bucket
 
     def add(self, method: str, index: int) -> None:
         self.entries.append((method, index))
@@ -18,9 +19,20 @@ class CallLog:
     def calls(self) -> list[tuple[str, int]]:
         return list(self.entries)
 
+    def doom(self, index: int) -> None:
+        self.doomed.add(index)
+
+    def dies(self, index: int) -> bool:
+        if index in self.doomed:
+            self.doomed.discard(index)
+            return True
+        return False
+
 
 class RecordingLearnerRank:
-    """Fake `LearnerRank` (GPU-only parts absent): the methods the colocated sync calls."""
+    """Fake `LearnerRank` (GPU-only parts absent): the methods the colocated sync calls. Its
+    stream is the real one (`stream_buckets` through `WorkerReceiver`) over three buckets in CPU
+    buffers, with no handles to share."""
 
     def __init__(self, log: Any, rank: int) -> None:
         self.log, self.rank = log, rank
@@ -33,12 +45,26 @@ class RecordingLearnerRank:
     def release_memory(self) -> None:
         self._record("release_memory")
 
-    def export_ipc(self, bucket_bytes: int) -> tuple[list, list]:
-        self._record("export_ipc")
-        return [], []
+    def stream_ipc(self, worker: Any, bucket_bytes: int) -> bool:
+        import torch
 
-    def release_ipc(self) -> None:
-        self._record("release_ipc")
+        from pjray.placement import WORKER_FAILURES
+        from pjray.sync.buckets import plan_buckets
+        from pjray.sync.ipc import stream_buckets
+        from pjray.sync.sender import WorkerReceiver
+
+        self._record("stream_ipc")
+        plan = plan_buckets([(f"w{i}", torch.Size([4]), torch.float32) for i in range(3)], 16)
+        buckets = ((bucket, {e.name: torch.ones(4) for e in bucket.entries}) for bucket in plan)
+        try:
+            stream_buckets(buckets, [torch.empty(16, dtype=torch.uint8) for _ in range(2)], WorkerReceiver(worker), share=lambda slot: None)
+        except WORKER_FAILURES:
+            return False
+        return True
+
+    def export_weights(self, bucket_bytes: int) -> tuple[list, list]:
+        self._record("export_weights")
+        return [], []
 
 
 class RecordingRolloutWorker:
@@ -55,8 +81,23 @@ class RecordingRolloutWorker:
     def ready(self) -> bool:
         return True
 
-    def load_ipc(self, plan: list, handles: list) -> None:
-        self._record("load_ipc")
+    def begin_ipc(self, handles: list) -> None:
+        self._record("begin_ipc")
+
+    def load_ipc_bucket(self, bucket: Any, slot: int) -> None:
+        import os
+
+        import ray
+
+        if ray.get(self.log.dies.remote(self.index)):
+            os._exit(1)
+        self._record("load_ipc_bucket")
+
+    def finish_ipc(self) -> None:
+        self._record("finish_ipc")
+
+    def load_weights(self, plan: list, refs: list) -> None:
+        self._record("load_weights")
 
     def wake_up(self) -> None:
         self._record("wake_up")

@@ -314,9 +314,10 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
 def test_colocated_sync_hands_gpu_memory_over_in_order(ray_local, tmp_path):
     """The driver's side of the colocated IPC sync, with recording fakes of the learner ranks and
     the sleeping vLLM workers (no GPU here; the engine's side is tests/unit/test_colocated_sync.py):
-    the learners return their cached blocks, export, the engines load their weights, the
-    learners free the packed copy, the engines learn the weights' version, and only then do the
-    engines wake their KV caches."""
+    the learners return their cached blocks, each streams its buckets to its engine (the real
+    `stream_buckets`, called from the learner actor on the worker actor), the engines learn the
+    weights' version, and only then do the engines wake their KV caches. A worker that dies
+    during its stream is rebuilt and brought up to date through the object store."""
     from recording_actors import CallLog, RecordingLearnerRank, RecordingRolloutWorker
 
     from pjray.placement import Placement, RoleResources, WorkerPool
@@ -330,16 +331,29 @@ def test_colocated_sync_hands_gpu_memory_over_in_order(ray_local, tmp_path):
     trainer = Trainer(cfg)
     trainer.learners = [ray.remote(num_cpus=0)(RecordingLearnerRank).remote(log, r) for r in range(2)]
     placement = Placement({"rollout": RoleResources(2, 0.1, 0.0)}, strategy="PACK")
-    trainer.rollout = WorkerPool(placement, "rollout", RecordingRolloutWorker, lambda i: (log, i), max_retries=0)
+    trainer.rollout = WorkerPool(placement, "rollout", RecordingRolloutWorker, lambda i: (log, i), max_retries=0,
+                                 on_restart=trainer.sync_worker)  # fmt: skip
     try:
         trainer.init_weight_sync()  # trainer.sync_backend=ipc: the CUDA IPC transport, nothing to connect
         trainer.sync_weights()
         calls = ray.get(log.calls.remote())
+        ray.get(log.doom.remote(1))
+        trainer.sync_weights()
+        after_death = ray.get(log.calls.remote())[len(calls):]
     finally:
         trainer.rollout.shutdown()
         placement.shutdown()
         for actor in trainer.learners:
             ray.kill(actor)
-    order = ["release_memory", "export_ipc", "load_ipc", "release_ipc", "set_weight_version", "wake_up"]
-    assert [method for method, _ in calls] == [m for m in order for _ in range(2)], calls
-    assert all(sorted(i for m, i in calls if m == method) == [0, 1] for method in order)
+    streamed = ["stream_ipc", "begin_ipc"] + ["load_ipc_bucket"] * 3 + ["finish_ipc"]
+    for i in (0, 1):  # learner rank i and worker i
+        assert [m for m, j in calls if j == i] == ["release_memory", *streamed, "set_weight_version", "wake_up"], calls
+    methods = [m for m, _ in calls]
+    assert methods.index("stream_ipc") > max(k for k, m in enumerate(methods) if m == "release_memory")
+    assert methods.index("set_weight_version") > max(k for k, m in enumerate(methods) if m == "finish_ipc")
+    # Worker 1 dies at its first bucket; the rebuilt one takes the weights from the object store.
+    assert [m for m, j in after_death if j == 1] == [
+        "release_memory", "stream_ipc", "begin_ipc", "export_weights", "load_weights", "set_weight_version",
+        "set_weight_version", "wake_up",
+    ], after_death  # fmt: skip
+    assert trainer.rollout.restarts == 1

@@ -19,10 +19,12 @@ an environment of its own. Everything is real: vLLM's engine and sampler, Ray, D
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import math
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +38,7 @@ vllm = pytest.importorskip(
     "(tests/vllm_cpu_env.sh builds it; CI runs them there with -m vllm)",
 )
 
+import psutil  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
@@ -185,7 +188,9 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
     The reward (a leading space, ~0.2 for the random judge) has variance, so weights move. Two
     engines: one killed before a gloo sync reaches it ends the collective for every member at
     once; it is rebuilt, a new group formed and the sync completes (never a hang), the
-    surviving engine included. Two async steps (trainer.max_staleness=1) run over that group."""
+    surviving engine included. The same when only an engine's own process dies, during its
+    receive (the group member) or before a generation (the engine core). Two async steps
+    (trainer.max_staleness=1) run over that group."""
     cfg = load(
         overrides=VLLM_CPU + [
             "trainer.sync_backend=gloo",
@@ -226,6 +231,27 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
         assert sums[0] == sums[1]  # vLLM's own parameters, bit for bit
         assert _served_matches_learner(trainer, prompt, continuation) == pytest.approx(after_gloo, abs=1e-5)
 
+        # Engine 1's vLLM worker process (its member of the group) dies DURING receive_weights:
+        # the learner is held (SIGSTOP) so that both engines sit in the collective, waiting for
+        # the first bucket, when it dies. The actor lives on with a dead engine: it exits
+        # (`engine_call`), is rebuilt like a dead actor, and the sync completes.
+        learner_pid = ray.get(trainer.learners[0].__ray_call__.remote(lambda _: os.getpid()))
+        member = _vllm_process(trainer.rollout.actors[1], "VLLM::Worker")
+        with concurrent.futures.ThreadPoolExecutor(1) as background:
+            os.kill(learner_pid, signal.SIGSTOP)
+            try:
+                syncing = background.submit(trainer.sync_weights)
+                time.sleep(5)  # both receive_weights calls reach the collective
+                assert not syncing.done()
+                member.kill()
+            finally:
+                os.kill(learner_pid, signal.SIGCONT)
+            syncing.result(timeout=trainer.transport.timeout_s)
+        assert trainer.rollout.restarts == 2
+        sums = ray.get([w.checksums.remote() for w in trainer.rollout.actors])
+        assert sums[0] == sums[1]
+        assert _served_matches_learner(trainer, prompt, continuation) == pytest.approx(after_gloo, abs=1e-5)
+
         # Two async steps (trainer.max_staleness=1) over the new gloo group: the batch of step 4
         # is generated while step 3 trains, by step 2's weights, and the sync of step 3 waits for
         # that generation to end before vLLM takes the new weights.
@@ -236,16 +262,29 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
         assert metrics[3]["rollout/logprob_diff_max"] > 1e-3  # sampled by older weights than it trains
         after_async = _served_matches_learner(trainer, prompt, continuation)
 
-        # One more step, synchronous, synced through the object store (the transport every layout has).
+        # One more step, synchronous, synced through the object store (the transport every layout
+        # has). Engine 0's core process is dead when its generation reaches it: the worker is
+        # rebuilt at the learner's weights and the generation retried.
         trainer.transport = make_transport("object_store", trainer.transport.bucket_bytes)
         trainer.cfg.trainer.max_staleness, trainer.cfg.trainer.steps = 0, 5
+        _vllm_process(trainer.rollout.actors[0], "VLLM::EngineCore").kill()
         trainer.run()
+        assert trainer.rollout.restarts == 3
+        worker = trainer.rollout.actors[0]
         after_store = _served_matches_learner(trainer, prompt, continuation)
         assert max(abs(a - b) for a, b in zip(after_store, after_async)) > 1e-3
         assert len(ray.get(worker.generate.remote(PROMPTS, 2, 1))) == 4  # and it samples from them
     finally:
         trainer.shutdown()
         os.environ.pop("MASTER_PORT", None)
+
+
+def _vllm_process(worker: Any, name: str) -> psutil.Process:
+    """The process `name` (vLLM's engine core, or its model worker) of a rollout worker's engine."""
+    actor = psutil.Process(ray.get(worker.pid.remote()))
+    found = [p for p in actor.children(recursive=True) if p.name() == name]
+    assert len(found) == 1, [p.name() for p in actor.children(recursive=True)]
+    return found[0]
 
 
 # --------------------------------------------------------------------------- PPJD text engine

@@ -1,9 +1,11 @@
-"""The colocated GPU sync's memory order, on CPU: the real `VllmEngine` methods around a recording
-stand-in for `vllm.LLM` (the GPU-only part; it keeps the methods the engine calls).
+"""The colocated GPU sync on CPU: its memory order, with the real `VllmEngine` methods around a
+recording stand-in for `vllm.LLM` (the GPU-only part; it keeps the methods the engine calls),
+and the learner's stream through two reused slots (`stream_buckets`, CPU buffers in place of
+CUDA ones).
 
 Colocated, the learner and the engine share one GPU. After the update the engine must first
 take back its weights only and load the new ones while its KV cache stays released; the KV cache
-may wake only when the driver says so, after the learner freed its packed copy of the weights.
+may wake only when the driver says so, after the learner freed its stream buffers.
 The driver's side of the order is checked in tests/integration/test_trainer.py. Neither has run
 on a GPU here. In every layout and transport, a load resets the encoder cache (the vision
 tower's embeddings of images already seen were computed with the old weights); the real engine's
@@ -12,7 +14,14 @@ side of that is tests/integration/test_vllm_vl_cpu.py.
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from pjray.rollout.vllm_engine import VllmEngine
+from pjray.sync.buckets import plan_buckets, unpack
+from pjray.sync.ipc import ipc_handle, slot_view, stream_buckets
+
+BUCKET = plan_buckets([("w", torch.Size([2]), torch.float32)], 1 << 10)[0]
 
 
 class RecordingLLM:
@@ -48,12 +57,20 @@ def _engine(sleep_enabled: bool) -> VllmEngine:
     return engine
 
 
+def _stream(engine: VllmEngine) -> None:
+    """The engine's calls in one colocated sync of one bucket (`WeightSender.stream_ipc`)."""
+    engine.begin_ipc([])
+    engine.load_ipc_bucket(BUCKET, 0)
+    engine.finish_ipc()
+
+
 def test_colocated_load_wakes_weights_only_and_the_kv_cache_on_wake_up():
     engine = _engine(sleep_enabled=True)
     engine.sleep()
-    engine.load_ipc([], [])
+    _stream(engine)
     assert engine.llm.calls == [
-        ("sleep", 1), ("wake_up", ("weights",)), ("rpc", "pjray_load_ipc"), ("reset_encoder_cache",),
+        ("sleep", 1), ("wake_up", ("weights",)), ("rpc", "pjray_begin_ipc"), ("rpc", "pjray_load_ipc_bucket"),
+        ("rpc", "pjray_finish_ipc"), ("reset_encoder_cache",),
     ]  # fmt: skip
     assert engine.sleeping == {"kv_cache"}  # still released while the learner frees its copy
     engine.llm.calls.clear()
@@ -69,7 +86,7 @@ TRANSPORTS = (
     lambda e: e.load_weights([], []),
     lambda e: e.load_shared([], []),
     lambda e: e.receive_weights([]),
-    lambda e: e.load_ipc([], []),
+    lambda e: _stream(e),
 )
 
 
@@ -92,6 +109,64 @@ def test_every_transport_resets_the_encoder_cache_after_its_load_in_split_layout
 def test_split_engines_never_sleep_and_reset_the_prefix_cache_after_a_load():
     engine = _engine(sleep_enabled=False)
     engine.sleep()
-    engine.load_ipc([], [])
+    _stream(engine)
     engine.wake_up()
-    assert engine.llm.calls == [("rpc", "pjray_load_ipc"), ("reset_encoder_cache",), ("reset_prefix_cache",)]
+    assert engine.llm.calls[-2:] == [("reset_encoder_cache",), ("reset_prefix_cache",)]
+    assert [c for c in engine.llm.calls if c[0] in ("sleep", "wake_up")] == []
+
+
+class DeferredReceiver:
+    """An engine that reads a slot only when the learner waits for that load, as a process that
+    runs behind the learner would: a slot packed again before its wait would deliver the wrong
+    bucket."""
+
+    def __init__(self, slots: list[torch.Tensor]) -> None:
+        self.slots, self.received, self.events = slots, {}, []
+
+    def begin(self, handles: list) -> None:
+        assert handles == list(range(len(self.slots)))  # one handle per slot, shared once
+        self.events.append("begin")
+
+    def load(self, bucket, slot: int) -> tuple:
+        self.events.append(("load", slot))
+        return bucket, slot
+
+    def wait(self, pending: tuple) -> None:
+        bucket, slot = pending
+        self.received.update({k: v.clone() for k, v in unpack(bucket, slot_view(self.slots[slot], bucket)).items()})
+        self.events.append(("read", slot))
+
+    def finish(self) -> None:
+        self.events.append("finish")
+
+
+def test_a_stream_reuses_two_slots_and_never_packs_one_still_being_read():
+    weights = {f"layer{i}.weight": torch.randn(3, 5) for i in range(7)}
+    weights["layer7.bias"] = torch.arange(4, dtype=torch.int64)  # a dtype change starts a bucket
+    plan = plan_buckets([(k, v.shape, v.dtype) for k, v in weights.items()], 2 * 15 * 4)
+    assert len(plan) == 5
+    slots = [torch.zeros(max(b.nbytes for b in plan), dtype=torch.uint8) for _ in range(2)]
+    receiver = DeferredReceiver(slots)
+    shared = iter(range(2))
+    sent = stream_buckets(((b, weights) for b in plan), slots, receiver, share=lambda slot: next(shared))
+    assert sent == 5
+    assert receiver.received.keys() == weights.keys()
+    assert all(torch.equal(receiver.received[k], v) for k, v in weights.items())
+    # Each slot is read before it is packed again, and the first read comes only when the
+    # third bucket needs the first slot: the learner runs one bucket ahead of the engine.
+    assert receiver.events == [
+        "begin", ("load", 0), ("load", 1), ("read", 0), ("load", 0), ("read", 1), ("load", 1),
+        ("read", 0), ("load", 0), ("read", 1), ("read", 0), "finish",
+    ]  # fmt: skip
+
+
+def test_a_bucket_larger_than_its_slot_is_refused():
+    plan = plan_buckets([("w", torch.Size([8]), torch.float32)], 1 << 10)
+    slots = [torch.empty(16, dtype=torch.uint8)]
+    with pytest.raises(ValueError, match="does not fit"):
+        stream_buckets(((b, {"w": torch.ones(8)}) for b in plan), slots, DeferredReceiver(slots), share=lambda slot: 0)
+
+
+def test_only_a_cuda_buffer_has_an_ipc_handle():
+    with pytest.raises(ValueError, match="CUDA IPC needs"):
+        ipc_handle(torch.empty(4, dtype=torch.uint8))

@@ -56,7 +56,7 @@ def test_weight_transports_live_beside_sync():
     from pjray.sync.sender import WeightSender
 
     transports = ("export_weights", "sync_address", "init_weight_sync", "weight_plan", "broadcast_weights",
-                  "export_ipc", "release_ipc", "checksums", "_full_buckets")  # fmt: skip
+                  "stream_ipc", "checksums", "_full_buckets")  # fmt: skip
     for name in transports:
         assert getattr(LearnerRank, name) is getattr(WeightSender, name), name
     learner_source = inspect.getsource(sys.modules["pjray.rl.learner"])

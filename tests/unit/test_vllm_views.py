@@ -10,6 +10,8 @@ placeholder expands (once) to exactly `image_token_count` pad tokens. None of th
 from __future__ import annotations
 
 import io
+import threading
+import time
 
 import PIL.Image
 import pytest
@@ -19,7 +21,8 @@ from pjray.config import ConfigError, load
 from pjray.models.loading import image_token_count, load_processor, processor_inputs, render_chat
 from pjray.models.tiny import TINY_ARCHS, build_tiny_judge
 from pjray.rl.logprobs import collate
-from pjray.rollout.vllm_engine import llm_kwargs, vllm_request
+from pjray.rollout import vllm_engine
+from pjray.rollout.vllm_engine import VllmEngine, llm_kwargs, vllm_request
 from pjray.types import Experience, JudgePrompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
@@ -245,3 +248,35 @@ def test_the_engine_arguments_follow_the_layout(vlm_processor) -> None:
 
     eager = llm_kwargs("judge", cpu.model, cpu.rollout, vlm_processor)
     assert eager["enforce_eager"] and "gpu_memory_utilization" not in eager
+
+
+# ---------------------------------------------------------------------------------------------
+# An engine whose own processes died (needs vLLM's exception types: the vLLM venv)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Resources:
+    engine_dead = False
+
+
+def _engine_with(resources: _Resources) -> VllmEngine:
+    """A VllmEngine whose vllm.LLM is reduced to the client's liveness mark."""
+    from types import SimpleNamespace
+
+    engine = VllmEngine.__new__(VllmEngine)
+    engine.llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(resources=resources)))
+    return engine
+
+
+def test_an_engine_is_dead_when_vllm_says_so_or_marks_it_dead_soon_after(monkeypatch) -> None:
+    exceptions = pytest.importorskip("vllm.v1.engine.exceptions", reason="vLLM's exception types: the vLLM venv runs this")
+    monkeypatch.setattr(vllm_engine, "ENGINE_DEATH_GRACE_S", 0.5)
+    assert _engine_with(_Resources()).is_dead(exceptions.EngineDeadError())
+    # A worker died under a call in flight: its error comes first, the client's mark after it.
+    resources = _Resources()
+    threading.Timer(0.1, lambda: setattr(resources, "engine_dead", True)).start()
+    assert _engine_with(resources).is_dead(Exception("Call to collective_rpc method failed: cancelled"))
+    # Any other error of a live engine (a survivor's failed collective) is not a death.
+    started = time.monotonic()
+    assert not _engine_with(_Resources()).is_dead(RuntimeError("Connection closed by peer"))
+    assert 0.5 <= time.monotonic() - started < 2
