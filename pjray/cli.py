@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     evaluate = add("eval", "evaluate a judge on a benchmark and write a report")
     evaluate.add_argument("--config", help="YAML file merged onto the defaults, e.g. configs/eval_scenes.yaml")
     evaluate.add_argument("--judge", help="HF directory or hub id of the judge (eval.judge)")
-    evaluate.add_argument("--bench", help="score | pair | batch | perceptual_bias | mm_judgebias | looking (eval.bench)")
+    evaluate.add_argument("--bench", help="score | pair | batch | perceptual_bias | mm_judgebias | looking | vl_rewardbench | mm_rewardbench (eval.bench)")
     evaluate.add_argument("--data", help="benchmark or PPJD file, or a dataset (hub id or folder); empty: synthetic scenes (eval.data)")
     evaluate.add_argument("--image-dir", help="folder the data file's image paths are relative to")
     evaluate.add_argument("--output-dir", help="where the report and the output cache go")
@@ -116,12 +116,12 @@ def run_command(args: argparse.Namespace) -> int:
     check_inputs(cfg, args.command)
 
     if args.command == "train":
-        from pjray.eval.bias import training_eval
         from pjray.eval.held_out import held_out_hook
+        from pjray.eval.runner import validation_hook
         from pjray.rl.trainer import train as run_training
 
         start = time.perf_counter()
-        run_dir = run_training(cfg, evaluate=training_eval, held_out=held_out_hook(cfg))
+        run_dir = run_training(cfg, evaluate=validation_hook(cfg), held_out=held_out_hook(cfg))
         print("\n".join(run_summary(run_dir, time.perf_counter() - start)))
     elif args.command == "sft":
         if cfg.model.path:

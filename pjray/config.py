@@ -256,6 +256,12 @@ class TrainerConfig:
     # Also write the HF judge at these steps, into <run_dir>/hf_model_step_<N>: the judges of a
     # learning curve (e.g. [10, 20, 40]), each judged afterwards like the final one.
     export_steps: list[int] = field(default_factory=list)
+    # Keep the judge of the best validation so far: a metric the evaluation hook logs every
+    # eval.every_steps steps (e.g. eval/vl_rewardbench/gap with eval.train_bench=vl_rewardbench
+    # and eval.blind=[mismatched]); the judge is written to <run_dir>/hf_model_best and its step
+    # and value to best.json and the run's summary. Empty: off.
+    keep_best: str = ""
+    keep_best_mode: str = "max"  # max | min: whether a larger or a smaller keep_best value is better
     sync_bucket_mb: int = 64
     # How weights reach the rollout engines: shm (shared memory: every engine on learner rank
     # 0's node), object_store (Ray objects; any layout), gloo or nccl (a broadcast group of
@@ -355,9 +361,11 @@ class EvalConfig:
     judge: str = ""
     # score | pair | batch (MLLM-as-a-Judge) | perceptual_bias (Mode a/b) | mm_judgebias | looking
     # (does it look: image-following on held-out scene tuples, pjray.eval.looking; the base judges'
-    # scenes: configs/eval_looking.yaml)
+    # scenes: configs/eval_looking.yaml) | vl_rewardbench | mm_rewardbench (the pairwise
+    # preference benchmarks, scored as their official scripts do: pjray.eval.reward_bench)
     bench: str = "perceptual_bias"
-    # score/pair/batch: the published JSONL; mm_judgebias: published records (JSONL, JSON,
+    # score/pair/batch: the published JSONL; vl_rewardbench: the hub parquet or data.jsonl;
+    # mm_rewardbench: all_data_release.json (or JSONL, parquet); mm_judgebias: published records (JSONL, JSON,
     # parquet) or a PPJD parquet to perturb; perceptual_bias: a PPJD parquet. Each may also be a
     # dataset: a hub id (owner/name), a `save_to_disk` folder or a folder of data files. Empty: scenes.
     data: str = ""
@@ -383,7 +391,9 @@ class EvalConfig:
     # mm_judgebias: official (the benchmark's score reading and report) | strict (pjray's reading;
     # BD, category and overall values only where every part is defined)
     bias_convention: str = "official"
-    prompt_format: str = "paper"  # paper (think/answer, 1-10) | original (the benchmark's prompt)
+    # auto (paper for score/pair/batch, original for vl_rewardbench and mm_rewardbench) | paper
+    # (the Perception-Judge think/answer prompts, scores 1-10) | original (the benchmark's own prompt)
+    prompt_format: str = "auto"
     batch_style: str = "scores"  # paper batch prompt: scores (one per answer) | ranking (letters)
     # Judge score -> the benchmark's 1-5: auto (ceil_half for paper, none for original) | ceil_half | none
     score_mapping: str = "auto"
@@ -397,8 +407,20 @@ class EvalConfig:
     # Blind passes in the same run, beside the eval.image one: each mode listed (grey | none)
     # judges everything again with eval.image=<mode>, and the report puts its tables next to the
     # main ones (report.json `blind.<mode>`, report.md a `<table> [<mode>]` column, W&B
-    # eval/blind/<mode>/...). [grey] is the check that the judge uses the image.
+    # eval/blind/<mode>/...). [grey] is the check that the judge uses the image. mismatched
+    # (score/pair/batch, vl_rewardbench, mm_rewardbench): every item shown another item's image;
+    # on the preference benchmarks the report adds the paired test real vs mismatched.
     blind: list[str] = field(default_factory=list)
+    # vl_rewardbench / mm_rewardbench: score judge outputs produced elsewhere instead of judging:
+    # a JSONL file, one line per sample {"row": <0-based row index>, "output": "<raw text>",
+    # "swapped": <true when the second response was shown first>} (every run writes its own
+    # outputs.jsonl in this layout). eval.judge stays empty.
+    outputs: str = ""
+    # vl_rewardbench / mm_rewardbench: more judges (HF directories or hub ids) or outputs files
+    # (.jsonl) evaluated on the same rows; compare.md gives one table and the paired McNemar
+    # test of every pair of judges.
+    compare: list[str] = field(default_factory=list)
+    both_orders: bool = False  # mm_rewardbench: also judge every row with Output2 shown as A
     num_items: int = 32  # scene items when `data` is empty
     scene_seed: int = 1  # scene items' seed (training uses data.seed)
     image_size: int = 128
@@ -418,9 +440,13 @@ class EvalConfig:
     cache: bool = True  # reuse outputs cached under output_dir (keyed by prompt, image, judge, seed)
     plots: bool = True
     wandb: bool = False  # log the report's numbers to W&B (tracking.*)
-    # Training-time held-out eval every N trainer steps (0: off), on scene items of train_seed.
+    # Training-time validation every N trainer steps (0: off), judged by the rollout workers.
     every_steps: int = 0
-    train_bench: str = "perceptual_bias"  # perceptual_bias (eval/mode_a_rate, eval/mode_b_rate, eval/error_rate)
+    # perceptual_bias (scene items of train_seed: eval/mode_a_rate, eval/mode_b_rate,
+    # eval/error_rate) | vl_rewardbench | mm_rewardbench (train_num_items rows of eval.data drawn
+    # with train_seed: eval/<bench>/accuracy and per group; with eval.blind=[mismatched] also
+    # eval/<bench>/accuracy_mismatched and eval/<bench>/gap)
+    train_bench: str = "perceptual_bias"
     train_num_items: int = 16
     train_seed: int = 1000
 
@@ -794,25 +820,25 @@ def _validate_ppjd(p: PPJDConfig) -> None:
 
 
 _EVAL_CHOICES: dict[str, tuple[str, ...]] = {
-    "bench": ("score", "pair", "batch", "perceptual_bias", "mm_judgebias", "looking"),
+    "bench": ("score", "pair", "batch", "perceptual_bias", "mm_judgebias", "looking", "vl_rewardbench", "mm_rewardbench"),
     "seed_agg": ("mean", "median"),
     "tie_rule": ("official", "downstream"),
     "pair_vote": ("none", "majority"),
     "unparsed_score": ("drop", "minus_one"),
     "convention": ("strict", "perception_judge", "flex_judge"),
     "bias_convention": ("official", "strict"),
-    "prompt_format": ("paper", "original"),
+    "prompt_format": ("auto", "paper", "original"),
     "batch_style": ("scores", "ranking"),
     "score_mapping": ("auto", "ceil_half", "none"),
     "image": ("as_is", "grey", "none"),  # pjray.eval.blind.IMAGE_MODES (the driver imports no pjray.eval)
-    "train_bench": ("perceptual_bias",),
+    "train_bench": ("perceptual_bias", "vl_rewardbench", "mm_rewardbench"),
 }
 
 
 # eval.* options of the strict convention, with their defaults.
 _STRICT_ONLY: dict[str, str] = {
     "seed_agg": "mean", "tie_rule": "official", "pair_vote": "none", "unparsed_score": "drop",
-    "prompt_format": "paper", "batch_style": "scores", "score_mapping": "auto",
+    "prompt_format": "auto", "batch_style": "scores", "score_mapping": "auto",
 }
 
 
@@ -831,8 +857,8 @@ def _validate_eval(cfg: Config) -> None:
         raise ConfigError("eval.seeds: at least one seed")
     if not 0 < e.top_p <= 1:
         raise ConfigError(f"eval.top_p={e.top_p}: must be in (0, 1]")
-    if e.bench in ("score", "pair", "batch") and not e.data:
-        raise ConfigError(f"eval.data: required for eval.bench={e.bench} (the published {e.bench} JSONL)")
+    if e.bench in _ROW_BENCHES and not e.data:
+        raise ConfigError(f"eval.data: required for eval.bench={e.bench} (the published rows: a file, a folder or a hub id)")
     if e.prompt_format == "original" and e.score_mapping == "ceil_half":
         raise ConfigError("eval.score_mapping=ceil_half: the original prompt already scores 1-5; use auto or none")
     if e.convention != "strict":
@@ -846,8 +872,12 @@ def _validate_eval(cfg: Config) -> None:
                     f"eval.convention={e.convention} follows its script's own rule (leave it at {default!r})"
                 )
     for mode in e.blind:
-        if mode not in ("grey", "none"):
-            raise ConfigError(f"eval.blind={list(e.blind)}: {mode!r} is not a blind mode; expected grey or none")
+        if mode not in ("grey", "none", "mismatched"):
+            raise ConfigError(f"eval.blind={list(e.blind)}: {mode!r} is not a blind mode; expected grey, none or mismatched")
+        if mode == "mismatched" and e.bench not in _ROW_BENCHES:
+            raise ConfigError(f"eval.blind=mismatched: only for eval.bench={', '.join(_ROW_BENCHES)} (items of their own "
+                              f"rows to swap images between), not {e.bench}")  # fmt: skip
+    _validate_preference(cfg)
     if len(set(e.blind)) < len(e.blind) or e.image in e.blind:
         raise ConfigError(f"eval.blind={list(e.blind)}: each mode once, and not eval.image={e.image} (the main pass)")
     if e.bench == "looking":
@@ -864,9 +894,45 @@ def _validate_eval(cfg: Config) -> None:
         raise ConfigError(f"eval.bias_convention={e.bias_convention}: only for eval.bench=mm_judgebias")
     if e.num_cpus_per_worker <= 0 and e.num_gpus_per_worker <= 0:
         raise ConfigError("eval.num_cpus_per_worker: a judge worker needs CPUs or GPUs (> 0)")
-    if e.every_steps and cfg.data.source == "scenes" and e.train_seed == cfg.data.seed:
+    if e.every_steps and e.train_bench == "perceptual_bias" and cfg.data.source == "scenes" and e.train_seed == cfg.data.seed:
         # The held-out eval must not judge the scenes the policy trains on.
         raise ConfigError(f"eval.train_seed={e.train_seed}: must differ from data.seed for a held-out eval")
+
+
+_ROW_BENCHES = ("score", "pair", "batch", "vl_rewardbench", "mm_rewardbench")  # rows of their own, from eval.data
+_PREFERENCE_BENCHES = ("vl_rewardbench", "mm_rewardbench")
+
+
+def _validate_preference(cfg: Config) -> None:
+    """The keys of the preference benchmarks (pjray.eval.reward_bench), and keep_best."""
+    e, t = cfg.eval, cfg.trainer
+    if e.bench not in _PREFERENCE_BENCHES:
+        for key in ("outputs", "compare"):
+            if getattr(e, key):
+                raise ConfigError(f"eval.{key}: only for eval.bench=vl_rewardbench or mm_rewardbench, not {e.bench}")
+    if e.both_orders and e.bench != "mm_rewardbench" and e.train_bench != "mm_rewardbench":
+        raise ConfigError("eval.both_orders: only for mm_rewardbench (VL-RewardBench draws the order per sample)")
+    if e.outputs:
+        if e.judge:
+            raise ConfigError(f"eval.outputs={e.outputs}: scores outputs made elsewhere; leave eval.judge empty "
+                              f"(got {e.judge})")  # fmt: skip
+        if e.blind or e.both_orders:
+            raise ConfigError("eval.outputs: the file holds one pass; eval.blind and eval.both_orders judge more, "
+                              "so they take a judge")  # fmt: skip
+        if not e.outputs.endswith(".jsonl"):
+            raise ConfigError(f"eval.outputs={e.outputs}: a .jsonl file of judge outputs")
+    for name in e.compare:
+        if (e.blind or e.both_orders) and name.endswith(".jsonl"):
+            raise ConfigError(f"eval.compare: {name} holds one pass; eval.blind and eval.both_orders judge more")
+    if e.compare and not (e.judge or e.outputs):
+        raise ConfigError("eval.compare: compares with eval.judge or eval.outputs; name one of them")
+    if e.train_bench in _PREFERENCE_BENCHES and e.every_steps and not e.data:
+        raise ConfigError(f"eval.data: required for eval.train_bench={e.train_bench} (the benchmark's rows)")
+    if t.keep_best_mode not in ("max", "min"):
+        raise ConfigError(f"trainer.keep_best_mode={t.keep_best_mode!r}: expected one of max, min")
+    if t.keep_best and not (t.keep_best.startswith("eval/") and e.every_steps):
+        raise ConfigError(f"trainer.keep_best={t.keep_best}: a validation metric (eval/...) logged every "
+                          "eval.every_steps steps; set eval.every_steps > 0")  # fmt: skip
 
 
 def resolved_rollout_is(level: str, hybrid: bool) -> str:

@@ -159,6 +159,7 @@ def step_line(step: int, total: int, metrics: dict[str, float], seconds_per_step
 
 
 SUMMARY_WINDOW = 5  # steps averaged at each end of the run in the summary
+BEST = "best.json"  # in a run dir: trainer.keep_best's best step, value and judge (pjray.rl.best)
 HELD_OUT = "held_out.json"  # in a run dir: the held-out check of a run from the base judge
 HELD_OUT_ITEMS = "held_out_items.parquet"  # ... and its verdicts, one row per judge and item
 DATA_REJECTS = "data_rejects.jsonl"  # in a run dir: the training rows left out, one JSON object a line
@@ -240,6 +241,10 @@ def run_summary(run_dir: Path, wall_s: float) -> list[str]:
     if held_out.is_file():
         check = json.loads(held_out.read_text(encoding="utf-8"))
         lines += held_out_lines(check)
+    if (run_dir / BEST).is_file():
+        best = json.loads((run_dir / BEST).read_text(encoding="utf-8"))
+        lines.append(f"  best validation: {best['metric']} = {best['value']:.4f} at step {best['step']} "
+                     f"({best['mode']}; judge in {best['model']})")  # fmt: skip
     if (run_dir / "hf_model" / "config.json").is_file():
         lines.append(f"  HF export: {run_dir / 'hf_model'}")
     run_id = run_dir / "wandb_run_id"

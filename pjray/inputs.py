@@ -105,6 +105,8 @@ def check_inputs(cfg: Config, command: str) -> None:
         check_exists("data.path", cfg.data.path)
     if command == "train" and cfg.data.source == "hf":
         check_dataset("data.path", cfg.data.path)
+    if command == "train" and cfg.eval.every_steps and cfg.eval.train_bench != "perceptual_bias":
+        check_dataset("eval.data", cfg.eval.data, files=True)
     if command == "sft" and cfg.sft.path:
         check_file("sft.path", cfg.sft.path)
     if command == "ppjd":
@@ -129,3 +131,10 @@ def check_inputs(cfg: Config, command: str) -> None:
             check_dataset("eval.data", e.data, files=True)
         if e.image_dir:
             check_dir("eval.image_dir", e.image_dir)
+        if e.outputs:
+            check_file("eval.outputs", e.outputs)
+        for name in e.compare:  # a judge or an outputs file (pjray.eval.runner.is_outputs_file)
+            if name.endswith(".jsonl"):
+                check_file("eval.compare", name)
+            else:
+                check_model("eval.compare", name)

@@ -233,8 +233,8 @@ def run_trial(params: dict[str, Any], plan: SweepPlan) -> None:
     from ray import tune
 
     from pjray.console import quiet_stack
-    from pjray.eval.bias import training_eval
     from pjray.eval.held_out import held_out_hook
+    from pjray.eval.runner import validation_hook
     from pjray.rl.trainer import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -248,7 +248,7 @@ def run_trial(params: dict[str, Any], plan: SweepPlan) -> None:
     def report(step: int, metrics: dict[str, float]) -> None:
         tune.report({**metrics, "step": step})
 
-    run_dir = train(trial.config, evaluate=training_eval, held_out=held_out_hook(trial.config),
+    run_dir = train(trial.config, evaluate=validation_hook(trial.config), held_out=held_out_hook(trial.config),
                     placement_group=group, first_bundle=1, on_step=report)  # fmt: skip
     record_trial(plan, trial, time.perf_counter() - start)
     tune.report({"step": trial.config.trainer.steps, "done": 1.0, **held_out_metrics(run_dir)})

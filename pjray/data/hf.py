@@ -25,7 +25,7 @@ from datasets.data_files import EmptyDatasetError
 from datasets.exceptions import DataFilesNotFoundError, DatasetNotFoundError
 
 from pjray.config import DATA_COLUMNS, ConfigError, DataConfig, EvalConfig, PathError
-from pjray.data.sources import DataError, RowReject, Rows, check_item, row_to_item, scan_items
+from pjray.data.sources import DataError, RowReject, Rows, check_item, file_rows, row_to_item, scan_items
 from pjray.errors import first_line
 from pjray.inputs import check_dataset
 from pjray.types import JudgeItem
@@ -239,6 +239,39 @@ def eval_source(e: EvalConfig) -> str | OpenDataset:
                 raise ConfigError(f"eval.{key}: only read when eval.data is a dataset (a folder or a hub id), not a file")
         return e.data
     return open_dataset(DatasetRef(e.data, e.split, e.subset, e.revision, section="eval"))
+
+
+def scan_source(
+    source: str | Path | OpenDataset,
+    parse: Callable[[Any, Path, str], T],
+    image_dir: str | Path | None = None,
+    limit: int = 0,
+    error: type[DataError] = DataError,
+) -> Rows[T]:
+    """The rows of a benchmark file (parquet, a JSON list, JSONL) or a dataset (`open_dataset`),
+    each made by `parse(raw, image root, where)`, up to `limit` good ones (0: all). A row that is
+    not JSON, or that `parse` refuses with a `DataError`, is a reject naming the file (or dataset)
+    and row; image paths are relative to `image_dir`, else the file's folder or the dataset's."""
+    if isinstance(source, OpenDataset):
+        root = Path(image_dir) if image_dir else source.root
+        out: Rows[T] = Rows(source.label)
+        raws: Iterator[tuple[str, Any]] = source.named_rows()
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise error(f"{path}: no such file")
+        root = Path(image_dir) if image_dir else path.parent
+        out = Rows(str(path))
+        raws = file_rows(path, out)
+    for where, raw in raws:
+        try:
+            out.rows.append(parse(raw, root, where))
+        except DataError as err:
+            row_id = str(raw.get("id", raw.get("ID", ""))) if isinstance(raw, dict) else ""
+            out.rejects.append(RowReject(where, row_id, str(err).removeprefix(f"{where}: ")))
+        if limit and len(out.rows) >= limit:
+            break
+    return out
 
 
 def scan_judge_items(source: str | OpenDataset) -> Rows[JudgeItem]:

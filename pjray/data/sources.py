@@ -14,6 +14,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 import datasets
@@ -168,6 +169,35 @@ class Rows(Generic[T]):
             f"{self.source}: {len(self.rejects)} of {total} rows are bad (more than data.max_reject_fraction="
             f"{max_fraction:g}): {first}{'; ...' if len(self.rejects) > 3 else ''}"
         )
+
+
+def file_rows(path: Path, out: Rows) -> Iterator[tuple[str, Any]]:
+    """(where, raw row) of a parquet file, a JSON list or a JSONL file (by suffix: .parquet,
+    .json, anything else JSONL); a JSONL line that is not JSON becomes a reject in `out`, a JSON
+    file that is not a list of rows an error naming it."""
+    if path.suffix == ".parquet":
+        for i, raw in enumerate(pq.read_table(path).to_pylist()):
+            yield f"{path} row {i}", raw
+        return
+    if path.suffix == ".json":
+        try:
+            listed = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path}: not JSON ({err})") from None
+        if not isinstance(listed, list):
+            raise DataError(f"{path}: a JSON {type(listed).__name__}, expected a list of rows")
+        for i, raw in enumerate(listed):
+            yield f"{path} row {i}", raw
+        return
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {lineno}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as err:
+                out.rejects.append(RowReject(where, "", f"not JSON ({err})"))
 
 
 def write_rejects(rejects: list[RowReject], path: Path) -> None:

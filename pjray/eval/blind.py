@@ -7,6 +7,10 @@ A claim that a judge uses the image needs the same items judged without the imag
   exactly grey (a JPEG of the same grey may come back off by one).
 - `none`: the prompt carries no image at all (every protocol renders a text-only prompt; a
   text-only judge takes only these).
+- `mismatched` (benchmarks of independent rows: MLLM-as-a-Judge, VL-RewardBench, Multimodal
+  RewardBench): every item shown the image of another item of the same benchmark, a real
+  image of a different fact, unlike grey (`mismatched_images`). A judge whose accuracy does not
+  drop from the real image to the mismatched one does not use the image.
 
 Each protocol applies `judged_image` to the images of its judged items (MLLM-as-a-Judge rows,
 Mode a/b items with their probes, both sides of an MM-JudgeBias record) after the data is built
@@ -18,11 +22,14 @@ identical inputs.
 
 from __future__ import annotations
 
+import hashlib
 import io
+import random
 
 from PIL import Image
 
 IMAGE_MODES = ("as_is", "grey", "none")  # eval.image
+MISMATCHED = "mismatched"  # eval.blind only: needs the whole benchmark, not one image
 GREY = (128, 128, 128)
 
 
@@ -44,3 +51,32 @@ def judged_image(image: bytes | None, mode: str) -> bytes | None:
     if mode == "none":
         return None
     raise ValueError(f"unknown image mode {mode!r}; expected one of {IMAGE_MODES}")
+
+
+def mismatched_images(images: list[bytes | None], seed: int = 0) -> list[bytes | None]:
+    """For each item, the image of another item (a seeded derangement over the items that have
+    an image), never the same image bytes where another image exists: item i gets the image of
+    the item after it in a seeded shuffle whose first different image is taken. Items without an
+    image keep none; with fewer than two distinct images nothing can be mismatched (ValueError)."""
+    have = [i for i, img in enumerate(images) if img is not None]
+    digests = {i: hashlib.sha256(images[i]).digest() for i in have}  # type: ignore[arg-type]
+    if len(set(digests.values())) < 2:
+        raise ValueError("eval.blind=mismatched: the benchmark has fewer than two distinct images to swap")
+    order = list(have)
+    random.Random(seed).shuffle(order)
+    out: list[bytes | None] = list(images)
+    for pos, i in enumerate(order):
+        for step in range(1, len(order)):
+            j = order[(pos + step) % len(order)]
+            if digests[j] != digests[i]:
+                out[i] = images[j]
+                break
+    return out
+
+
+def shown_images(images: list[bytes | None], mode: str, seed: int = 0) -> list[bytes | None]:
+    """The images a benchmark of independent rows shows under `mode`: an `eval.image` mode
+    applied to each, or `mismatched` (`mismatched_images`)."""
+    if mode == MISMATCHED:
+        return mismatched_images(images, seed)
+    return [judged_image(image, mode) for image in images]

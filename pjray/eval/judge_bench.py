@@ -14,7 +14,7 @@ The same rows may come from a dataset (`eval.data` a hub id or a folder, `pjray.
 an image may also be an `Image` feature or bytes.
 
 Two prompt formats (`eval.prompt_format`):
-- `paper` (default): the Perception-Judge release's think/answer prompts (`pjray.data.prompts`);
+- `paper` (the default, `auto`): the Perception-Judge release's think/answer prompts (`pjray.data.prompts`);
   scores are 1-10, so the score protocol maps them onto the benchmark's 1-5 with
   `eval.score_mapping` (ceil(v/2) as the release's evaluation does).
 - `original`: the benchmark's own prompt layout (start, Evaluation Steps, Evaluation Method,
@@ -36,17 +36,16 @@ Whose evaluation turns the judge's texts into the numbers (`eval.convention`):
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING
 
 from pjray.data.prompts import LETTERS, order_from_ranking, render_batch, render_pair, render_score
-from pjray.data.hf import OpenDataset, eval_source
-from pjray.data.sources import DataError, RowReject, Rows, image_bytes
-from pjray.eval.blind import judged_image
+from pjray.data.hf import OpenDataset, eval_source, scan_source
+from pjray.data.sources import DataError, Rows, image_bytes
+from pjray.eval.blind import shown_images
 from pjray.eval.metrics import BatchRecord, PairRecord, ScoreRecord, map_score
 from pjray.reward.parse import parse_judgment, parse_pair, parse_score, ranking_from_scores
 from pjray.types import JudgeItem, JudgePrompt
@@ -129,19 +128,6 @@ def _score_truth(value, where: str) -> str:
         raise BenchDataError(f"{where}: score truth {value!r} is not a number") from None
 
 
-def _jsonl_rows(path: Path, out: Rows) -> Iterator[tuple[str, Any]]:
-    """(where, parsed line) of a JSONL file; a line that is not JSON becomes a reject in `out`."""
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {lineno}"
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as err:
-                out.rejects.append(RowReject(where, "", f"not JSON ({err})"))
-
-
 def scan_rows(
     source: str | Path | OpenDataset, protocol: str, image_dir: str | Path | None = None, limit: int = 0
 ) -> Rows[BenchRow]:
@@ -150,26 +136,7 @@ def scan_rows(
     JSON or lacks a key or its image is a reject naming the file (or dataset) and line, not an error."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
-    if isinstance(source, OpenDataset):
-        root = Path(image_dir) if image_dir else source.root
-        out: Rows[BenchRow] = Rows(source.label)
-        raws = source.named_rows()
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise BenchDataError(f"{path}: no such file")
-        root = Path(image_dir) if image_dir else path.parent
-        out = Rows(str(path))
-        raws = _jsonl_rows(path, out)
-    for where, raw in raws:
-        try:
-            out.rows.append(_row(raw, protocol, root, where))
-        except DataError as err:
-            row_id = str(raw.get("id", "")) if isinstance(raw, dict) else ""
-            out.rejects.append(RowReject(where, row_id, str(err).removeprefix(f"{where}: ")))
-        if limit and len(out.rows) >= limit:
-            break
-    return out
+    return scan_source(source, lambda raw, root, where: _row(raw, protocol, root, where), image_dir, limit, BenchDataError)
 
 
 def read_rows(path: str | Path, protocol: str, image_dir: str | Path | None = None, limit: int = 0) -> list[BenchRow]:
@@ -452,10 +419,13 @@ def evaluate_bench(cfg, generate) -> "EvalReport":
     from pjray.eval.report import EvalReport
 
     e = cfg.eval
+    if e.prompt_format == "auto":  # MLLM-as-a-Judge's auto is the paper prompt
+        e = replace(e, prompt_format="paper")
     mapping = resolve_score_mapping(e.prompt_format, e.score_mapping)
     scanned = scan_rows(eval_source(e), e.bench, e.image_dir or None, e.limit)
     scanned.check(cfg.data.max_reject_fraction, BenchDataError)
-    rows = [replace(r, image=judged_image(r.image, e.image)) for r in scanned.rows]
+    shown = shown_images([r.image for r in scanned.rows], e.image)
+    rows = [replace(r, image=image) for r, image in zip(scanned.rows, shown)]
     prompts = [build_prompt(r, e.prompt_format, e.batch_style) for r in rows]
     per_seed: list[list] = []
     unparsed, examples = 0, []

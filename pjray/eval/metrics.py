@@ -39,6 +39,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import Levenshtein
 import numpy as np
@@ -520,4 +521,72 @@ def _by_dataset(records: Iterable) -> dict[str, list]:
         raise ValueError(f"a dataset may not be named {reserved[0]!r}: {SUMMARY_ROWS} are summary rows")
     out = dict(groups)
     out[OVERALL] = pooled
+    return out
+
+
+# --------------------------------------------------------------------------- paired tests
+
+
+@dataclass(frozen=True)
+class PairedTest:
+    """Two judgments of the same items (two judges, or one judge on two images), item by item.
+
+    `b`: right under the first and wrong under the second; `c`: the reverse. The exact McNemar
+    test asks whether b and c differ more than a fair coin over the b + c discordant items
+    would make them (the concordant items say nothing about a difference)."""
+
+    n: int  # items judged under both
+    accuracy_first: float | None
+    accuracy_second: float | None
+    b: int
+    c: int
+    p_value: float  # exact two-sided McNemar
+
+    @property
+    def difference(self) -> float | None:
+        if self.accuracy_first is None or self.accuracy_second is None:
+            return None
+        return self.accuracy_first - self.accuracy_second
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """The exact two-sided McNemar p-value: P(|X - n/2| >= |b - n/2|) for X ~ Binomial(n = b + c,
+    1/2), i.e. min(1, 2 * P(X <= min(b, c))); 1.0 without discordant items."""
+    if b < 0 or c < 0:
+        raise ValueError(f"counts must be >= 0, got b={b}, c={c}")
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_test(first: Sequence[bool], second: Sequence[bool]) -> PairedTest:
+    """`PairedTest` of per-item correctness under two judgments of the same items (same order)."""
+    if len(first) != len(second):
+        raise ValueError(f"paired verdicts of different lengths: {len(first)} and {len(second)}")
+    n = len(first)
+    b = sum(1 for x, y in zip(first, second) if x and not y)
+    c = sum(1 for x, y in zip(first, second) if y and not x)
+    return PairedTest(
+        n=n,
+        accuracy_first=sum(map(bool, first)) / n if n else None,
+        accuracy_second=sum(map(bool, second)) / n if n else None,
+        b=b,
+        c=c,
+        p_value=mcnemar_exact(b, c),
+    )
+
+
+def paired_verdicts(first: dict[int, dict[str, Any]], second: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The paired exact McNemar test per group and pooled, over the rows judged under both;
+    `first` and `second` map a row index to its verdict {group, right} (`EvalReport.items`)."""
+    common = sorted(set(first) & set(second))
+    groups = list(dict.fromkeys(first[i]["group"] for i in common))
+    out = []
+    for group in [*groups, OVERALL]:
+        these = [i for i in common if group in (OVERALL, first[i]["group"])]
+        t = paired_test([bool(first[i]["right"]) for i in these], [bool(second[i]["right"]) for i in these])
+        out.append({"group": group, "n": t.n, "accuracy_first": t.accuracy_first, "accuracy_second": t.accuracy_second,
+                    "b": t.b, "c": t.c, "p_value": t.p_value})  # fmt: skip
     return out

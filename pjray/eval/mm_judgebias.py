@@ -36,16 +36,15 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import random
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter, ImageFont
 
-from pjray.data.hf import OpenDataset, eval_source, scan_judge_items
+from pjray.data.hf import OpenDataset, eval_source, scan_judge_items, scan_source
 from pjray.data.sources import DataError, RowReject, Rows, image_bytes
 from pjray.eval.blind import judged_image
 from pjray.eval.metrics import BC_TYPES, BD_TYPES, BIAS_TYPES, CATEGORIES
@@ -96,51 +95,13 @@ def canonical_bias_type(name: str) -> str:
 # --------------------------------------------------------------------------- loading
 
 
-def _file_rows(path: Path, out: Rows) -> list[tuple[str, Any]]:
-    """(where, raw record) of a parquet, JSON list or JSONL file; a JSONL line that is not JSON
-    becomes a reject in `out`."""
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return [(f"{path} row {i}", raw) for i, raw in enumerate(pq.read_table(path).to_pylist())]
-    if path.suffix == ".json":
-        return [(f"{path} row {i}", raw) for i, raw in enumerate(json.loads(path.read_text(encoding="utf-8")))]
-    raws = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                raws.append((f"{path} line {lineno}", json.loads(line)))
-            except json.JSONDecodeError as err:
-                out.rejects.append(RowReject(f"{path} line {lineno}", "", f"not JSON ({err})"))
-    return raws
-
-
 def scan_records(
     source: str | Path | OpenDataset, image_dir: str | Path | None = None, limit: int = 0
 ) -> Rows[BiasRecord]:
     """Published MM-JudgeBias records from JSONL, a JSON list, parquet or a dataset
     (`pjray.data.hf.open_dataset`), up to `limit` good ones (0: all); a row that is not JSON or
     lacks a key or an image is a reject naming it."""
-    if isinstance(source, OpenDataset):
-        root = Path(image_dir) if image_dir else source.root
-        out: Rows[BiasRecord] = Rows(source.label)
-        raws: Iterable[tuple[str, Any]] = source.named_rows()
-    else:
-        path = Path(source)
-        if not path.is_file():
-            raise BiasDataError(f"{path}: no such file")
-        root = Path(image_dir) if image_dir else path.parent
-        out = Rows(str(path))
-        raws = _file_rows(path, out)
-    for where, raw in raws:
-        try:
-            out.rows.append(_record(raw, root, where))
-        except DataError as err:
-            row_id = str(raw.get("id", "")) if isinstance(raw, dict) else ""
-            out.rejects.append(RowReject(where, row_id, str(err).removeprefix(f"{where}: ")))
-        if limit and len(out.rows) >= limit:
-            break
-    return out
+    return scan_source(source, _record, image_dir, limit, BiasDataError)
 
 
 def read_records(path: str | Path, image_dir: str | Path | None = None, limit: int = 0) -> list[BiasRecord]:

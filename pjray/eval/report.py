@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pjray.data.sources import RowReject, write_rejects
-from pjray.eval.metrics import BIAS_TYPES, aggregate_seeds
+from pjray.eval.metrics import BIAS_TYPES, aggregate_seeds, paired_verdicts
 
 REJECTS_FILE = "rejects.jsonl"
 
@@ -43,6 +43,8 @@ class BlindPass:
     outputs: int
     unparsed: int
     unparsed_examples: list[str] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)  # as EvalReport.samples
+    items: dict[int, dict[str, Any]] = field(default_factory=dict)  # as EvalReport.items
 
 
 @dataclass
@@ -63,6 +65,14 @@ class EvalReport:
     # Data rows left out as unusable (within data.max_reject_fraction); also in rejects.jsonl.
     rejects: list[RowReject] = field(default_factory=list)
     blind: dict[str, BlindPass] = field(default_factory=dict)  # eval.blind mode -> its pass
+    # The judge outputs, one line each, in the outputs-file layout (preference benchmarks:
+    # pjray.eval.reward_bench); written to outputs.jsonl (a blind pass's: outputs.<mode>.jsonl).
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    # Row index -> {group, right}: the per-item verdicts of the paired tests (items.jsonl).
+    items: dict[int, dict[str, Any]] = field(default_factory=dict)
+    # Paired exact McNemar tests on the per-item verdicts, by name ("real vs mismatched"): one
+    # row per group and pooled (pjray.eval.reward_bench.paired_rows).
+    paired: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def flat_metrics(self, prefix: str = "eval/") -> dict[str, float]:
         """`eval/<table>/<row>` -> value, and `eval/blind/<mode>/<table>/<row>` for each blind
@@ -148,6 +158,11 @@ def to_markdown(report: EvalReport) -> str:
                 shown.append(_fmt(c.value) + (f" ± {_fmt(c.std)}" if std_shown and c.std is not None else ""))
         first = next(c for c in cells if c is not None)
         lines.append(f"| {r} | " + " | ".join(shown) + f" | {first.n} | {first.unparsed} |")
+    for name, tests in report.paired.items():
+        lines += ["", f"Paired test, {name} (exact McNemar on the per-item verdicts; b: right only with the first, "
+                  "c: right only with the second):", "", "| group | n | first | second | b | c | p |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {t['group']} | {t['n']} | {_fmt(t['accuracy_first'])} | {_fmt(t['accuracy_second'])} | {t['b']} | "
+                  f"{t['c']} | {t['p_value']:.3g} |" for t in tests]  # fmt: skip
     if report.sources:
         lines += ["", "Where each number comes from:", ""]
         lines += [f"- `{name}`: {source}" for name, source in report.sources.items()]
@@ -208,7 +223,18 @@ def write_report(report: EvalReport, out_dir: str | Path, plots: bool = True) ->
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "markdown": out / "report.md"}
-    paths["json"].write_text(json.dumps(asdict(report), indent=2, default=str))
+    body = asdict(report)
+    for part in [body, *body["blind"].values()]:  # one line a sample or item, in files of their own
+        del part["samples"], part["items"]
+    paths["json"].write_text(json.dumps(body, indent=2, default=str))
+    for mode, samples, items in [("", report.samples, report.items),
+                                 *((f".{m}", b.samples, b.items) for m, b in report.blind.items())]:  # fmt: skip
+        if samples:
+            paths[f"outputs{mode}"] = out / f"outputs{mode}.jsonl"
+            paths[f"outputs{mode}"].write_text("".join(json.dumps(line) + "\n" for line in samples))
+        if items:
+            paths[f"items{mode}"] = out / f"items{mode}.jsonl"
+            paths[f"items{mode}"].write_text("".join(json.dumps({"row": i, **v}) + "\n" for i, v in items.items()))
     if report.rejects:
         paths["rejects"] = out / REJECTS_FILE
         write_rejects(report.rejects, paths["rejects"])
@@ -216,6 +242,35 @@ def write_report(report: EvalReport, out_dir: str | Path, plots: bool = True) ->
     if plots:
         for p in _plot(report, out):
             paths[p.stem] = p
+    return paths
+
+
+def write_comparison(names: list[str], reports: list[dict[str, Any]], out_dir: Path) -> dict[str, Path]:
+    """Judge vs judge on one benchmark: compare.json / compare.md with each judge's pooled value
+    of every table (and its macro row where there is one), and for every pair of judges the
+    paired exact McNemar test on their per-item verdicts over the rows both judged.
+    `reports`: each judge's report.json as a dict, with its per-item verdicts under `items`."""
+    summary_rows = ("overall", "macro")
+    columns = [(t, r) for t in reports[0]["tables"] for r in summary_rows if r in reports[0]["tables"][t]]
+    table = [{f"{t}/{r}": rep["tables"].get(t, {}).get(r, {}).get("value") for t, r in columns} for rep in reports]
+    pairs = []
+    for i in range(len(names)):
+        for j in range(i + 1, len(names)):
+            tests = paired_verdicts(reports[i]["items"], reports[j]["items"])
+            pairs.append({"first": names[i], "second": names[j], "tests": tests})
+    body = {"bench": reports[0]["bench"], "judges": names, "values": table, "paired": pairs}
+    paths = {"compare_json": out_dir / "compare.json", "compare_markdown": out_dir / "compare.md"}
+    paths["compare_json"].write_text(json.dumps(body, indent=2))
+    lines = [f"# Judge vs judge: {body['bench']}", "", "| judge | " + " | ".join(f"{t} {r}" for t, r in columns) + " |",
+             "|" + "---|" * (len(columns) + 1)]  # fmt: skip
+    lines += [f"| `{n}` | " + " | ".join(_fmt(v) for v in row.values()) + " |" for n, row in zip(names, table)]
+    lines += ["", "Paired exact McNemar tests on the same items (pjray's strict per-item verdicts; b: right only "
+              "with the first judge, c: right only with the second). A gap whose p is large may be noise.", ""]  # fmt: skip
+    lines += ["| first | second | group | n | first acc | second acc | b | c | p |", "|---|---|---|---|---|---|---|---|---|"]
+    for pair in pairs:
+        lines += [f"| `{pair['first']}` | `{pair['second']}` | {t['group']} | {t['n']} | {_fmt(t['accuracy_first'])} | "
+                  f"{_fmt(t['accuracy_second'])} | {t['b']} | {t['c']} | {t['p_value']:.3g} |" for t in pair["tests"]]  # fmt: skip
+    paths["compare_markdown"].write_text("\n".join(lines) + "\n")
     return paths
 
 

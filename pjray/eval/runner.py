@@ -210,18 +210,73 @@ class JudgeRunner:
 # --------------------------------------------------------------------------- pjray eval
 
 
+def validation_hook(cfg: Config) -> Any:
+    """The trainer's validation every eval.every_steps steps, by eval.train_bench: the Mode a/b
+    rates on scene items, or a preference benchmark's rows (read here, before Ray starts)."""
+    if cfg.eval.train_bench == "perceptual_bias":
+        from pjray.eval.bias import training_eval
+
+        return training_eval
+    if not cfg.eval.every_steps:
+        return None
+    from pjray.eval.reward_bench import TrainingValidation
+
+    return TrainingValidation(cfg)
+
+
 def run_eval(cfg: Config) -> dict[str, Path]:
-    """Run `cfg.eval.bench` on `cfg.eval.judge` and write the report; returns the written paths."""
+    """Run `cfg.eval.bench` on `cfg.eval.judge` (or score `cfg.eval.outputs`) and write the
+    report; returns the written paths. With `eval.compare`, every judge or outputs file named
+    there is evaluated on the same rows too, each report in a folder of its own, and
+    compare.md / compare.json hold one table of them all with the paired test of every pair."""
+    e = cfg.eval
+    if not e.compare:
+        return _run_one(cfg, Path(e.output_dir))
+    contenders = [e.outputs or e.judge, *e.compare]
+    reports, paths = [], {}
+    for i, name in enumerate(contenders):
+        outputs = name if is_outputs_file(name) else ""
+        one = dataclasses.replace(
+            cfg, eval=dataclasses.replace(e, judge="" if outputs else name, outputs=outputs, compare=[],
+                                          output_dir=str(Path(e.output_dir) / f"{i}_{Path(name).stem or name}")),
+        )  # fmt: skip
+        got = _run_one(one, Path(one.eval.output_dir))
+        reports.append(json.loads(got["json"].read_text()) | {"items": _items(got)})
+        paths.update({f"{i}_{k}": v for k, v in got.items()})
+    from pjray.eval.report import write_comparison
+
+    paths.update(write_comparison(contenders, reports, Path(e.output_dir)))
+    return paths
+
+
+def is_outputs_file(name: str) -> bool:
+    """An `eval.compare` entry that names judge outputs (a .jsonl file), not a judge."""
+    return name.endswith(".jsonl")
+
+
+def _items(paths: dict[str, Path]) -> dict[int, dict[str, Any]]:
+    if "items" not in paths:
+        return {}
+    lines = paths["items"].read_text(encoding="utf-8").splitlines()
+    return {(d := json.loads(line))["row"]: d for line in lines}
+
+
+def _run_one(cfg: Config, out: Path) -> dict[str, Path]:
     from pjray.config import to_dict
     from pjray.eval.report import log_wandb, write_report
 
     e = cfg.eval
-    out = Path(e.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with JudgeRunner(cfg, out / CACHE_FILE if e.cache else None) as runner:
-        report = evaluate(cfg, runner.generate)
-        report.cache_hits = runner.cache_hits
-    report.settings = {"eval": to_dict(cfg)["eval"], "sampling": runner.sampling, "judge_fingerprint": runner.fingerprint}
+    if e.outputs:  # outputs produced elsewhere: scored, nothing generated
+        report = evaluate(cfg, None)
+        sampling: dict[str, Any] = {}
+        fingerprint = ""
+    else:
+        with JudgeRunner(cfg, out / CACHE_FILE if e.cache else None) as runner:
+            report = evaluate(cfg, runner.generate)
+            report.cache_hits = runner.cache_hits
+        sampling, fingerprint = runner.sampling, runner.fingerprint
+    report.settings = {"eval": to_dict(cfg)["eval"], "sampling": sampling, "judge_fingerprint": fingerprint}
     paths = write_report(report, out, plots=e.plots)
     if e.wandb:
         log_wandb(report, cfg.tracking, out, to_dict(cfg))
@@ -231,6 +286,7 @@ def run_eval(cfg: Config) -> dict[str, Path]:
 _IMAGE_NOTES = {
     "grey": "every image the judge saw was a uniform grey image of its size (RGB 128, PNG)",
     "none": "the judge saw no image (text-only prompts)",
+    "mismatched": "every item was shown the image of another item of the benchmark (a seeded derangement)",
 }
 # Blind, MM-JudgeBias's image-only biases lose what they perturb: their BD / BC then say
 # nothing about the judge, and the report says so beside them.
@@ -258,8 +314,14 @@ def evaluate(cfg: Config, generate: Any):
         report.notes.append(f"eval.image={e.image}: {_image_note(e.bench, e.image)}")
     for mode in e.blind:
         blind = evaluate_pass(dataclasses.replace(cfg, eval=dataclasses.replace(e, image=mode)), generate)
-        report.blind[mode] = BlindPass(blind.tables, blind.outputs, blind.unparsed, blind.unparsed_examples)
+        report.blind[mode] = BlindPass(
+            blind.tables, blind.outputs, blind.unparsed, blind.unparsed_examples, blind.samples, blind.items
+        )
         report.notes.append(f"blind pass [{mode}] (eval.blind): {_image_note(e.bench, mode)}")
+        if report.items and blind.items:
+            from pjray.eval.metrics import paired_verdicts
+
+            report.paired[f"real vs {mode}"] = paired_verdicts(report.items, blind.items)
     return report
 
 
@@ -282,4 +344,8 @@ def evaluate_pass(cfg: Config, generate: Any):
         from pjray.eval.looking import evaluate_looking
 
         return evaluate_looking(cfg, generate)
+    if bench in ("vl_rewardbench", "mm_rewardbench"):
+        from pjray.eval.reward_bench import evaluate_preference
+
+        return evaluate_preference(cfg, generate)
     raise ConfigError(f"eval.bench={bench!r}: unknown")

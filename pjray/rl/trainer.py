@@ -63,6 +63,7 @@ from pjray.models.loading import load_processor, opens_think, processor_inputs, 
 from pjray.placement import Placement, RankGroup, RoleResources, WorkerPool, split_evenly
 from pjray.ppjd.swap import counterfactual_pair
 from pjray.reward.workers import RewardWorker
+from pjray.rl.best import BEST_MODEL, BestJudge
 from pjray.rl.grpo import group_advantages, zero_std_groups
 from pjray.rl.learner import LearnerRank
 from pjray.rollout.worker import PendingGeneration, RolloutWorker, generate_with_pool, submit_generation
@@ -84,7 +85,7 @@ T = TypeVar("T")
 
 # generate(prompts, seed) -> one response text per prompt, from the rollout workers.
 Generate = Callable[[list[JudgePrompt], int], list[str]]
-# The held-out evaluation run every eval.every_steps steps (pjray.eval.bias.training_eval):
+# The held-out evaluation run every eval.every_steps steps (pjray.eval.runner.validation_hook):
 # (config, generate, step) -> metrics. Handed in, so the driver never imports the evaluation.
 EvalHook = Callable[[Config, Generate, int], dict[str, float]]
 # (base judge, trained judge, the run's training items) -> the held-out check's numbers
@@ -309,6 +310,8 @@ class Trainer:
         self.on_step = on_step
         self.stalls = StallWatch(cfg.rollout.max_new_tokens)
         self.run_dir = Path(cfg.trainer.run_dir).resolve()
+        # trainer.keep_best: the judge of the best validation so far (pjray.rl.best).
+        self.best = BestJudge(self.run_dir, cfg.trainer.keep_best, cfg.trainer.keep_best_mode) if cfg.trainer.keep_best else None
         self.step = 0
         self.checkpointed_step = 0  # the step of the newest checkpoint, saved or resumed from
         # The training step whose update the learner's weights hold; the engines hold it after a
@@ -500,6 +503,8 @@ class Trainer:
             if self.cfg.eval.every_steps and self.step % self.cfg.eval.every_steps == 0:
                 # Held-out metrics (eval/*), judged by the rollout pool (the hook is checked in __init__).
                 metrics.update(self.evaluate(self.cfg, self.judge_texts, self.step))
+                if self.best is not None and self.best.improves(metrics):
+                    self.best.record(self.step, metrics, self.export_hf(self.run_dir / BEST_MODEL))
             self.tracker.log(metrics, self.step)
             if self.on_step is not None:
                 self.on_step(self.step, metrics)

@@ -74,7 +74,8 @@ def test_the_rollout_and_sync_packages_stand_below_the_trainer():
     placement = (PACKAGE / "placement.py").read_text()
     assert not re.search(r"^\s*(from|import) pjray\.(rl|rollout|sync)\b", placement, re.M)
     assert sorted(p.name for p in (PACKAGE / "rl").glob("*.py")) == [
-        "__init__.py", "checkpoint.py", "ds_ops.py", "ds_setup.py", "grpo.py", "learner.py", "logprobs.py", "sft.py", "trainer.py",
+        "__init__.py", "best.py", "checkpoint.py", "ds_ops.py", "ds_setup.py", "grpo.py", "learner.py", "logprobs.py", "sft.py",
+        "trainer.py",
     ]
 
 
