@@ -866,7 +866,7 @@ def _validate_eval(cfg: Config) -> None:
             raise ConfigError(f"eval.convention={e.convention}: only for eval.bench=score, pair or batch")
         # The release scripts read the paper prompt's answers and fix their own rules.
         for key, default in _STRICT_ONLY.items():
-            if getattr(e, key) != default:
+            if getattr(e, key) != default and (key, getattr(e, key)) != ("prompt_format", "paper"):  # auto is paper here
                 raise ConfigError(
                     f"eval.{key}={getattr(e, key)!r}: only read with eval.convention=strict; "
                     f"eval.convention={e.convention} follows its script's own rule (leave it at {default!r})"
@@ -874,9 +874,9 @@ def _validate_eval(cfg: Config) -> None:
     for mode in e.blind:
         if mode not in ("grey", "none", "mismatched"):
             raise ConfigError(f"eval.blind={list(e.blind)}: {mode!r} is not a blind mode; expected grey, none or mismatched")
-        if mode == "mismatched" and e.bench not in _ROW_BENCHES:
-            raise ConfigError(f"eval.blind=mismatched: only for eval.bench={', '.join(_ROW_BENCHES)} (items of their own "
-                              f"rows to swap images between), not {e.bench}")  # fmt: skip
+        if mode == "mismatched" and e.bench not in _ROW_BENCHES and not (e.every_steps and e.train_bench in _PREFERENCE_BENCHES):
+            raise ConfigError(f"eval.blind=mismatched: only for eval.bench={', '.join(_ROW_BENCHES)} or a training "
+                              f"validation on a preference benchmark (rows to swap images between), not {e.bench}")  # fmt: skip
     _validate_preference(cfg)
     if len(set(e.blind)) < len(e.blind) or e.image in e.blind:
         raise ConfigError(f"eval.blind={list(e.blind)}: each mode once, and not eval.image={e.image} (the main pass)")

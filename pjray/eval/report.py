@@ -259,8 +259,8 @@ def write_comparison(names: list[str], reports: list[dict[str, Any]], out_dir: P
             tests = paired_verdicts(reports[i]["items"], reports[j]["items"])
             pairs.append({"first": names[i], "second": names[j], "tests": tests})
     body = {"bench": reports[0]["bench"], "judges": names, "values": table, "paired": pairs}
-    paths = {"compare_json": out_dir / "compare.json", "compare_markdown": out_dir / "compare.md"}
-    paths["compare_json"].write_text(json.dumps(body, indent=2))
+    paths = {"json": out_dir / "compare.json", "markdown": out_dir / "compare.md"}
+    paths["json"].write_text(json.dumps(body, indent=2))
     lines = [f"# Judge vs judge: {body['bench']}", "", "| judge | " + " | ".join(f"{t} {r}" for t, r in columns) + " |",
              "|" + "---|" * (len(columns) + 1)]  # fmt: skip
     lines += [f"| `{n}` | " + " | ".join(_fmt(v) for v in row.values()) + " |" for n, row in zip(names, table)]
@@ -270,7 +270,7 @@ def write_comparison(names: list[str], reports: list[dict[str, Any]], out_dir: P
     for pair in pairs:
         lines += [f"| `{pair['first']}` | `{pair['second']}` | {t['group']} | {t['n']} | {_fmt(t['accuracy_first'])} | "
                   f"{_fmt(t['accuracy_second'])} | {t['b']} | {t['c']} | {t['p_value']:.3g} |" for t in pair["tests"]]  # fmt: skip
-    paths["compare_markdown"].write_text("\n".join(lines) + "\n")
+    paths["markdown"].write_text("\n".join(lines) + "\n")
     return paths
 
 

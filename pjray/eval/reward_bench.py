@@ -275,7 +275,7 @@ def evaluate_preference(cfg: Any, generate: Generate | None) -> EvalReport:
     tables, sources, more = bench.official_tables(rows, samples, fmt)
     notes += more
     tables.update(_strict_tables(bench, rows, samples, fmt, e))
-    sources.update(_STRICT_SOURCES)
+    sources.update({name: text for name, text in _STRICT_SOURCES.items() if name in tables})
     official_unparsed = sum(1 for s in samples if _official_unreadable(bench, s.output, fmt))
     items = item_verdicts(bench, rows, samples, fmt)
     return EvalReport(

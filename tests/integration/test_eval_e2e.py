@@ -57,6 +57,31 @@ def test_pair_bench_end_to_end_and_cache(judge, tmp_path, capsys):
     assert len((out / "cache.jsonl").read_text().splitlines()) == 9
 
 
+def test_vl_rewardbench_blind_twin_judge_vs_judge_and_rescoring(judge, tmp_path):
+    """The official prompt through the judge actors, the mismatched pass and its paired test, a
+    second judge compared on the same rows, and the run's own outputs scored again without Ray."""
+    from tests.support.preference import write_vlrb
+
+    data = write_vlrb(tmp_path / "vlrb")
+    other = build_tiny_judge(tmp_path / "other_judge", seed=1)
+    out = tmp_path / "vlrb_run"
+    assert main(["eval", "--judge", judge, "--bench", "vl_rewardbench", "--data", str(data), "--output-dir", str(out),
+                 "eval.blind=[mismatched]", f"eval.compare=[{other}]", *COMMON]) == 0  # fmt: skip
+    first = out / f"0_{Path(judge).stem}"
+    report = _report(first)
+    assert report["outputs"] == 8 and set(report["tables"]) == {"official_k1", "strict"}
+    assert {"general", "hallucination", "reasoning", "overall", "macro"} <= set(report["tables"]["strict"])
+    assert report["paired"]["real vs mismatched"][-1]["n"] == 8
+    assert len((first / "outputs.mismatched.jsonl").read_text().splitlines()) == 8
+    compare = json.loads((out / "compare.json").read_text())
+    assert compare["judges"] == [judge, str(other)] and compare["paired"][0]["tests"][-1]["n"] == 8
+
+    rescored = tmp_path / "rescored"
+    assert main(["eval", "--bench", "vl_rewardbench", "--data", str(data), "--output-dir", str(rescored),
+                 f"eval.outputs={first / 'outputs.jsonl'}", "eval.plots=false"]) == 0  # fmt: skip
+    assert _report(rescored)["tables"] == report["tables"]
+
+
 def test_perceptual_bias_and_mm_judgebias_on_scenes(judge, tmp_path):
     out = tmp_path / "modes"
     assert main(["eval", "--judge", judge, "--bench", "perceptual_bias", "--output-dir", str(out),

@@ -11,10 +11,12 @@ import ray
 import torch
 
 from pjray.cli import main
+from pjray.console import run_summary
 from pjray.config import load
 from pjray.rl.trainer import Timer, Trainer, latest_checkpoint
 from pjray.sync.transports import make_transport
 from pjray.types import Completion, Timed
+from tests.support.preference import write_vlrb
 
 
 pytestmark = pytest.mark.slow
@@ -166,14 +168,22 @@ def test_train_checkpoint_export_and_resume(ray_local, tmp_path):
         # Each group: the tuple on its image and on its swapped image, two responses each.
         "data.counterfactual_pairs=true",
     ]
-    # The held-out Mode a/b eval runs on step 3 only; the judge of step 2 is exported too.
-    assert main(["train", *common, "trainer.steps=3", "eval.every_steps=3", "eval.train_num_items=4", "trainer.export_steps=[2]"]) == 0
+    # Validation on VL-RewardBench rows (real and mismatched images) runs on step 3 only, and
+    # keeps the best judge by its gap; the judge of step 2 is exported too.
+    bench = write_vlrb(tmp_path / "vlrb")
+    validation = ["eval.every_steps=3", "eval.train_bench=vl_rewardbench", f"eval.data={bench}", "eval.train_num_items=4",
+                  "eval.blind=[mismatched]", "eval.prompt_format=paper", "trainer.keep_best=eval/vl_rewardbench/gap"]  # fmt: skip
+    assert main(["train", *common, *validation, "trainer.steps=3", "trainer.export_steps=[2]"]) == 0
     first = read_metrics(run_dir)
     assert [m["step"] for m in first] == [1, 2, 3]
     assert all(m["rollout/groups_kept"] == 4 for m in first)  # trainer.prompts_per_step groups of algo.group_size
     assert (run_dir / "hf_model_step_2" / "model.safetensors").exists() and not (run_dir / "hf_model_step_1").exists()
-    assert "eval/error_rate" not in first[1]
-    assert {"eval/error_rate", "eval/mode_a_rate", "eval/mode_b_rate"} <= set(first[2])
+    assert "eval/vl_rewardbench/accuracy" not in first[1]
+    assert {"eval/vl_rewardbench/accuracy", "eval/vl_rewardbench/accuracy_mismatched", "eval/vl_rewardbench/gap"} <= set(first[2])
+    best = json.loads((run_dir / "best.json").read_text())
+    assert best["step"] == 3 and best["value"] == first[2]["eval/vl_rewardbench/gap"]
+    assert (run_dir / "hf_model_best" / "model.safetensors").exists()
+    assert any("best validation: eval/vl_rewardbench/gap" in line for line in run_summary(run_dir, 1.0))
     for key in ("reward/mean", "reward/std", "rollout/frac_zero_std", "actor/pg_loss", "actor/kl_loss",
                 "actor/grad_norm", "timing_s/gen", "timing_s/reward", "timing_s/ref", "timing_s/update",
                 "timing_s/sync", "perf/throughput", "response_length/mean", "response_length/clip_ratio",
@@ -195,7 +205,7 @@ def test_train_checkpoint_export_and_resume(ray_local, tmp_path):
     assert AutoModelForImageTextToText.from_pretrained(hf) is not None
 
     # Resume: continue at step 4 from the saved data position.
-    assert main(["train", *common, "trainer.steps=5", "trainer.resume=auto"]) == 0
+    assert main(["train", *common, *validation, "trainer.steps=5", "trainer.resume=auto"]) == 0
     resumed = read_metrics(run_dir)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5]
     per_step = 4  # trainer.prompts_per_step

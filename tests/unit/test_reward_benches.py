@@ -357,12 +357,12 @@ def test_judge_vs_judge_from_outputs_files(tmp_path):
     cfg = load(overrides=["eval.bench=mm_rewardbench", f"eval.data={data}", f"eval.outputs={files[0]}",
                           f"eval.compare=[{files[1]}]", f"eval.output_dir={tmp_path / 'cmp'}", "eval.plots=false"])  # fmt: skip
     paths = run_eval(cfg)
-    body = json.loads(paths["compare_json"].read_text())
+    body = json.loads(paths["json"].read_text())
     assert body["values"][0]["official/overall"] == 1.0 and body["values"][1]["official/overall"] == 1 / len(rows)
     pooled = body["paired"][0]["tests"][-1]
     assert (pooled["b"], pooled["c"], pooled["n"]) == (len(rows) - 1, 0, len(rows))
     assert pooled["p_value"] == pytest.approx(mcnemar_exact(len(rows) - 1, 0))
-    assert "McNemar" in paths["compare_markdown"].read_text()
+    assert "McNemar" in paths["markdown"].read_text()
 
 
 def test_paper_prompt_reads_the_two_scores(tmp_path):
