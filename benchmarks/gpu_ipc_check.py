@@ -38,6 +38,7 @@ from pjray.rl.learner import LearnerRank
 from pjray.sync.buckets import Bucket, state_checksums, unpack
 from pjray.sync.collective import dumps, loads
 from pjray.sync.ipc import open_ipc_handle, slot_view, stream_buckets
+from pjray.types import Experience
 
 BUCKET_BYTES = 1 << 16  # several buckets even for a tiny model
 

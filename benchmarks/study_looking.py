@@ -22,7 +22,11 @@ token of a built-in switch reaches); per judge the disposition rate, correct fir
 control's correct first (the scene without its object) and its paired change from the base
 judge; at every step of the curve the greedy and the sampled (temperature 1, 4 samples) held-out
 reward beside the training reward of the steps before it; the hierarchical bootstrap beside the
-t-interval; the permutation null beside the fixed ones.
+t-interval; the permutation null beside the fixed ones. (Since 2026-12-06 the paired swap test, exact
+McNemar on the perception-error answer first on the original vs the swapped image per item, stands
+where the permutation null stood: that null tested another question. Each row also carries the
+paired test against the forced base judge, and the blank change is taken against the forced base
+judge's blank verdicts.)
 
 Variants (each from each base judge, the default run's budget otherwise: prompts per step, group
 size, training items, learning rate; `data.seed=0`; seeds are `trainer.seed`):
@@ -77,11 +81,13 @@ from pjray.eval.looking import (
     LookingVerdict,
     balanced_letters,
     blank_change,
+    ceiling_test,
     follows_image,
     held_out_tuples,
     judge_looking,
     looking_items,
     nulls,
+    swap_test,
 )
 from pjray.ppjd.cache import code_hash
 from pjray.recipes.base_judge import RECIPES, base_judge, weights_sha256
@@ -321,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         run = next((r for r in runs if (r["base"], r["variant"], r["seed"]) == (base, variant, seed)), None)
         rewards["train_reward"] = train_reward(run["dir"], step) if run else None
         change = blank_change(base_verdicts[base], verdicts)
+        ceiling = ceiling_test(base_verdicts[base], verdicts)
         for f in (False, True) if forced else (False,):
             metrics = per_item(verdicts, f) if f else {**per_item(verdicts, f), **score}
             label = "forced" if f else variant
@@ -332,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                     **{m: round(float(np.nanmean(v[keep])), 4) for m, v in metrics.items()},
                     # the rewards and the blank change are of the judge as it answers, not forced
                     **{m: None if f else x for m, x in rewards.items()}, "blank_change": None if f else change[kind]["mean"],
+                    # the paired swap test of the judge as it answers, and its paired test against the forced base judge
+                    "swap_test_p": None if f else swap_test([v for v in verdicts if v.kind == kind])["p"],
+                    "vs_forced_p": None if f else ceiling[kind]["p"],
                 })  # fmt: skip
         item_rows += [{"base_judge": base, "variant": variant, "seed": seed, "steps": step, **v.row()} for v in verdicts]
         print(f"judged {base} {variant} seed {seed} step {step}", flush=True)

@@ -172,8 +172,9 @@ def mean(rows: list[dict[str, Any]], key: str) -> float:
 def held_out_lines(check: dict[str, Any]) -> list[str]:
     """The held-out check (pjray.eval.held_out.held_out_check), base judge -> trained judge:
     correct first, format and reward, then per question kind correct first, image-following with
-    its interval and nulls, the blank control, the "by the image" disposition rate and the base
-    judge's forced ceiling; last, the blank control's paired change."""
+    its interval and null, the paired swap test, the paired test against the base judge's forced
+    ceiling, the blank control and the "by the image" disposition rate; last, the blank control's
+    paired change against the forced base judge."""
     base, trained = check["base"], check["trained"]
     b, t = base["ranking"], trained["ranking"]
     lines = [
@@ -184,23 +185,26 @@ def held_out_lines(check: dict[str, Any]) -> list[str]:
     for kind, tl in trained["looks"].items():
         if kind == "pooled":
             continue
-        bl, null = base["looks"][kind], tl["nulls"]
-        perm, (lo, hi) = null["permutation"], tl["image_following_ci"]
+        bl, null, swap = base["looks"][kind], tl["nulls"], tl["swap_test"]
+        (lo, hi), ceiling = tl["image_following_ci"], check["ceiling_test"][kind]
         forced = bl["forced"] or {}
         lines += [
             f"    {kind} ({tl['items']}): correct first {bl['correct_first']:.0%} -> {tl['correct_first']:.0%}; "
             f"image-following {bl['image_following']:.0%} -> {tl['image_following']:.0%} [{lo:.0%}, {hi:.0%}] "
-            f"(null {null['drop_contradicting']:.0%}; permutation null {perm['mean']:.0%} [{perm['lo']:.0%}, "
-            f"{perm['hi']:.0%}], p {perm['p']:.3f})",
-            f"      blank image: correct first {bl['blank_correct_first']:.0%} -> {tl['blank_correct_first']:.0%}; "
-            f"\"by the image\" {bl['disposition_image']:.0%} -> {tl['disposition_image']:.0%}"
-            + (f"; base judge forced by the image: image-following {forced['image_following']:.0%}, correct first "
-               f"{forced['correct_first']:.0%}" if forced else ""),
+            f"(null {null['drop_contradicting']:.0%}); perception error first, original -> swapped image "
+            f"{swap['perception_error_first_original']:.0%} -> {swap['perception_error_first_swapped']:.0%} "
+            f"(paired swap test p {swap['p']:.2g})",
+            f"      against the base judge forced by the image (image-following {ceiling['forced_base']:.0%}, correct first "
+            f"{forced.get('correct_first', 0):.0%}): {ceiling['b']} items only this run follows, {ceiling['c']} only the "
+            f"forced base judge (McNemar p {ceiling['p']:.2g})",
+            f"      blank image: correct first {bl['blank_correct_first']:.0%} -> {tl['blank_correct_first']:.0%}"
+            f" (forced base judge {forced.get('blank_correct_first', 0):.0%}); \"by the image\" "
+            f"{bl['disposition_image']:.0%} -> {tl['disposition_image']:.0%}",
         ]  # fmt: skip
     change = check["blank_change"]["pooled"]
     shortcut = "a text shortcut" if change["lo"] > 0 else "no text shortcut shown"
     lines.append(
-        f"    blank image, this run - base judge: correct first {change['mean']:+.0%} [{change['lo']:+.0%}, "
+        f"    blank image, this run - the forced base judge: correct first {change['mean']:+.0%} [{change['lo']:+.0%}, "
         f"{change['hi']:+.0%}] ({shortcut}); image-following's null: "
         f"{trained['looks']['pooled']['nulls']['drop_contradicting']:.0%}, a judge that drops the self-contradicting "
         "answer and guesses per image"

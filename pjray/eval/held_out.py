@@ -24,6 +24,7 @@ from pjray.eval.looking import (
     LookingVerdict,
     balanced_letters,
     blank_change,
+    ceiling_test,
     held_out_tuples,
     judge_looking,
     looking_items,
@@ -206,7 +207,8 @@ def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem], recipe
     judge's training items (its `recipe`) and the run's (`exclude`); the base judge also with its image
     disposition forced (the ceiling of its built-in switch). The end of `pjray train` from the
     base judge runs it: the difference is what the run learned, without the sampling noise of
-    its reward curve. Returns the summary, the paired blank-control change per kind, and under
+    its reward curve. Returns the summary, the paired blank-control change against the forced base
+    judge and the paired test of image-following against its forced ceiling per kind, and under
     "verdicts" one row per judge and item."""
     items = held_out_looking_items(recipe, HELD_OUT_PER_KIND, exclude)
     out: dict[str, Any] = {"tuples": len(items), "per_kind": HELD_OUT_PER_KIND, "construction": "independent", "verdicts": []}
@@ -215,6 +217,7 @@ def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem], recipe
         out[name], verdicts[name] = judge_on(path, items, forced)
         out["verdicts"] += [{"judge": name, **v.row()} for v in verdicts[name]]
     out["blank_change"] = blank_change(verdicts["base"], verdicts["trained"])
+    out["ceiling_test"] = ceiling_test(verdicts["base"], verdicts["trained"])
     return out
 
 

@@ -38,11 +38,17 @@ swapped one. Its nulls, for K candidates:
 - a judge that picks at random on each image: 1/K²;
 - a judge that drops the self-contradicting answer (its reasoning error is visible in the text),
   then flips a coin on each image: 1/(K-1)². This is the null a claim must beat;
-- the permutation null: each original verdict paired with the swapped verdict of *another*
-  tuple of the same kind, many times. It is what a judge with the same marginal choices on
-  both kinds of image, but no link between them through the image, would score; its mean,
-  95% interval and one-sided p-value. It tests the link beyond the marginals: a judge right on
-  nearly every image has nearly the same null as its rate, and needs the fixed nulls above.
+
+**Does the verdict move with the image?** The paired swap test (`swap_test`): per item, whether
+the perception-error answer is first on the original image and on the swapped one, and the exact
+McNemar test on those pairs. A judge whose verdict ignores the image puts the same answer first on
+both images (no discordant pair, p = 1); one that looks moves that answer up on the swapped image.
+The fixed nulls above are for the rate, this test for the link between image and verdict.
+
+**Against what.** The blank control is read against the base judge *forced* onto its image
+disposition on the same blank scenes (`blank_change`): the disposition alone moves the blank
+verdicts by kind, so a text shortcut is claimed only against the forced base judge. A trained
+judge's image-following is set beside that forced ceiling item by item (`ceiling_test`, McNemar).
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ import numpy as np
 from pjray.data.prompts import LETTERS, render_batch
 from pjray.data.sampler import shown_order
 from pjray.data.scenes import COLORS, SIZES, render
+from pjray.eval.metrics import paired_test
 from pjray.models.base_judge import disposition
 from pjray.ppjd.perturb import scene_items
 from pjray.ppjd.shortcuts import scene_qa
@@ -71,7 +78,7 @@ Generate = Callable[[list[JudgePrompt]], list[str]]
 
 K = 3
 VALUES = {"color": COLORS, "size": SIZES}  # what an "Image: X." statement can name, per kind
-PERMUTATIONS = 2000
+BOOTSTRAP_DRAWS = 2000
 # "Verdict: by the" starts the disposition sentence of pjray's base judges.
 DISPOSITION_STEM = disposition(True).removesuffix(" image.")
 _STATEMENT = re.compile(r"\s*Image: ([^.\n]*)\.")
@@ -235,28 +242,16 @@ def nulls(k: int) -> dict[str, float]:
     return {"text_only": 0.0, "random": 1 / k**2, "drop_contradicting": 1 / (k - 1) ** 2}
 
 
-def permutation_null(hits: Sequence[tuple[bool, bool]], groups: Sequence[str], reps: int, seed: int) -> dict[str, float]:
-    """Image-following when each original outcome is paired with the swapped outcome of another
-    item of its group: per replicate and group, a random cyclic pairing (item i with the next in
-    a shuffle, so never itself). Mean, 95% interval and the share of replicates at or above the
-    observed rate (one-sided p, with the usual +1)."""
-    original = np.array([h[0] for h in hits], dtype=float)
-    swapped = np.array([h[1] for h in hits], dtype=float)
-    observed = float(np.mean(original * swapped)) if len(hits) else 0.0
-    labels = np.asarray(groups)
-    rng = np.random.default_rng(seed)
-    rates = np.zeros(reps)
-    for g in np.unique(labels):
-        idx = np.flatnonzero(labels == g)
-        if len(idx) < 2:
-            continue
-        for r in range(reps):
-            order = rng.permutation(idx)
-            rates[r] += float(np.sum(original[order] * swapped[np.roll(order, -1)]))
-    rates /= max(1, len(hits))
-    lo, hi = np.percentile(rates, [2.5, 97.5])
-    p = (1 + int(np.sum(rates >= observed - 1e-12))) / (reps + 1)
-    return {"mean": round(float(rates.mean()), 4), "lo": round(float(lo), 4), "hi": round(float(hi), 4), "p": round(p, 4)}
+def swap_test(verdicts: Sequence[LookingVerdict]) -> dict[str, float]:
+    """The paired swap test: per item, the perception-error answer first on the swapped image (the
+    first of each pair) and on the original; exact McNemar (b: first on the swapped image only, c:
+    on the original only). p is small only when the verdict moves with the image."""
+    def first(top: int | None, v: LookingVerdict) -> bool:
+        return top is not None and top == v.perception_error
+
+    t = paired_test([first(v.top_swapped, v) for v in verdicts], [first(v.top_original, v) for v in verdicts])
+    return {"perception_error_first_swapped": round(t.accuracy_first or 0.0, 4),
+            "perception_error_first_original": round(t.accuracy_second or 0.0, 4), "b": t.b, "c": t.c, "p": t.p_value}  # fmt: skip
 
 
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -269,9 +264,9 @@ def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return round(max(0.0, centre - half), 4), round(min(1.0, centre + half), 4)
 
 
-def looking_rates(verdicts: Sequence[LookingVerdict], reps: int = PERMUTATIONS, seed: int = 0) -> dict[str, Any]:
-    """The rates of `verdicts` (one slice: a kind, or all pooled; the permutation pairs within
-    kinds), with image-following's nulls and interval. Forced rates when the verdicts have them."""
+def looking_rates(verdicts: Sequence[LookingVerdict]) -> dict[str, Any]:
+    """The rates of `verdicts` (one slice: a kind, or all pooled), with image-following's nulls
+    and interval and the paired swap test. Forced rates when the verdicts have them."""
     n = len(verdicts)
 
     def rate(hits: Sequence[bool]) -> float:
@@ -285,7 +280,8 @@ def looking_rates(verdicts: Sequence[LookingVerdict], reps: int = PERMUTATIONS, 
         "correct_first_swapped": rate([b for _, b in hits]),
         "image_following": rate([a and b for a, b in hits]),
         "image_following_ci": wilson(following, n),
-        "nulls": {**nulls(K), "permutation": permutation_null(hits, [v.kind for v in verdicts], reps, seed)},
+        "nulls": nulls(K),
+        "swap_test": swap_test(verdicts),
         "same_top": rate([v.top_original is not None and v.top_original == v.top_swapped for v in verdicts]),
         "blank_correct_first": rate([v.top_blank is not None and v.top_blank == v.best for v in verdicts]),
         "blank_states_truth": rate([v.blank_statement == v.truth for v in verdicts]),
@@ -304,13 +300,13 @@ def looking_rates(verdicts: Sequence[LookingVerdict], reps: int = PERMUTATIONS, 
     return out
 
 
-def looking_report(verdicts: Sequence[LookingVerdict], reps: int = PERMUTATIONS) -> dict[str, dict[str, Any]]:
+def looking_report(verdicts: Sequence[LookingVerdict]) -> dict[str, dict[str, Any]]:
     """`looking_rates` pooled and per kind."""
     kinds = sorted({v.kind for v in verdicts})
-    return {s: looking_rates([v for v in verdicts if s in ("pooled", v.kind)], reps) for s in ["pooled", *kinds]}
+    return {s: looking_rates([v for v in verdicts if s in ("pooled", v.kind)]) for s in ["pooled", *kinds]}
 
 
-def paired_change(before: Sequence[bool], after: Sequence[bool], reps: int = PERMUTATIONS, seed: int = 0) -> dict[str, float]:
+def paired_change(before: Sequence[bool], after: Sequence[bool], reps: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict[str, float]:
     """The mean change after - before over paired items, with a 95% percentile bootstrap
     interval over the items."""
     d = np.asarray(after, dtype=float) - np.asarray(before, dtype=float)
@@ -321,19 +317,41 @@ def paired_change(before: Sequence[bool], after: Sequence[bool], reps: int = PER
     return {"mean": round(float(d.mean()), 4), "lo": round(float(lo), 4), "hi": round(float(hi), 4)}
 
 
-def blank_change(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict]) -> dict[str, dict[str, float]]:
-    """The judge's correct-first on the blank control minus the base judge's, paired by item,
-    pooled and per kind. A text shortcut is claimed only where the interval is above 0."""
+def _slices(verdicts: Sequence[LookingVerdict]) -> dict[str, list[int]]:
+    return {s: [i for i, v in enumerate(verdicts) if s in ("pooled", v.kind)] for s in ["pooled", *sorted({v.kind for v in verdicts})]}
+
+
+def _same_items(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict]) -> None:
     if [v.item_id for v in base] != [v.item_id for v in judge]:
         raise ValueError("the two judges' verdicts are not on the same items")
 
-    def hit(v: LookingVerdict) -> bool:
-        return v.top_blank is not None and v.top_blank == v.best
 
+def blank_change(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict]) -> dict[str, dict[str, float]]:
+    """The judge's correct-first on the blank control minus the base judge's with its image
+    disposition forced (its own blank verdicts where it has none forced), paired by item, pooled
+    and per kind. A text shortcut is claimed only where the interval is above 0."""
+    _same_items(base, judge)
+
+    def hit(top: int | None, v: LookingVerdict) -> bool:
+        return top is not None and top == v.best
+
+    base_hits = [hit(v.forced_blank if v.forced else v.top_blank, v) for v in base]
+    judge_hits = [hit(v.top_blank, v) for v in judge]
+    return {s: paired_change([base_hits[i] for i in keep], [judge_hits[i] for i in keep]) for s, keep in _slices(base).items()}
+
+
+def ceiling_test(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict]) -> dict[str, dict[str, float]]:
+    """The judge's image-following against the base judge's forced ceiling, paired by item, pooled
+    and per kind: exact McNemar (b: the judge follows the image where the forced base judge does
+    not, c: the reverse)."""
+    _same_items(base, judge)
+    mine = [all(follows_image(v)) for v in judge]
+    ceiling = [all(follows_image(v, forced=True)) for v in base]
     out = {}
-    for s in ["pooled", *sorted({v.kind for v in base})]:
-        keep = [i for i, v in enumerate(base) if s in ("pooled", v.kind)]
-        out[s] = paired_change([hit(base[i]) for i in keep], [hit(judge[i]) for i in keep])
+    for s, keep in _slices(base).items():
+        t = paired_test([mine[i] for i in keep], [ceiling[i] for i in keep])
+        out[s] = {"judge": round(t.accuracy_first or 0.0, 4), "forced_base": round(t.accuracy_second or 0.0, 4),
+                  "b": t.b, "c": t.c, "p": t.p_value}  # fmt: skip
     return out
 
 
@@ -369,7 +387,7 @@ def evaluate_looking(cfg: Any, generate: Callable[[list[JudgePrompt], int], list
             for metric in ("image_following", "correct_first", "blank_correct_first", "disposition_image"):
                 table.setdefault(metric, {})[s] = Row(r[metric], n)
             table.setdefault("forced_image_following", {})[s] = Row(r["forced"]["image_following"], n)
-            table.setdefault("permutation_null", {})[s] = Row(r["nulls"]["permutation"]["mean"], n)
+            table.setdefault("swap_test_p", {})[s] = Row(r["swap_test"]["p"], n)
         per_seed.append(table)
     out = Path(e.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -379,8 +397,8 @@ def evaluate_looking(cfg: Any, generate: Callable[[list[JudgePrompt], int], list
     notes = [
         f"image-following: correct first on the image AND the perception-error answer first on the swapped image; "
         f"nulls for K={K}: text-only {null['text_only']:.0%}, random {null['random']:.0%}, drop the "
-        f"self-contradicting answer and guess per image {null['drop_contradicting']:.0%}; permutation_null: the "
-        "judge's own verdicts re-paired across tuples of a kind",
+        f"self-contradicting answer and guess per image {null['drop_contradicting']:.0%}; swap_test_p: the paired "
+        "swap test (exact McNemar on the perception-error answer first on the swapped vs the original image, per item)",
         "blank_correct_first: the scene without its object (no value to read); forced_image_following: with "
         f"\"{disposition(True)}\" written for the judge after its own \"Image: X.\"",
         f"independent tuples, letters balanced per kind; per-item verdicts in {ITEMS_FILE}",

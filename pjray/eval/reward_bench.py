@@ -31,6 +31,7 @@ nothing) and the official one applies the benchmark's vote and denominators to t
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import statistics
@@ -67,7 +68,7 @@ def scan_rows(
 ) -> Rows[PreferenceRow]:
     """The benchmark's rows from a file (parquet, JSON list, JSONL) or a dataset, each with its
     0-based position among the rows read; a bad row is a reject naming it."""
-    position = iter(range(1 << 62))
+    position = itertools.count()
     return scan_source(
         source, lambda raw, root, where: bench.parse_row(raw, root, where, next(position)), image_dir, limit,
         PreferenceDataError,
@@ -77,7 +78,6 @@ def scan_rows(
 def judge_prompt(bench: PreferenceBench, row: PreferenceRow, swapped: bool, prompt_format: str) -> JudgePrompt:
     """The prompt of one sample: the benchmark's official prompt (one user turn, its image, no
     system prompt) or pjray's paper pair prompt, responses in the order `swapped` says."""
-    target = "AB"[preferred_slot(row, swapped) - 1]
     if prompt_format == "paper":
         return render_pair(
             row.query, row.image, *row.responses, item_id=f"{bench.NAME}-{row.index}", truth="AB"[row.better], swap=swapped
@@ -86,7 +86,8 @@ def judge_prompt(bench: PreferenceBench, row: PreferenceRow, swapped: bool, prom
         raise ValueError(f"unknown prompt format {prompt_format!r}; expected one of {PROMPT_FORMATS}")
     return JudgePrompt(
         item_id=f"{bench.NAME}-{row.index}", system="", user=bench.official_prompt(row, swapped), image=row.image,
-        protocol="pair", style="original", num_candidates=2, shown=(1, 0) if swapped else (0, 1), target=target,
+        protocol="pair", style="original", num_candidates=2, shown=(1, 0) if swapped else (0, 1),
+        target="AB"[preferred_slot(row, swapped) - 1],
     )  # fmt: skip
 
 
@@ -230,8 +231,8 @@ def item_verdicts(
 # --------------------------------------------------------------------------- evaluation
 
 
-BENCHES: dict[str, PreferenceBench] = {NAME: module for NAME, module in (  # each module is a PreferenceBench
-    (vl_rewardbench.NAME, vl_rewardbench), (mm_rewardbench.NAME, mm_rewardbench))}  # type: ignore[misc]
+# Each benchmark's module is its PreferenceBench.
+BENCHES: dict[str, PreferenceBench] = {m.NAME: m for m in (vl_rewardbench, mm_rewardbench)}  # type: ignore[misc]
 
 
 def bench_of(name: str) -> PreferenceBench:
@@ -289,7 +290,7 @@ def evaluate_preference(cfg: Any, generate: Generate | None) -> EvalReport:
 
 
 def _orders(bench: PreferenceBench, e: Any) -> Callable[[PreferenceRow, int], list[bool]]:
-    if getattr(e, "both_orders", False):
+    if e.both_orders:
         return lambda row, seed: [False, True]
     return lambda row, seed: [bench.swapped(row, seed)]
 

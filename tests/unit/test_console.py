@@ -20,7 +20,7 @@ from pjray.console import (
     run_summary,
     step_line,
 )
-from pjray.eval.looking import blank_change, held_out_tuples, judge_looking, looking_items, looking_report
+from pjray.eval.looking import blank_change, ceiling_test, held_out_tuples, judge_looking, looking_items, looking_report
 
 METRICS = {"reward/mean": 0.4123, "reward/format_mean": 0.95, "reward/ranking_mean": 0.4333, "timing_s/step": 1.14}
 
@@ -87,9 +87,9 @@ def test_run_summary_names_the_reward_run_dir_export_and_wandb_run(tmp_path):
     trained = [replace(v, top_original=v.best, top_swapped=v.perception_error, by_image_original=True) for v in text]
     ranking = {"correct_first": 0.333, "format": 1.0, "reward": 0.444}
     check = {
-        "tuples": 24, "blank_change": blank_change(base, trained),
-        "base": {"ranking": ranking, "looks": looking_report(base, reps=100)},
-        "trained": {"ranking": {**ranking, "correct_first": 1.0, "reward": 0.9}, "looks": looking_report(trained, reps=100)},
+        "tuples": 24, "blank_change": blank_change(base, trained), "ceiling_test": ceiling_test(base, trained),
+        "base": {"ranking": ranking, "looks": looking_report(base)},
+        "trained": {"ranking": {**ranking, "correct_first": 1.0, "reward": 0.9}, "looks": looking_report(trained)},
     }  # fmt: skip
     (tmp_path / "held_out.json").write_text(json.dumps(check))
     lines = run_summary(tmp_path, 60.0)
@@ -97,14 +97,18 @@ def test_run_summary_names_the_reward_run_dir_export_and_wandb_run(tmp_path):
         "  held-out check (24 independent tuples held out by content, letters balanced, greedy; base judge -> this "
         "run): correct first 33% -> 100%, format 100% -> 100%, reward 0.444 -> 0.900"
     )
-    assert lines[3].startswith("    color (12): correct first 33% -> 100%; image-following 0% -> 100% [76%, 100%] (null 25%; permutation null 100%")
-    assert lines[4] == (
-        '      blank image: correct first 33% -> 33%; "by the image" 0% -> 100%; base judge forced by the image: '
-        "image-following 100%, correct first 100%"
+    assert lines[3] == (
+        "    color (12): correct first 33% -> 100%; image-following 0% -> 100% [76%, 100%] (null 25%); perception error "
+        "first, original -> swapped image 0% -> 100% (paired swap test p 0.00049)"
     )
-    assert lines[5].startswith("    size (12): ")
-    assert lines[7] == (
-        "    blank image, this run - base judge: correct first +0% [+0%, +0%] (no text shortcut shown); "
+    assert lines[4] == (
+        "      against the base judge forced by the image (image-following 100%, correct first 100%): 0 items only this "
+        "run follows, 0 only the forced base judge (McNemar p 1)"
+    )
+    assert lines[5] == '      blank image: correct first 33% -> 33% (forced base judge 100%); "by the image" 0% -> 100%'
+    assert lines[6].startswith("    size (12): ")
+    assert lines[9] == (
+        "    blank image, this run - the forced base judge: correct first -67% [-83%, -50%] (no text shortcut shown); "
         "image-following's null: 25%, a judge that drops the self-contradicting answer and guesses per image"
     )
     bare = tmp_path / "bare"

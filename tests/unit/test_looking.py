@@ -13,6 +13,7 @@ from pjray.data.prompts import LETTERS
 from pjray.ppjd.shortcuts import scene_qa
 from pjray.eval.looking import (
     LookingItem,
+    LookingVerdict,
     balanced_letters,
     blank_change,
     forced_prefill,
@@ -22,8 +23,9 @@ from pjray.eval.looking import (
     looking_rates,
     looking_report,
     nulls,
+    ceiling_test,
     paired_change,
-    permutation_null,
+    swap_test,
     statement,
     wilson,
 )
@@ -80,24 +82,26 @@ def test_the_blank_control_shows_the_scene_without_its_object(items: list[Lookin
 
 def test_a_judge_that_reads_the_pixels_follows_the_image_and_not_the_blank(items: list[LookingItem]) -> None:
     verdicts, _ = judge_looking(lambda ps: [reads_pixels(p, items) for p in ps], items, forced=False)
-    rates = looking_report(verdicts, reps=500)
+    rates = looking_report(verdicts)
     for s in ("pooled", "color", "size"):
         r = rates[s]
         assert r["correct_first"] == 1.0 and r["correct_first_swapped"] == 1.0 and r["image_following"] == 1.0
         assert r["same_top"] == 0.0
         assert r["blank_correct_first"] == pytest.approx(1 / 3, abs=1e-3)  # balanced letters: the order shown is chance
         assert r["image_following_ci"][0] > r["nulls"]["drop_contradicting"]
-        # Right on every image: the same marginals unlinked are right on every pair too.
-        assert r["nulls"]["permutation"]["mean"] == 1.0
+        # The perception-error answer moves from never first to always first with the image.
+        swap = r["swap_test"]
+        assert swap["perception_error_first_original"] == 0.0 and swap["perception_error_first_swapped"] == 1.0
+        assert swap["b"] == r["items"] and swap["c"] == 0 and swap["p"] < 1e-3
 
 
 def test_a_judge_that_reads_the_text_alone_scores_zero_image_following(items: list[LookingItem]) -> None:
     verdicts, texts = judge_looking(lambda ps: [verdict("ABC", "Image: red. Verdict: by the text.") for _ in ps], items, forced=False)
-    r = looking_report(verdicts, reps=500)["pooled"]
+    r = looking_report(verdicts)["pooled"]
     assert r["image_following"] == 0.0 and r["same_top"] == 1.0
     assert r["correct_first"] == pytest.approx(1 / 3, abs=1e-3) and r["blank_correct_first"] == pytest.approx(1 / 3, abs=1e-3)
     assert r["disposition_image"] == 0.0 and r["forced"] is None
-    assert r["nulls"]["permutation"]["p"] == 1.0
+    assert r["swap_test"]["b"] == r["swap_test"]["c"] == 0 and r["swap_test"]["p"] == 1.0  # the verdict never moves
     assert len(texts) == len(items)
 
 
@@ -113,25 +117,36 @@ def test_a_coin_per_image_scores_near_its_null() -> None:
 
     by_id = {it.pair.original.id: it for it in tuples}
     verdicts, _ = judge_looking(lambda ps: [coin(p, by_id[p.item_id.split(":")[0]]) for p in ps], tuples, forced=False)
-    r = looking_rates(verdicts, reps=500)
+    r = looking_rates(verdicts)
     assert abs(r["image_following"] - nulls(3)["drop_contradicting"]) < 0.1
-    perm = r["nulls"]["permutation"]
-    assert perm["lo"] <= r["image_following"] <= perm["hi"] and perm["p"] > 0.05
+    # A coin per image moves the perception-error answer both ways about equally: no link shown.
+    assert r["swap_test"]["p"] > 0.05 and r["swap_test"]["b"] > 0 and r["swap_test"]["c"] > 0
 
 
-def test_nulls_and_the_permutation_null_are_exact_where_they_can_be() -> None:
+def _verdict(i: int, kind: str, original: int | None, swapped: int | None, **forced) -> LookingVerdict:
+    """A verdict on a tuple whose correct answer is candidate 0 and perception error candidate 1."""
+    return LookingVerdict(f"t{i}", kind, "red", "blue", 0, 1, original, swapped, 2, False, False, False, None, **forced)
+
+
+def test_nulls_and_the_swap_test_are_exact_where_they_can_be() -> None:
     assert nulls(3) == {"text_only": 0.0, "random": 1 / 9, "drop_contradicting": 0.25}
     assert nulls(4)["drop_contradicting"] == pytest.approx(1 / 9)
-    # Every original right, half the swapped right: every pairing scores exactly one half.
-    hits = [(True, i % 2 == 0) for i in range(20)]
-    perm = permutation_null(hits, ["a"] * 20, reps=200, seed=0)
-    assert perm["mean"] == perm["lo"] == perm["hi"] == 0.5
-    # Linked hits (right on both or wrong on both) beat the unlinked pairing.
-    linked = [(i % 2 == 0, i % 2 == 0) for i in range(40)]
-    perm = permutation_null(linked, ["a"] * 20 + ["b"] * 20, reps=500, seed=0)
-    assert perm["mean"] < 0.3 and perm["p"] < 0.01
-    # Pairs are never an item with itself: one right item alone in its group pairs with nothing.
-    assert permutation_null([(True, True), (False, False)], ["a", "b"], reps=50, seed=0)["mean"] == 0.0
+    # Perception error first on the swapped image only (6 items), on the original only (1), on neither (3).
+    verdicts = [_verdict(i, "color", 0, 1) for i in range(6)] + [_verdict(6, "color", 1, 0)] + [_verdict(i, "color", 2, 2) for i in range(7, 10)]
+    t = swap_test(verdicts)
+    assert (t["b"], t["c"]) == (6, 1) and t["p"] == pytest.approx(2 * 8 / 128)  # exact McNemar: 2 P(X <= 1), X ~ B(7, 1/2)
+    assert t["perception_error_first_original"] == 0.1 and t["perception_error_first_swapped"] == 0.6
+
+
+def test_the_ceiling_test_pairs_the_judge_with_the_forced_base_judge() -> None:
+    base = [_verdict(i, "color" if i < 4 else "size", 2, 2, forced=True, forced_original=0, forced_swapped=1 if i % 2 else 0)
+            for i in range(8)]  # fmt: skip
+    judge = [_verdict(i, "color" if i < 4 else "size", 0, 1) for i in range(8)]  # follows the image on every item
+    out = ceiling_test(base, judge)
+    assert out["pooled"] == {"judge": 1.0, "forced_base": 0.5, "b": 4, "c": 0, "p": pytest.approx(2 / 16)}
+    assert set(out) == {"pooled", "color", "size"} and out["color"]["b"] == 2
+    with pytest.raises(ValueError, match="same items"):
+        ceiling_test(base, judge[::-1])
 
 
 def test_intervals() -> None:
@@ -166,7 +181,7 @@ def test_the_forced_pass_continues_from_the_prefill(items: list[LookingItem]) ->
         return out
 
     verdicts, _ = judge_looking(judge, items, forced=True)
-    r = looking_report(verdicts, reps=200)["pooled"]
+    r = looking_report(verdicts)["pooled"]
     assert r["image_following"] == 0.0 and r["forced"]["image_following"] == 1.0 and r["forced"]["correct_first"] == 1.0
     assert seen.count("") == 3 * len(items) and seen.count("Image: red. " + disposition(True)) == 3 * len(items)
     assert all(v.blank_statement == "red" for v in verdicts)
@@ -180,4 +195,8 @@ def test_blank_change_is_paired_by_item(items: list[LookingItem]) -> None:
     assert set(change) == {"pooled", "color", "size"}
     with pytest.raises(ValueError, match="same items"):
         blank_change(base, better[::-1])
-    assert np.isclose(looking_rates(better, reps=10)["blank_correct_first"], 1.0)
+    assert np.isclose(looking_rates(better)["blank_correct_first"], 1.0)
+    # A base judge run forced is compared by its forced blank verdicts: forced right on every
+    # blank, it leaves the judge no gain there.
+    forced = [replace(v, forced=True, forced_blank=v.best) for v in base]
+    assert blank_change(forced, better)["pooled"]["mean"] == 0.0
