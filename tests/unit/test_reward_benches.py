@@ -153,6 +153,18 @@ def test_vlrb_reads_both_published_layouts(tmp_path, layout):
     assert rows[2].responses[rows[2].better].startswith("good")
 
 
+def test_both_read_a_dataset_folder(tmp_path):
+    """eval.data as a folder of data files goes through `datasets` (as a hub id does)."""
+    from pjray.data.hf import eval_source
+
+    for bench, writer, layout in ((vl_rewardbench, write_vlrb, "parquet"), (mm_rewardbench, write_mmrb, "parquet")):
+        folder = writer(tmp_path / bench.NAME, layout).parent
+        e = load(overrides=[f"eval.bench={bench.NAME}", f"eval.data={folder}"]).eval
+        from_folder = scan_rows(bench, eval_source(e)).rows
+        from_file = scan_rows(bench, next(folder.glob("*.parquet"))).rows
+        assert [(r.id, r.better, r.group, r.image) for r in from_folder] == [(r.id, r.better, r.group, r.image) for r in from_file]
+
+
 def test_vlrb_bad_rows_are_rejects_with_reasons(tmp_path):
     path = tmp_path / "data.jsonl"
     (tmp_path / "a.png").write_bytes(b"png")
@@ -421,19 +433,20 @@ def test_config_errors_name_the_key(overrides, key):
         load(overrides=overrides)
 
 
-def test_training_validation_logs_accuracy_and_gap(tmp_path):
-    from pjray.eval.reward_bench import TrainingValidation
+@pytest.mark.parametrize("bench, writer", [("vl_rewardbench", write_vlrb), ("mm_rewardbench", write_mmrb)])
+def test_training_validation_logs_accuracy_and_gap(tmp_path, bench, writer):
+    from pjray.eval.reward_bench import TrainingValidation, bench_of
 
-    data = write_vlrb(tmp_path / "data")
-    cfg = load(overrides=["eval.train_bench=vl_rewardbench", f"eval.data={data}", "eval.every_steps=2",
-                          "eval.train_num_items=5", "eval.blind=[mismatched]", "eval.bench=vl_rewardbench"])  # fmt: skip
+    data = writer(tmp_path / "data")
+    cfg = load(overrides=[f"eval.train_bench={bench}", f"eval.data={data}", "eval.every_steps=2",
+                          "eval.train_num_items=5", "eval.blind=[mismatched]"])  # fmt: skip
     hook = TrainingValidation(cfg)
     assert len(hook.rows) == 5 and hook.rows == TrainingValidation(cfg).rows  # the same rows every time
-    all_rows = scan_rows(vl_rewardbench, data).rows
-    metrics = hook(cfg, LookingJudge(all_rows, "vl_rewardbench"), step=2)
-    assert metrics["eval/vl_rewardbench/accuracy"] == 1.0
-    assert metrics["eval/vl_rewardbench/accuracy_mismatched"] == 0.0
-    assert metrics["eval/vl_rewardbench/gap"] == 1.0
+    all_rows = scan_rows(bench_of(bench), data).rows
+    metrics = hook(cfg, LookingJudge(all_rows, bench), step=2)
+    assert metrics[f"eval/{bench}/accuracy"] == 1.0
+    assert metrics[f"eval/{bench}/accuracy_mismatched"] == 0.0
+    assert metrics[f"eval/{bench}/gap"] == 1.0 and metrics[f"eval/{bench}/unparsed"] == 0.0
 
 
 def test_keep_best_records_and_resumes(tmp_path):
