@@ -910,7 +910,7 @@ def _validate_preference(cfg: Config) -> None:
         for key in ("outputs", "compare"):
             if getattr(e, key):
                 raise ConfigError(f"eval.{key}: only for eval.bench=vl_rewardbench or mm_rewardbench, not {e.bench}")
-    if e.both_orders and e.bench != "mm_rewardbench" and e.train_bench != "mm_rewardbench":
+    if e.both_orders and e.bench != "mm_rewardbench":
         raise ConfigError("eval.both_orders: only for mm_rewardbench (VL-RewardBench draws the order per sample)")
     if e.outputs:
         if e.judge:

@@ -71,7 +71,7 @@ class EvalReport:
     # Row index -> {group, right}: the per-item verdicts of the paired tests (items.jsonl).
     items: dict[int, dict[str, Any]] = field(default_factory=dict)
     # Paired exact McNemar tests on the per-item verdicts, by name ("real vs mismatched"): one
-    # row per group and pooled (pjray.eval.reward_bench.paired_rows).
+    # row per group and pooled (pjray.eval.metrics.paired_verdicts).
     paired: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def flat_metrics(self, prefix: str = "eval/") -> dict[str, float]:

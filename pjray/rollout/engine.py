@@ -26,7 +26,7 @@ Semantics every engine keeps, so the driver and the reward never need to know th
   often; real checkpoints almost never do.
 * `logprobs[t]` is log softmax(logits / temperature) at the sampled token, over the vocabulary
   without the banned placeholders (before top-k / top-p): exactly what the learner computes for
-  the same weights (it bans them too, `pjray.rl.grpo.ban_tokens`), so the driver can measure
+  the same weights (it bans them too, `pjray.models.loading.ban_tokens`), so the driver can measure
   how far the two differ (`rollout/logprob_diff_*`). With top-k and top-p off it is the
   sampler's own logprob.
 * Completions come back ordered by (prompt_index, sample_index).

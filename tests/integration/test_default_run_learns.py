@@ -79,8 +79,10 @@ def test_the_default_run_writes_the_format_from_step_1_learns_and_trains_the_tex
     assert f"held-out check ({check['tuples']} independent tuples held out by content" in out
     # Its numbers reach the console as the summary's lines only; the files hold the rest.
     assert "held-out check: " in out and str(run_dir / "held_out.json") in out and '"tuples"' not in out
-    assert "color (60): correct first" in out and "size (60): correct first" in out and "(null 25%;" in out
-    assert "base judge forced by the image: image-following" in out and "blank image, this run - base judge" in out
+    assert "color (60): correct first" in out and "size (60): correct first" in out and "(null 25%)" in out
+    assert "(paired swap test p " in out and "against the base judge forced by the image (image-following" in out
+    assert "blank image, this run - the forced base judge" in out
+    assert set(check["ceiling_test"]) == {"pooled", "color", "size"} and set(check["blank_change"]) == {"pooled", "color", "size"}
     verdicts = pq.read_table(run_dir / "held_out_items.parquet").to_pylist()
     assert len(verdicts) == 2 * check["tuples"] and {v["judge"] for v in verdicts} == {"base", "trained"}
     # GRPO moved the text model; the perception front-end stayed frozen.

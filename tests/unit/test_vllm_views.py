@@ -156,7 +156,7 @@ def test_bad_layouts_name_the_key(overrides: list[str], key: str) -> None:
 
 
 def _documented_layouts() -> list[tuple[str, list[str]]]:
-    """(yaml, overrides) of every `pjray train --config configs/X.yaml ...` line in the GPU
+    """(yaml, overrides) of every `pjray train --config configs/<name>.yaml ...` line in the GPU
     recipes' header comments, so the layouts the docs advertise are the ones tested."""
     from pathlib import Path
 
