@@ -42,8 +42,8 @@ import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -56,13 +56,89 @@ from pjray.placement import split_evenly
 from pjray.rl.checkpoint import RankCheckpoints
 from pjray.rl.ds_ops import skip_unused_ops
 from pjray.rl.ds_setup import ds_config, lr_multiplier, optimizer, ref_ds_config, vision_tower
-from pjray.rl.grpo import IS_SUMS, entropy_from_logits, grpo_loss, rollout_is_metrics, rollout_is_weights, sft_loss
+from pjray.rl.grpo import entropy_from_logits, grpo_loss, rollout_is_metrics, rollout_is_weights, sft_loss
 from pjray.rl.logprobs import can_share_prefix, collate, forward_logprobs, forwarded_positions
 from pjray.rollout.hf_engine import HFEngine
 from pjray.sync.sender import WeightSender
 from pjray.types import Completion, Experience, JudgePrompt, Timed
 
 __all__ = ["LearnerRank", "collate", "forward_logprobs", "forwarded_positions", "lr_multiplier"]
+
+
+# ---------------------------------------------------------------------------------------------
+# What a training step adds up
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StepSums:
+    """What the micro-batches of one optimizer step add up on a rank, reduced across ranks field
+    by field (`reduced`): the maxima in `MAXED` by max, every other field by sum."""
+
+    MAXED: ClassVar[tuple[str, ...]] = ("logprob_diff_max", "is_raw_max")
+
+    pg_loss: float = 0.0  # each rank's share x dp_size (grpo.aggregate): averaged over ranks
+    kl_loss: float = 0.0
+    tokens: float = 0.0  # response tokens
+    seqs: float = 0.0  # sequences with a response token
+    entropy: float = 0.0  # summed over response tokens (a token mean at the end), as the next three
+    pg_clipfrac: float = 0.0
+    pg_clipfrac_lower: float = 0.0
+    ppo_kl: float = 0.0
+    logprob_diff: float = 0.0  # |old policy - rollout engine| over the tokens that have both
+    logprob_diff_tokens: float = 0.0
+    padding_positions: float = 0.0  # forwarded positions that were padding, of all `positions`
+    positions: float = 0.0
+    is_units: float = 0.0  # the rollout-correction sums of grpo.rollout_is_weights
+    is_total: float = 0.0
+    is_squares: float = 0.0
+    is_outside: float = 0.0
+    logprob_diff_max: float = 0.0
+    is_raw_max: float = 0.0  # the largest raw importance weight
+
+    def add(self, other: StepSums) -> None:
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, max(mine, theirs) if f.name in self.MAXED else mine + theirs)
+
+    def reduced(self, all_reduce: Callable[[torch.Tensor, Any], None], device: Any) -> StepSums:
+        """These sums over every rank: `all_reduce(tensor, op)` (torch.distributed's) on one
+        float64 tensor of the summed fields and one of the maxima, read back by name."""
+        names = [f.name for f in dataclasses.fields(self)]
+        summed = [n for n in names if n not in self.MAXED]
+        out = StepSums()
+        for group, op in ((summed, torch.distributed.ReduceOp.SUM), (list(self.MAXED), torch.distributed.ReduceOp.MAX)):
+            values = torch.tensor([getattr(self, n) for n in group], dtype=torch.float64, device=device)
+            all_reduce(values, op)
+            for n, v in zip(group, values.cpu().tolist()):
+                setattr(out, n, v)
+        return out
+
+    def metrics(self, world_size: int, grad_norm: float, lr: float) -> dict[str, float]:
+        """The step's metrics (`LearnerRank.train_step`) from the sums over every rank."""
+        tokens = max(self.tokens, 1.0)
+        is_sums = torch.tensor([self.is_units, self.is_total, self.is_squares, self.is_outside], dtype=torch.float64)
+        rollout = rollout_is_metrics(is_sums, self.is_raw_max)
+        if self.logprob_diff_tokens > 0:
+            rollout["rollout/logprob_diff_mean"] = self.logprob_diff / self.logprob_diff_tokens
+            rollout["rollout/logprob_diff_max"] = self.logprob_diff_max
+        return {
+            # Each rank's sum is its share times dp_size (see grpo.aggregate): average ranks.
+            "actor/pg_loss": self.pg_loss / world_size,
+            "actor/kl_loss": self.kl_loss / world_size,
+            "actor/entropy": self.entropy / tokens,
+            "actor/pg_clipfrac": self.pg_clipfrac / tokens,
+            "actor/pg_clipfrac_lower": self.pg_clipfrac_lower / tokens,
+            "actor/ppo_kl": self.ppo_kl / tokens,
+            "actor/grad_norm": grad_norm,
+            "actor/lr": lr,
+            "actor/num_tokens": self.tokens,
+            "actor/num_seqs": self.seqs,
+            # Share of the forwarded positions that were padding (rows padded to the longest; with
+            # a shared prefix, prompts to the longest prompt and responses to the longest response).
+            "perf/padding_fraction": self.padding_positions / max(self.positions, 1.0),
+            **rollout,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,141 +378,108 @@ class LearnerRank(WeightSender, RankCheckpoints):
             global_seqs: sequences with at least one response token, over all ranks.
 
         Returns:
-            metrics, identical on every rank (they are all-reduced): actor/pg_loss and
-            actor/kl_loss (the full mini-batch values), token means over the mini-batch of
-            actor/entropy, actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl; actor/grad_norm
-            (before clipping), actor/lr (the rate this step used), actor/num_tokens and
-            actor/num_seqs (mini-batch totals), perf/padding_fraction (padding positions over
-            all forwarded positions). When experiences carry `rollout_logprobs`, also
-            rollout/logprob_diff_mean and rollout/logprob_diff_max: |learner - rollout engine|
-            per response token (the learner's weights before this step's update: the old
-            policy's), over the tokens that have one; and with algo.rollout_is, the policy loss
-            weighted by `rollout_is_weights` of old policy / engine, and rollout_is/* metrics.
+            metrics, identical on every rank (`StepSums.metrics` of the all-reduced sums):
+            actor/pg_loss and actor/kl_loss (the full mini-batch values), token means over the
+            mini-batch of actor/entropy, actor/pg_clipfrac, actor/pg_clipfrac_lower,
+            actor/ppo_kl; actor/grad_norm (before clipping), actor/lr (the rate this step used),
+            actor/num_tokens and actor/num_seqs (mini-batch totals), perf/padding_fraction
+            (padding positions over all forwarded positions). When experiences carry
+            `rollout_logprobs`, also rollout/logprob_diff_mean and rollout/logprob_diff_max:
+            |learner - rollout engine| per response token (the learner's weights before this
+            step's update: the old policy's), over the tokens that have one; and with
+            algo.rollout_is, the policy loss weighted by `rollout_is_weights` of old policy /
+            engine, and rollout_is/* metrics.
         """
-        if len(experiences) < self.grad_accum_steps:
-            raise ValueError(
-                f"train_step: {len(experiences)} experiences cannot fill {self.grad_accum_steps} micro-batches"
-            )
-        kl_coef = self.algo_cfg.kl_coef
-        if kl_coef > 0:
-            missing = [i for i, e in enumerate(experiences) if e.response_ids and e.ref_logprobs is None]
-            if missing:
-                raise ValueError(
-                    f"train_step: algo.kl_coef={kl_coef} but experiences {missing[:5]} have no ref_logprobs; "
-                    "fill them with compute_logprobs(..., 'ref') first"
-                )
-        dual_clip = self.algo_cfg.dual_clip if self.algo_cfg.dual_clip > 0 else None
+        self._check_step(experiences)
         lr = float(self.engine.get_lr()[0])
-
-        # Sums over this rank's micro-batches: [pg_loss, kl_loss, tokens, seqs,
-        # entropy*tokens, clipfrac*tokens, clipfrac_lower*tokens, ppo_kl*tokens,
-        # |old logp - rollout logp| summed, tokens with a rollout logp, padding positions, all
-        # positions, the rollout-correction sums (grpo.IS_SUMS)]; and the maxima of that
-        # difference and of the raw importance weights.
-        sums = torch.zeros(12 + IS_SUMS, dtype=torch.float64)
-        maxima = torch.zeros(2, dtype=torch.float64)
-        algo = self.algo_cfg
+        sums = StepSums()
         self.engine.train()
         manual_grad_norm: float | None = None
         chunks = split_evenly(experiences, self.grad_accum_steps)
         for index, chunk in enumerate(chunks):
-            batch = collate(self.processor, chunk)
-            shared = self.learner_cfg.shared_prefix and can_share_prefix(self.engine, batch)
-            logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device, self.temperature, shared, self.banned)
-            mask = batch.response_mask[:, 1:].to(self.device)
-            old = batch.old_logprobs[:, 1:].to(self.device)
-            # NaN marks "no rollout log-prob": on-policy, so the ratio is exactly 1.
-            old = torch.where(torch.isnan(old), logp.detach(), old)
-            ref = None
-            if kl_coef > 0:
-                if batch.ref_logprobs is None:
-                    # Only dummies here (checked above): no response token, so KL is 0 anyway.
-                    ref = logp.detach()
-                else:
-                    # Rows without ref log-probs (dummies) are NaN on no position that counts.
-                    ref = torch.where(mask > 0, batch.ref_logprobs[:, 1:].to(self.device), logp.detach())
-            on_mask = mask > 0
-            rollout = None if batch.rollout_logprobs is None else batch.rollout_logprobs[:, 1:].to(self.device)
-            is_weights, is_sums = None, torch.zeros(IS_SUMS, dtype=torch.float64)
-            if algo.rollout_is != "none" and rollout is not None:
-                # old policy minus engine; 0 (weight 1) on tokens the engine gave no log-prob for.
-                have = on_mask & ~torch.isnan(rollout)
-                log_ratio = torch.where(have, old.double() - rollout, torch.zeros_like(rollout)).to(logp.dtype)
-                is_weights, is_sums, is_max = rollout_is_weights(
-                    log_ratio, mask, algo.rollout_is, algo.rollout_is_upper, algo.rollout_is_lower
-                )
-                maxima[1] = max(float(maxima[1]), float(is_max))
-            loss, metrics = grpo_loss(
-                logp, old, ref, batch.advantages.to(self.device), mask,
-                kl_coef=kl_coef, clip_low=algo.clip_low, clip_high=algo.clip_high,
-                dual_clip=dual_clip, agg=algo.loss_agg, global_tokens=float(global_tokens),
-                global_seqs=float(global_seqs), dp_size=self.world_size, norm_len=self.norm_len,
-                kind=algo.policy_loss, is_weights=is_weights,
-            )  # fmt: skip
-            with torch.no_grad():
-                tokens = float(on_mask.sum())
-                # Entropy of the response positions only: [n_tokens, V], not [B, T, V].
-                entropy_sum = float(entropy_from_logits(logits).sum())
-                seqs = float(on_mask.any(-1).sum())
-                diff_sum, diff_count = 0.0, 0.0
-                if rollout is not None:
-                    diffs = (old.double() - rollout)[on_mask & ~torch.isnan(rollout)].abs()
-                    diff_sum, diff_count = float(diffs.sum()), float(diffs.numel())
-                    if diffs.numel():
-                        maxima[0] = max(float(maxima[0]), float(diffs.max()))
-            del logits
-
-            # The aggregation already normalises by the global counts; DeepSpeed must not
-            # divide by the accumulation steps again.
-            self.engine.backward(loss, scale_wrt_gas=False)
+            sums.add(self._micro_batch(chunk, float(global_tokens), float(global_seqs)))
             if index == len(chunks) - 1 and self.learner_cfg.zero_stage == 0:
                 # Without ZeRO (fp32) DeepSpeed clips but does not keep the norm; the gradients
                 # are already all-reduced after the boundary backward, so measure them here.
                 manual_grad_norm = self._grad_norm()
             self.engine.step()
-
-            sums += torch.tensor([
-                metrics["pg_loss"], metrics["kl_loss"], tokens, seqs, entropy_sum,
-                metrics["pg_clipfrac"] * tokens, metrics["pg_clipfrac_lower"] * tokens,
-                metrics["ppo_kl"] * tokens, diff_sum, diff_count,
-                *map(float, forwarded_positions(batch, shared)), *is_sums.tolist(),
-            ], dtype=torch.float64)  # fmt: skip
-            del logp, loss
-
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is None:
             grad_norm = manual_grad_norm if manual_grad_norm is not None else math.nan
-        grad_norm = float(grad_norm)
-
-        totals = sums.to(self.device)
-        maxima = maxima.to(self.device)
         if self.world_size > 1:
-            self._ds.comm.all_reduce(totals)
-            self._ds.comm.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX)
-        is_totals = totals[12:].cpu()
-        totals = totals.cpu().tolist()
-        maxima = maxima.cpu().tolist()
-        tokens = max(totals[2], 1.0)
-        rollout = rollout_is_metrics(is_totals, maxima[1])
-        if totals[9] > 0:
-            rollout.update({"rollout/logprob_diff_mean": totals[8] / totals[9], "rollout/logprob_diff_max": maxima[0]})
-        return {
-            # Each rank's sum is its share times dp_size (see grpo.aggregate): average ranks.
-            "actor/pg_loss": totals[0] / self.world_size,
-            "actor/kl_loss": totals[1] / self.world_size,
-            "actor/entropy": totals[4] / tokens,
-            "actor/pg_clipfrac": totals[5] / tokens,
-            "actor/pg_clipfrac_lower": totals[6] / tokens,
-            "actor/ppo_kl": totals[7] / tokens,
-            "actor/grad_norm": grad_norm,
-            "actor/lr": lr,
-            "actor/num_tokens": totals[2],
-            "actor/num_seqs": totals[3],
-            # Share of the forwarded positions that were padding (rows padded to the longest; with
-            # a shared prefix, prompts to the longest prompt and responses to the longest response).
-            "perf/padding_fraction": totals[10] / max(totals[11], 1.0),
-            **rollout,
-        }
+            sums = sums.reduced(lambda t, op: self._ds.comm.all_reduce(t, op=op), self.device)
+        return sums.metrics(self.world_size, float(grad_norm), lr)
+
+    def _check_step(self, experiences: Sequence[Experience]) -> None:
+        if len(experiences) < self.grad_accum_steps:
+            raise ValueError(
+                f"train_step: {len(experiences)} experiences cannot fill {self.grad_accum_steps} micro-batches"
+            )
+        if self.algo_cfg.kl_coef > 0:
+            missing = [i for i, e in enumerate(experiences) if e.response_ids and e.ref_logprobs is None]
+            if missing:
+                raise ValueError(
+                    f"train_step: algo.kl_coef={self.algo_cfg.kl_coef} but experiences {missing[:5]} have no "
+                    "ref_logprobs; fill them with compute_logprobs(..., 'ref') first"
+                )
+
+    def _micro_batch(self, chunk: Sequence[Experience], global_tokens: float, global_seqs: float) -> StepSums:
+        """Forward, loss and backward of one micro-batch (the optimizer step is the caller's);
+        returns what it adds to the step's sums."""
+        algo = self.algo_cfg
+        batch = collate(self.processor, chunk)
+        shared = self.learner_cfg.shared_prefix and can_share_prefix(self.engine, batch)
+        logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device, self.temperature, shared, self.banned)
+        mask = batch.response_mask[:, 1:].to(self.device)
+        on_mask = mask > 0
+        old = batch.old_logprobs[:, 1:].to(self.device)
+        # NaN marks "no rollout log-prob": on-policy, so the ratio is exactly 1.
+        old = torch.where(torch.isnan(old), logp.detach(), old)
+        ref = None
+        if algo.kl_coef > 0:
+            if batch.ref_logprobs is None:
+                # Only dummies here (checked in _check_step): no response token, so KL is 0 anyway.
+                ref = logp.detach()
+            else:
+                # Rows without ref log-probs (dummies) are NaN on no position that counts.
+                ref = torch.where(on_mask, batch.ref_logprobs[:, 1:].to(self.device), logp.detach())
+        rollout = None if batch.rollout_logprobs is None else batch.rollout_logprobs[:, 1:].to(self.device)
+        out = StepSums()
+        is_weights = None
+        if algo.rollout_is != "none" and rollout is not None:
+            # old policy minus engine; 0 (weight 1) on tokens the engine gave no log-prob for.
+            have = on_mask & ~torch.isnan(rollout)
+            log_ratio = torch.where(have, old.double() - rollout, torch.zeros_like(rollout)).to(logp.dtype)
+            is_weights, is_sums, is_max = rollout_is_weights(
+                log_ratio, mask, algo.rollout_is, algo.rollout_is_upper, algo.rollout_is_lower
+            )
+            out.is_units, out.is_total, out.is_squares, out.is_outside = (float(x) for x in is_sums)
+            out.is_raw_max = float(is_max)
+        loss, metrics = grpo_loss(
+            logp, old, ref, batch.advantages.to(self.device), mask,
+            kl_coef=algo.kl_coef, clip_low=algo.clip_low, clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip if algo.dual_clip > 0 else None, agg=algo.loss_agg, global_tokens=global_tokens,
+            global_seqs=global_seqs, dp_size=self.world_size, norm_len=self.norm_len,
+            kind=algo.policy_loss, is_weights=is_weights,
+        )  # fmt: skip
+        with torch.no_grad():
+            tokens = float(on_mask.sum())
+            out.pg_loss, out.kl_loss, out.tokens, out.seqs = metrics["pg_loss"], metrics["kl_loss"], tokens, float(on_mask.any(-1).sum())
+            # Entropy of the response positions only: [n_tokens, V], not [B, T, V].
+            out.entropy = float(entropy_from_logits(logits).sum())
+            out.pg_clipfrac = metrics["pg_clipfrac"] * tokens
+            out.pg_clipfrac_lower = metrics["pg_clipfrac_lower"] * tokens
+            out.ppo_kl = metrics["ppo_kl"] * tokens
+            if rollout is not None:
+                diffs = (old.double() - rollout)[on_mask & ~torch.isnan(rollout)].abs()
+                out.logprob_diff, out.logprob_diff_tokens = float(diffs.sum()), float(diffs.numel())
+                out.logprob_diff_max = float(diffs.max()) if diffs.numel() else 0.0
+            out.padding_positions, out.positions = map(float, forwarded_positions(batch, shared))
+        del logits
+        # The aggregation already normalises by the global counts; DeepSpeed must not divide by
+        # the accumulation steps again.
+        self.engine.backward(loss, scale_wrt_gas=False)
+        return out
 
     def train_step_timed(
         self, experiences: Sequence[Experience], global_tokens: float, global_seqs: float
