@@ -126,6 +126,33 @@ def _read_scores(answers: list[str]) -> tuple[tuple[int, ...] | None, str]:
     return tuple(scores), ""
 
 
+def _last_block(answers: list[str], problems: list[str]) -> str | None:
+    """The one answer block a verdict reads (the last, the final one, when there are several,
+    which is itself a problem)."""
+    if len(answers) > 1:
+        problems.append(f"{len(answers)} <answer> blocks, expected 1")
+    return answers[-1] if answers else None
+
+
+def _scores_of(answers: list[str], problems: list[str]) -> tuple[int, ...] | None:
+    """One integer a block (None when a block holds none), each in SCORE_MIN..SCORE_MAX; what is
+    wrong goes to `problems`, and scores out of range are still returned."""
+    scores, problem = _read_scores(answers)
+    if scores is None:
+        problems.append(problem)
+        return None
+    problems += _score_problems(scores)
+    return scores
+
+
+def _judgment(think: str | None, answers: list[str], ranking: str | None, scores: tuple[int, ...] | None,
+              problems: list[str]) -> Judgment:  # fmt: skip
+    return Judgment(
+        think=think, answer="\n".join(answers) if answers else None, ranking=ranking, scores=scores,
+        format_ok=not problems, reason="; ".join(problems),
+    )  # fmt: skip
+
+
 def ranking_from_scores(scores: tuple[int, ...]) -> str:
     """Letters sorted by score, highest first; ties go to the later letter (as in the release)."""
     return "".join(letter for _, letter in sorted(zip(scores, LETTERS), reverse=True))
@@ -156,32 +183,22 @@ def parse_judgment(
     ranking: str | None = None
     scores: tuple[int, ...] | None = None
     if style == "ranking":
-        if len(answers) > 1:
-            problems.append(f"{len(answers)} <answer> blocks, expected 1")
-        if answers:
-            ranking, problem = _read_ranking(answers[-1], num_candidates)
+        block = _last_block(answers, problems)
+        if block is not None:
+            ranking, problem = _read_ranking(block, num_candidates)
             if problem:
                 problems.append(problem)
     elif answers:
-        scores, problem = _read_scores(answers)
+        scores = _scores_of(answers, problems)
         if scores is None:
-            problems.append(problem)
+            pass
+        elif len(scores) != num_candidates:
+            problems.append(f"{len(scores)} scores, expected {num_candidates}")
+        elif len(set(scores)) != len(scores):
+            problems.append(f"tied scores {list(scores)}")
         else:
-            problems += _score_problems(scores)
-            if len(scores) != num_candidates:
-                problems.append(f"{len(scores)} scores, expected {num_candidates}")
-            elif len(set(scores)) != len(scores):
-                problems.append(f"tied scores {list(scores)}")
-            else:
-                ranking = ranking_from_scores(scores)
-    return Judgment(
-        think=think,
-        answer="\n".join(answers) if answers else None,
-        ranking=ranking,
-        scores=scores,
-        format_ok=not problems,
-        reason="; ".join(problems),
-    )
+            ranking = ranking_from_scores(scores)
+    return _judgment(think, answers, ranking, scores, problems)
 
 
 def parse_pair(text: str, style: str = "scores", think_prefilled: bool = False) -> Judgment:
@@ -195,10 +212,9 @@ def parse_pair(text: str, style: str = "scores", think_prefilled: bool = False) 
     verdict: str | None = None
     scores: tuple[int, ...] | None = None
     if style == "ranking":
-        if len(answers) > 1:
-            problems.append(f"{len(answers)} <answer> blocks, expected 1")
-        if answers:
-            s = answers[-1].strip()
+        block = _last_block(answers, problems)
+        if block is not None:
+            s = block.strip()
             if s.startswith("[[") and s.endswith("]]"):
                 s = s[2:-2].strip()
             if s in ("A", "B", "C"):
@@ -206,23 +222,14 @@ def parse_pair(text: str, style: str = "scores", think_prefilled: bool = False) 
             else:
                 problems.append(f"answer {_short(s)} is not A, B or C")
     elif answers:
-        scores, problem = _read_scores(answers)
+        scores = _scores_of(answers, problems)
         if scores is None:
-            problems.append(problem)
+            pass
+        elif len(scores) != 2:
+            problems.append(f"{len(scores)} scores, expected 2")
         else:
-            problems += _score_problems(scores)
-            if len(scores) != 2:
-                problems.append(f"{len(scores)} scores, expected 2")
-            else:
-                verdict = "A" if scores[0] > scores[1] else "B" if scores[0] < scores[1] else "C"
-    return Judgment(
-        think=think,
-        answer="\n".join(answers) if answers else None,
-        ranking=verdict,
-        scores=scores,
-        format_ok=not problems,
-        reason="; ".join(problems),
-    )
+            verdict = "A" if scores[0] > scores[1] else "B" if scores[0] < scores[1] else "C"
+    return _judgment(think, answers, verdict, scores, problems)
 
 
 def parse_score(text: str, think_prefilled: bool = False) -> Judgment:
@@ -231,21 +238,7 @@ def parse_score(text: str, think_prefilled: bool = False) -> Judgment:
     `ranking` is always None. A score outside 1..10 is kept in `scores` but not format_ok.
     """
     think, answers, problems = _layout(text, think_prefilled)
-    scores: tuple[int, ...] | None = None
-    if len(answers) > 1:
-        problems.append(f"{len(answers)} <answer> blocks, expected 1")
-    if answers:
-        # Read the last block, the final verdict, when there are several.
-        scores, problem = _read_scores(answers[-1:])
-        if scores is None:
-            problems.append(problem)
-        else:
-            problems += _score_problems(scores)
-    return Judgment(
-        think=think,
-        answer="\n".join(answers) if answers else None,
-        ranking=None,
-        scores=scores,
-        format_ok=not problems,
-        reason="; ".join(problems),
-    )
+    # Read the last block, the final verdict, when there are several.
+    block = _last_block(answers, problems)
+    scores = None if block is None else _scores_of([block], problems)
+    return _judgment(think, answers, None, scores, problems)
