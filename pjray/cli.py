@@ -116,7 +116,7 @@ def run_command(args: argparse.Namespace) -> int:
     check_inputs(cfg, args.command)
 
     if args.command == "train":
-        from pjray.eval.held_out import held_out_hook
+        from pjray.recipes.base_judge import held_out_hook
         from pjray.eval.runner import validation_hook
         from pjray.rl.trainer import train as run_training
 

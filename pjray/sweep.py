@@ -233,7 +233,7 @@ def run_trial(params: dict[str, Any], plan: SweepPlan) -> None:
     from ray import tune
 
     from pjray.console import quiet_stack
-    from pjray.eval.held_out import held_out_hook
+    from pjray.recipes.base_judge import held_out_hook
     from pjray.eval.runner import validation_hook
     from pjray.rl.trainer import train
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from pjray.config import Config
 from pjray.data.prompts import render_batch
 from pjray.data.scenes import SceneQA, scene_split
 from pjray.eval.bias import probe_prompt
@@ -189,16 +188,6 @@ def judge_on(path: str, items: Sequence[LookingItem], forced: bool) -> tuple[dic
     originals = [it.pair.original for it in items]
     ranking = ranking_summary(originals, [it.prompts()[0] for it in items], texts, 1)
     return {"ranking": ranking, "looks": looking_report(verdicts)}, verdicts
-
-
-def held_out_hook(cfg: Config) -> Callable[[str, str, Sequence[JudgeItem]], dict[str, Any]] | None:
-    """The trainer's held-out hook for a run from a base judge of pjray's recipes (`model.init`),
-    as `pjray train` and every sweep trial run it; None for any other judge."""
-    from pjray.recipes.base_judge import RECIPES
-
-    if cfg.model.init not in RECIPES:
-        return None
-    return functools.partial(held_out_check, recipe=RECIPES[cfg.model.init])
 
 
 def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem], recipe: BaseJudgeRecipe = BaseJudgeRecipe()) -> dict[str, Any]:

@@ -22,17 +22,19 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from pjray.cache import cache_root
 from pjray.models.base_judge import BaseJudgeRecipe, build_untrained, pretrain_vision, sft_examples
+from pjray.types import JudgeItem
 
 RECIPE_MODULES = ("pjray.models.base_judge", "pjray.data.scenes", "pjray.data.prompts", "pjray.ppjd.perturb")
 RECIPE_VERSION = 3
@@ -234,3 +236,13 @@ def build_base_judge(
     work.rename(target)
     log(f"pjray: base judge built in {time.perf_counter() - started:.0f}s: {target / 'hf_model'}")
     return target / "hf_model"
+
+
+def held_out_hook(cfg: Any) -> Callable[[str, str, Sequence[JudgeItem]], dict[str, Any]] | None:
+    """The trainer's held-out hook for a run from a base judge of pjray's recipes (`model.init`),
+    as `pjray train` and every sweep trial run it; None for any other judge."""
+    from pjray.eval.held_out import held_out_check
+
+    if cfg.model.init not in RECIPES:
+        return None
+    return functools.partial(held_out_check, recipe=RECIPES[cfg.model.init])

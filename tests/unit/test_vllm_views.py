@@ -195,7 +195,7 @@ def test_vllm_backend_without_vllm_is_a_config_error() -> None:
     import importlib.util
 
     from pjray.config import ModelConfig, RolloutConfig
-    from pjray.rollout.engine import build_engine
+    from pjray.rollout.worker import build_engine
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm imports here; this checks the message where it does not")
