@@ -899,6 +899,11 @@ def _validate_eval(cfg: Config) -> None:
         raise ConfigError(f"eval.train_seed={e.train_seed}: must differ from data.seed for a held-out eval")
 
 
+def is_outputs_file(name: str) -> bool:
+    """An `eval.compare` entry (or `eval.outputs`) that names judge outputs, a .jsonl file, not a judge."""
+    return name.endswith(".jsonl")
+
+
 _ROW_BENCHES = ("score", "pair", "batch", "vl_rewardbench", "mm_rewardbench")  # rows of their own, from eval.data
 _PREFERENCE_BENCHES = ("vl_rewardbench", "mm_rewardbench")
 
@@ -919,10 +924,10 @@ def _validate_preference(cfg: Config) -> None:
         if e.blind or e.both_orders:
             raise ConfigError("eval.outputs: the file holds one pass; eval.blind and eval.both_orders judge more, "
                               "so they take a judge")  # fmt: skip
-        if not e.outputs.endswith(".jsonl"):
+        if not is_outputs_file(e.outputs):
             raise ConfigError(f"eval.outputs={e.outputs}: a .jsonl file of judge outputs")
     for name in e.compare:
-        if (e.blind or e.both_orders) and name.endswith(".jsonl"):
+        if (e.blind or e.both_orders) and is_outputs_file(name):
             raise ConfigError(f"eval.compare: {name} holds one pass; eval.blind and eval.both_orders judge more")
     if e.compare and not (e.judge or e.outputs):
         raise ConfigError("eval.compare: compares with eval.judge or eval.outputs; name one of them")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import io
-import re
 import sys
 import tokenize
 from pathlib import Path
@@ -30,7 +29,7 @@ def field_comments(source: str) -> dict[tuple[str, str], str]:
     joined, for every annotated field of every class in `source`."""
     comments: dict[int, str] = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
+        if tok.type == tokenize.COMMENT and not tok.string.startswith(("# fmt:", "# noqa")):  # tool directives
             comments[tok.start[0]] = tok.string.lstrip("#").strip()
     lines = source.splitlines()
     out = {}
@@ -42,11 +41,10 @@ def field_comments(source: str) -> dict[tuple[str, str], str]:
                 continue
             above, row = [], stmt.lineno - 1
             while row >= 1 and lines[row - 1].strip().startswith("#"):
-                above.insert(0, comments[row])
+                above.insert(0, comments.get(row, ""))
                 row -= 1
             after = [comments[n] for n in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1) if n in comments]
-            text = " ".join([*above, *after])
-            out[(node.name, stmt.target.id)] = re.sub(r"\s*# fmt: skip\b", "", text).replace("fmt: skip", "").strip()
+            out[(node.name, stmt.target.id)] = " ".join(t for t in [*above, *after] if t)
     return out
 
 

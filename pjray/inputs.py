@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pjray.config import HUB_ID, Config, PathError
+from pjray.config import HUB_ID, Config, PathError, is_outputs_file
 
 __all__ = ["check_inputs", "is_hub_id"]
 
@@ -133,8 +133,8 @@ def check_inputs(cfg: Config, command: str) -> None:
             check_dir("eval.image_dir", e.image_dir)
         if e.outputs:
             check_file("eval.outputs", e.outputs)
-        for name in e.compare:  # a judge or an outputs file (pjray.eval.runner.is_outputs_file)
-            if name.endswith(".jsonl"):
+        for name in e.compare:  # a judge or an outputs file
+            if is_outputs_file(name):
                 check_file("eval.compare", name)
             else:
                 check_model("eval.compare", name)

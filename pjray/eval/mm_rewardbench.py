@@ -39,7 +39,7 @@ from typing import Any
 
 from pjray.data.sources import image_bytes
 from pjray.eval.metrics import OVERALL
-from pjray.eval.preference import PreferenceDataError, PreferenceRow, Sample, paper_choice, preferred_slot
+from pjray.eval.preference import PreferenceDataError, PreferenceRow, Sample, paper_choice, preferred_slot, sample_files
 from pjray.eval.report import Cell, seed_cells
 
 NAME = "mm_rewardbench"
@@ -167,14 +167,9 @@ def official_tables(
     sample i of every row is answers file i."""
     tables = {}
     for name, order in (("official", False), ("official_swapped_order", True)):
-        files: dict[int, list[Sample]] = defaultdict(list)
-        seen: dict[int, int] = defaultdict(int)
-        for s in samples:
-            if s.swapped == order:
-                files[seen[s.row]].append(s)
-                seen[s.row] += 1
+        files = sample_files([s for s in samples if s.swapped == order])
         if files:
-            tables[name] = seed_cells([coin_accuracy(rows, files[i], prompt_format) for i in sorted(files)], "mean")
+            tables[name] = seed_cells([coin_accuracy(rows, file, prompt_format) for file in files], "mean")
     reading = "pjray's reading of the paper prompt's two scores" if prompt_format == "paper" else "its reading"
     sources = {
         "official": f"{SOURCE}: {reading}, the coin (seed 123, file order) for unreadable outputs (`unparsed`); "

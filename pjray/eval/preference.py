@@ -5,6 +5,7 @@ their evaluation: `pjray.eval.reward_bench`."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,3 +90,25 @@ class PreferenceBench(Protocol):
     def official_tables(
         self, rows: Sequence[PreferenceRow], samples: Sequence[Sample], prompt_format: str
     ) -> tuple[dict[str, dict[str, Cell]], dict[str, str], list[str]]: ...
+
+
+def samples_by_index(samples: Sequence[Sample]) -> dict[int, list[Sample]]:
+    """Each row's samples in order: sample i of a row is its i-th line."""
+    out: dict[int, list[Sample]] = defaultdict(list)
+    for s in samples:
+        out[s.row].append(s)
+    return out
+
+
+def sample_files(samples: Sequence[Sample]) -> list[list[Sample]]:
+    """Sample i of every row, in file order, for each i: what an official script reading one
+    output a row would see as answers file i."""
+    files: list[list[Sample]] = []
+    seen: dict[int, int] = defaultdict(int)
+    for s in samples:
+        i = seen[s.row]
+        seen[s.row] += 1
+        if i == len(files):
+            files.append([])
+        files[i].append(s)
+    return files

@@ -245,20 +245,19 @@ def write_report(report: EvalReport, out_dir: str | Path, plots: bool = True) ->
     return paths
 
 
-def write_comparison(names: list[str], reports: list[dict[str, Any]], out_dir: Path) -> dict[str, Path]:
+def write_comparison(names: list[str], reports: list[EvalReport], out_dir: Path) -> dict[str, Path]:
     """Judge vs judge on one benchmark: compare.json / compare.md with each judge's pooled value
     of every table (and its macro row where there is one), and for every pair of judges the
-    paired exact McNemar test on their per-item verdicts over the rows both judged.
-    `reports`: each judge's report.json as a dict, with its per-item verdicts under `items`."""
+    paired exact McNemar test on their per-item verdicts over the rows both judged."""
     summary_rows = ("overall", "macro")
-    columns = [(t, r) for t in reports[0]["tables"] for r in summary_rows if r in reports[0]["tables"][t]]
-    table = [{f"{t}/{r}": rep["tables"].get(t, {}).get(r, {}).get("value") for t, r in columns} for rep in reports]
+    columns = [(t, r) for t in reports[0].tables for r in summary_rows if r in reports[0].tables[t]]
+    table = [{f"{t}/{r}": (cell.value if (cell := rep.tables.get(t, {}).get(r)) else None) for t, r in columns} for rep in reports]
     pairs = []
     for i in range(len(names)):
         for j in range(i + 1, len(names)):
-            tests = paired_verdicts(reports[i]["items"], reports[j]["items"])
+            tests = paired_verdicts(reports[i].items, reports[j].items)
             pairs.append({"first": names[i], "second": names[j], "tests": tests})
-    body = {"bench": reports[0]["bench"], "judges": names, "values": table, "paired": pairs}
+    body = {"bench": reports[0].bench, "judges": names, "values": table, "paired": pairs}
     paths = {"json": out_dir / "compare.json", "markdown": out_dir / "compare.md"}
     paths["json"].write_text(json.dumps(body, indent=2))
     lines = [f"# Judge vs judge: {body['bench']}", "", "| judge | " + " | ".join(f"{t} {r}" for t, r in columns) + " |",

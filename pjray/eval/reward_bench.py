@@ -32,7 +32,6 @@ nothing) and the official one applies the benchmark's vote and denominators to t
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import statistics
 from collections import defaultdict
@@ -43,12 +42,13 @@ from typing import Any
 
 from pjray.data.hf import OpenDataset, eval_source, scan_source
 from pjray.data.prompts import render_pair
-from pjray.data.sources import Rows
+from pjray.data.sources import Rows, file_rows
 from pjray.eval import mm_rewardbench, vl_rewardbench
 from pjray.eval.blind import MISMATCHED, shown_images
 from pjray.eval.metrics import OVERALL
 from pjray.eval.preference import (
-    PreferenceBench, PreferenceDataError, PreferenceRow, Sample, paper_choice, preferred_slot,
+    PreferenceBench, PreferenceDataError, PreferenceRow, Sample, paper_choice, preferred_slot, sample_files,
+    samples_by_index,
 )  # fmt: skip
 from pjray.eval.report import Cell, EvalReport, seed_cells
 from pjray.types import JudgePrompt
@@ -124,14 +124,10 @@ def read_outputs(bench: PreferenceBench, path: str | Path, rows: Sequence[Prefer
         raise PreferenceDataError(f"eval.outputs: {path}: no such file")
     indices = {r.index for r in rows}
     samples = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path} line {lineno}"
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise PreferenceDataError(f"{where}: not JSON ({err})") from None
+    bad = Rows[Any](str(path))
+    for where, raw in file_rows(path, bad):
+        if bad.rejects:  # a line that is not JSON, before this one
+            break
         if not isinstance(raw, dict) or not isinstance(raw.get("row"), int) or isinstance(raw.get("row"), bool):
             raise PreferenceDataError(f'{where}: expected {{"row": <int>, "output": <str>, ...}}')
         if raw["row"] not in indices:
@@ -146,6 +142,8 @@ def read_outputs(bench: PreferenceBench, path: str | Path, rows: Sequence[Prefer
         if swapped is not None and not isinstance(swapped, bool):
             raise PreferenceDataError(f"{where}: 'swapped' must be true or false")
         samples.append(Sample(raw["row"], raw["output"], bool(swapped)))
+    if bad.rejects:
+        raise PreferenceDataError(f"{bad.rejects[0].where}: {bad.rejects[0].reason}")
     if not samples:
         raise PreferenceDataError(f"eval.outputs: {path}: no outputs")
     judged = {s.row for s in samples}
@@ -154,14 +152,6 @@ def read_outputs(bench: PreferenceBench, path: str | Path, rows: Sequence[Prefer
         notes.append(f"eval.outputs: {len(rows) - len(judged)} of {len(rows)} rows have no output in {path}: "
                      "left out of every number")  # fmt: skip
     return samples, notes
-
-
-def samples_by_index(samples: Sequence[Sample]) -> dict[int, list[Sample]]:
-    """Each row's samples in order: sample i of a row is its i-th line."""
-    out: dict[int, list[Sample]] = defaultdict(list)
-    for s in samples:
-        out[s.row].append(s)
-    return out
 
 
 # --------------------------------------------------------------------------- strict scoring
@@ -187,17 +177,13 @@ def strict_table(
     per group and pooled (`overall`), then aggregated over the samples; `macro` names a row
     holding the mean of the per-group values (VL-RewardBench's macro average)."""
     by_row = {r.index: r for r in rows}
-    per_row = samples_by_index(samples)
-    depth = max((len(v) for v in per_row.values()), default=0)
-    groups = _groups_in_order(bench, [by_row[i] for i in per_row])
+    groups = _groups_in_order(bench, [by_row[i] for i in samples_by_index(samples)])
     per_sample = []
-    for i in range(depth):
+    for file in sample_files(samples):
         right: dict[str, list[bool]] = defaultdict(list)
         unparsed: dict[str, int] = defaultdict(int)
-        for index, got in per_row.items():
-            if i >= len(got):
-                continue
-            row, s = by_row[index], got[i]
+        for s in file:
+            row = by_row[s.row]
             c = choice(bench, s.output, prompt_format)
             right[row.group].append(c == preferred_slot(row, s.swapped))
             unparsed[row.group] += c is None
@@ -277,12 +263,11 @@ def evaluate_preference(cfg: Any, generate: Generate | None) -> EvalReport:
     notes += more
     tables.update(_strict_tables(bench, rows, samples, fmt, e))
     sources.update({name: text for name, text in _STRICT_SOURCES.items() if name in tables})
-    official_unparsed = sum(1 for s in samples if _official_unreadable(bench, s.output, fmt))
+    unreadable = [s.output for s in samples if _official_unreadable(bench, s.output, fmt)]
     items = item_verdicts(bench, rows, samples, fmt)
     return EvalReport(
         bench=e.bench, judge=e.judge or e.outputs, data=e.data, seeds=list(e.seeds), tables=tables,
-        outputs=len(samples), unparsed=official_unparsed,
-        unparsed_examples=[s.output[:200].replace("\n", " ") for s in samples if _official_unreadable(bench, s.output, fmt)][:5],
+        outputs=len(samples), unparsed=len(unreadable), unparsed_examples=[t[:200].replace("\n", " ") for t in unreadable[:5]],
         notes=notes, convention=f"official: {bench.SOURCE}; strict: pjray's reading beside it",
         sources=sources, rejects=scanned.rejects, samples=[s.line() for s in samples],
         items={r.index: {"group": r.group, "right": items[r.index]} for r in rows if r.index in items},

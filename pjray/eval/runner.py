@@ -24,10 +24,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pjray.config import Config, ConfigError, RolloutConfig
+from pjray.config import Config, ConfigError, RolloutConfig, is_outputs_file
 from pjray.types import JudgePrompt
 
 if TYPE_CHECKING:
+    from pjray.eval.report import EvalReport
     from pjray.placement import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,7 @@ def run_eval(cfg: Config) -> dict[str, Path]:
     compare.md / compare.json hold one table of them all with the paired test of every pair."""
     e = cfg.eval
     if not e.compare:
-        return _run_one(cfg, Path(e.output_dir))
+        return _run_one(cfg, Path(e.output_dir))[1]
     contenders = [e.outputs or e.judge, *e.compare]
     reports, paths = [], {}
     for i, name in enumerate(contenders):
@@ -240,8 +241,8 @@ def run_eval(cfg: Config) -> dict[str, Path]:
             cfg, eval=dataclasses.replace(e, judge="" if outputs else name, outputs=outputs, compare=[],
                                           output_dir=str(Path(e.output_dir) / f"{i}_{Path(name).stem or name}")),
         )  # fmt: skip
-        got = _run_one(one, Path(one.eval.output_dir))
-        reports.append(json.loads(got["json"].read_text()) | {"items": _items(got)})
+        report, got = _run_one(one, Path(one.eval.output_dir))
+        reports.append(report)
         paths.update({f"{i}_{k}": v for k, v in got.items()})
     from pjray.eval.report import write_comparison
 
@@ -249,19 +250,7 @@ def run_eval(cfg: Config) -> dict[str, Path]:
     return paths
 
 
-def is_outputs_file(name: str) -> bool:
-    """An `eval.compare` entry that names judge outputs (a .jsonl file), not a judge."""
-    return name.endswith(".jsonl")
-
-
-def _items(paths: dict[str, Path]) -> dict[int, dict[str, Any]]:
-    if "items" not in paths:
-        return {}
-    lines = paths["items"].read_text(encoding="utf-8").splitlines()
-    return {(d := json.loads(line))["row"]: d for line in lines}
-
-
-def _run_one(cfg: Config, out: Path) -> dict[str, Path]:
+def _run_one(cfg: Config, out: Path) -> tuple[EvalReport, dict[str, Path]]:
     from pjray.config import to_dict
     from pjray.eval.report import log_wandb, write_report
 
@@ -280,7 +269,7 @@ def _run_one(cfg: Config, out: Path) -> dict[str, Path]:
     paths = write_report(report, out, plots=e.plots)
     if e.wandb:
         log_wandb(report, cfg.tracking, out, to_dict(cfg))
-    return paths
+    return report, paths
 
 
 _IMAGE_NOTES = {

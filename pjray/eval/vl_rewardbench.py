@@ -47,7 +47,7 @@ from typing import Any
 
 from pjray.data.sources import image_bytes
 from pjray.eval.metrics import OVERALL
-from pjray.eval.preference import PreferenceDataError, PreferenceRow, Sample, paper_choice, preferred_slot
+from pjray.eval.preference import PreferenceDataError, PreferenceRow, Sample, paper_choice, preferred_slot, sample_files
 from pjray.eval.report import Cell
 
 NAME = "vl_rewardbench"
@@ -237,7 +237,7 @@ def official_tables(
     rows: Sequence[PreferenceRow], samples: Sequence[Sample], prompt_format: str
 ) -> tuple[dict[str, dict[str, Cell]], dict[str, str], list[str]]:
     """`official_k<k>` for each k in KS up to the most samples a row has (k = 1 always)."""
-    depth = max((sum(1 for s in samples if s.row == r.index) for r in rows), default=0)
+    depth = len(sample_files(samples))  # the most samples a row has
     tables, notes = {}, []
     for k, items in votes(rows, samples, prompt_format).items():
         if k > 1 and k > depth:
