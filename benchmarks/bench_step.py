@@ -34,7 +34,9 @@ import ray
 from pjray.config import load
 from pjray.models.tiny import build_base_judge
 from pjray.cluster import actor_env
-from pjray.rl.trainer import COMPUTE_PHASES, Trainer
+from pjray.recipes.training import training_inputs
+from pjray.rl.timer import COMPUTE_PHASES
+from pjray.rl.trainer import Trainer
 
 PHASES = ("gen", "reward", "adv", "ref", "update", "sync")
 
@@ -70,7 +72,8 @@ def run(
     ]
     if model_path:
         overrides.append(f"model.path={model_path}")
-    trainer = Trainer(load(overrides=overrides))
+    cfg = load(overrides=overrides)
+    trainer = Trainer(cfg, training_inputs(cfg))
     rows = []
     try:
         trainer.setup()

@@ -54,7 +54,9 @@ from pjray.data.prompts import render_batch
 from pjray.models.loading import load_processor, render_chat
 from pjray.models.tiny import build_base_judge, build_tiny_judge
 from pjray.reward import judge_reward
-from pjray.rl.trainer import Trainer, load_items
+from pjray.recipes.training import training_inputs
+from pjray.rl.items import training_items
+from pjray.rl.trainer import Trainer
 
 LR = 1e-4
 KL = 0.01
@@ -72,7 +74,8 @@ def pjray_overrides(args: argparse.Namespace, model: Path, run_dir: Path) -> lis
 
 
 def run_pjray(args: argparse.Namespace, model: Path, run_dir: Path) -> tuple[list[float], list[float]]:
-    trainer = Trainer(load(overrides=pjray_overrides(args, model, run_dir)))
+    cfg = load(overrides=pjray_overrides(args, model, run_dir))
+    trainer = Trainer(cfg, training_inputs(cfg))
     times, tokens = [], []
     try:
         trainer.setup()
@@ -93,7 +96,7 @@ def judge_prompts(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
     if args.images:
         from trl.data_utils import prepare_multimodal_messages
     columns: dict[str, list] = {"prompt": [], "target": [], "image": []}
-    for index, item in enumerate(load_items(cfg).rows):
+    for index, item in enumerate(training_items(cfg, training_inputs(cfg).items).rows):
         prompt = render_batch(item, random.Random(f"{cfg.trainer.seed}/{index}"), style=cfg.reward.style)
         columns["target"].append(prompt.target)
         if not args.images:

@@ -37,7 +37,7 @@ size, training items, learning rate; `data.seed=0`; seeds are `trainer.seed`):
 | independent_levenshtein | PPJD tuples, independent construction | Levenshtein |
 | counterfactual_levenshtein | the independent tuples, each group half on the tuple's image and half on its swapped image (`data.counterfactual_pairs`; the same samples a step) | Levenshtein |
 
-Every run is the whole system (`pjray.rl.trainer.train`: Ray Data PPJD build, DeepSpeed learner
+Every run is the whole system (`pjray.recipes.training` then `pjray.rl.trainer.train`: Ray Data PPJD build, DeepSpeed learner
 that generates with the weights it trains, reward pool, HF exports at the curve's steps). A run
 directory is reused only when its `study_run.json` names the same key: base judge (by the hash of
 its weights), variant, seed, budget and pjray's code (`pjray.ppjd.cache.code_hash`), so no run of
@@ -164,6 +164,7 @@ def ensure_run(run_dir: Path, key: dict[str, Any], cfg: Config, held_out: Any = 
     """Train into `run_dir` unless it holds a finished run of `key`; returns (training seconds,
     reused). A started run of the same key resumes; one of another key is deleted. `held_out`:
     the trainer's held-out hook (`pjray train`'s check at the end of the run)."""
+    from pjray.recipes.training import training_inputs
     from pjray.rl.trainer import train
 
     marker = run_dir / "study_run.json"
@@ -175,7 +176,7 @@ def ensure_run(run_dir: Path, key: dict[str, Any], cfg: Config, held_out: Any = 
         run_dir.mkdir(parents=True)
         marker.write_text(json.dumps({"key": key, "train_seconds": None}, indent=2))
     t0 = time.perf_counter()
-    train(cfg, held_out=held_out)
+    train(cfg, training_inputs(cfg), held_out=held_out)
     seconds = time.perf_counter() - t0
     (run_dir / "hf_model" / "COMPLETE").touch()  # the last export is whole
     marker.write_text(json.dumps({"key": key, "train_seconds": seconds}, indent=2))

@@ -116,12 +116,14 @@ def run_command(args: argparse.Namespace) -> int:
     check_inputs(cfg, args.command)
 
     if args.command == "train":
-        from pjray.recipes.base_judge import held_out_hook
         from pjray.eval.runner import validation_hook
+        from pjray.recipes.base_judge import held_out_hook
+        from pjray.recipes.training import training_inputs
         from pjray.rl.trainer import train as run_training
 
         start = time.perf_counter()
-        run_dir = run_training(cfg, evaluate=validation_hook(cfg), held_out=held_out_hook(cfg))
+        inputs = training_inputs(cfg, say=print)  # the rows and the judge, built where they must be
+        run_dir = run_training(cfg, inputs, evaluate=validation_hook(cfg), held_out=held_out_hook(cfg))
         print("\n".join(run_summary(run_dir, time.perf_counter() - start)))
     elif args.command == "sft":
         if cfg.model.path:

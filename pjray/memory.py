@@ -19,3 +19,15 @@ def peak_memory_mib() -> dict[str, float]:
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         gpu = torch.cuda.max_memory_allocated() / 2**20
     return {"host": host, "gpu": gpu}
+
+
+def peak_memory_metrics(peaks: dict[str, list[dict[str, float]]]) -> dict[str, float]:
+    """memory/<role>_peak_mib (host, the largest actor of the role) and, where a role uses a GPU,
+    memory/<role>_gpu_peak_mib, from each role's actors' `peak_memory_mib` answers."""
+    metrics = {}
+    for role, answers in peaks.items():
+        host, gpu = max(a["host"] for a in answers), max(a["gpu"] for a in answers)
+        metrics[f"memory/{role}_peak_mib"] = host
+        if gpu:
+            metrics[f"memory/{role}_gpu_peak_mib"] = gpu
+    return metrics

@@ -219,9 +219,9 @@ def trial_resources(cfg: Config) -> Any:
     from ray import tune
 
     from pjray.placement import placement_plan
-    from pjray.rl.trainer import training_roles
+    from pjray.rl.layout import choose_layout
 
-    bundles, _ = placement_plan(training_roles(cfg), first=1)
+    bundles, _ = placement_plan(choose_layout(cfg).roles(), first=1)
     return tune.PlacementGroupFactory([dict(DRIVER_BUNDLE), *bundles], strategy=cfg.ray.placement_strategy)
 
 
@@ -233,8 +233,9 @@ def run_trial(params: dict[str, Any], plan: SweepPlan) -> None:
     from ray import tune
 
     from pjray.console import quiet_stack
-    from pjray.recipes.base_judge import held_out_hook
     from pjray.eval.runner import validation_hook
+    from pjray.recipes.base_judge import held_out_hook
+    from pjray.recipes.training import training_inputs
     from pjray.rl.trainer import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -248,7 +249,8 @@ def run_trial(params: dict[str, Any], plan: SweepPlan) -> None:
     def report(step: int, metrics: dict[str, float]) -> None:
         tune.report({**metrics, "step": step})
 
-    run_dir = train(trial.config, evaluate=validation_hook(trial.config), held_out=held_out_hook(trial.config),
+    inputs = training_inputs(trial.config)
+    run_dir = train(trial.config, inputs, evaluate=validation_hook(trial.config), held_out=held_out_hook(trial.config),
                     placement_group=group, first_bundle=1, on_step=report)  # fmt: skip
     record_trial(plan, trial, time.perf_counter() - start)
     tune.report({"step": trial.config.trainer.steps, "done": 1.0, **held_out_metrics(run_dir)})

@@ -171,3 +171,12 @@ class TrainBatch:
     # [B] long: the first row with the same prompt text and image (GRPO's group samples share
     # one prompt), so the prompt can be forwarded once for all of them.
     prompt_group: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TrainInputs:
+    """What a training reads, resolved before the trainer starts (`pjray.recipes.training`)."""
+
+    model: str  # the judge to train: an HF directory or a hub id
+    items: str  # the training rows: a PPJD parquet file or folder, or the dataset (data.source=hf)
+    base_judge: bool  # `model` is a base judge of pjray's recipes (the held-out check compares against it)

@@ -1,4 +1,5 @@
-"""Judge prompt rendering for the three judge protocols: batch, pair and score.
+"""Judge prompt rendering for the three judge protocols: batch, pair and score; and the plain
+VQA probe (`render_probe`) that asks what the image shows, without answers to judge.
 
 All prompts follow the R1 layout of the Perception-Judge release: the system prompt asks for the
 reasoning inside `<think> </think>` and the verdict inside `<answer> </answer>`. The user text is
@@ -101,6 +102,12 @@ SYSTEM_SCORE = (
     + _CRITERIA
     + "After thinking, when you reach a conclusion, give the score within <answer> </answer> "
     "tags, for example <answer>7</answer>"
+)
+
+SYSTEM_PROBE = (
+    "You are a helpful assistant. Look at the image and answer the question. First think "
+    "briefly inside <think> </think>, then give only the short answer (a word or a short "
+    "phrase) inside <answer> </answer>, for example <answer>red</answer>"
 )
 
 _BATCH_SYSTEM = {"ranking": SYSTEM_BATCH_RANKING, "scores": SYSTEM_BATCH_SCORES}
@@ -245,3 +252,12 @@ def render_score(
         shown=(0,),
         target=target,
     )
+
+
+def render_probe(question: str, image: bytes | None, *, item_id: str = "") -> JudgePrompt:
+    """A plain VQA prompt: the question about the image, no answers to judge (the bias
+    diagnosis' probes, the base judge's perception targets)."""
+    return JudgePrompt(
+        item_id=item_id, system=SYSTEM_PROBE, user=question, image=image, protocol="vqa",
+        style="answer", num_candidates=0, shown=(), target="",
+    )  # fmt: skip

@@ -21,6 +21,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pjray.data.images import decode_image
 from pjray.errors import InputError
 from pjray.types import JudgeItem
 
@@ -208,8 +209,6 @@ def write_rejects(rejects: list[RowReject], path: Path) -> None:
 
 def check_item(item: JudgeItem, where: str, num_candidates: int) -> None:
     """What a row needs beyond its schema to be judged: K candidates and an image that decodes."""
-    from pjray.models.loading import decode_image  # torch and transformers: only when reading rows
-
     if num_candidates and len(item.candidates) != num_candidates:
         raise DataError(f"{where}: {len(item.candidates)} candidates, expected {num_candidates} (data.num_candidates)")
     try:

@@ -4,7 +4,8 @@ response-anchored judgment (the paper's Table 1).
 For each item the judge
 1. scores the correct answer and a perceptually wrong answer (same question and image, only
    perception facts changed) with the score protocol (`render_score`, 1-10);
-2. answers the probe question(s) about the changed fact(s) as a plain VQA prompt.
+2. answers the probe question(s) about the changed fact(s) as a plain VQA prompt
+   (`render_probe`).
 
 A perceptual judgment error is score(wrong) >= score(correct). An error with a wrong probe
 answer is Mode (a) (the judge does not see the fact); with a right one, Mode (b) (it sees the
@@ -29,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pjray.data.prompts import render_score
+from pjray.data.prompts import render_probe, render_score
 from pjray.data.sources import RowReject
 from pjray.errors import InputError
 from pjray.eval.blind import judged_image
@@ -40,12 +41,6 @@ from pjray.types import JudgeItem, JudgePrompt
 
 # generate(prompts, seed) -> one response text per prompt, in order.
 Generate = Callable[[list[JudgePrompt], int], list[str]]
-
-PROBE_SYSTEM = (
-    "You are a helpful assistant. Look at the image and answer the question. First think "
-    "briefly inside <think> </think>, then give only the short answer (a word or a short "
-    "phrase) inside <answer> </answer>, for example <answer>red</answer>"
-)
 
 _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _NEGATIONS = {"not", "no", "isn't", "never", "neither", "nor"}
@@ -87,20 +82,12 @@ def diagnosis_item(item: JudgeItem) -> DiagnosisItem:
     return DiagnosisItem(item.id, item.image, item.question, correct, perturbed, probes, str(item.meta.get("kind", "")))
 
 
-def probe_prompt(item_id: str, image: bytes | None, question: str) -> JudgePrompt:
-    """A plain VQA prompt (no answers to judge)."""
-    return JudgePrompt(
-        item_id=item_id, system=PROBE_SYSTEM, user=question, image=image, protocol="vqa",
-        style="answer", num_candidates=0, shown=(), target="",
-    )  # fmt: skip
-
-
 def item_prompts(d: DiagnosisItem) -> list[JudgePrompt]:
     """[score(correct), score(wrong), probe_1, ..., probe_m]."""
     return [
         render_score(d.question, d.image, d.correct, item_id=f"{d.id}:correct"),
         render_score(d.question, d.image, d.wrong, item_id=f"{d.id}:wrong"),
-        *[probe_prompt(f"{d.id}:probe{i}", d.image, q) for i, (q, _) in enumerate(d.probes)],
+        *[render_probe(q, d.image, item_id=f"{d.id}:probe{i}") for i, (q, _) in enumerate(d.probes)],
     ]
 
 
@@ -183,7 +170,7 @@ def rates_metrics(rates: ModeRates, prefix: str = "eval/") -> dict[str, float]:
 
 def training_eval(cfg: Any, generate: Generate, step: int) -> dict[str, float]:
     """Held-out Mode a/b rates for the trainer, logged as `eval/*` in that step's metrics: the
-    trainer's evaluation hook (`pjray.rl.trainer.Trainer(cfg, evaluate=training_eval)`).
+    trainer's evaluation hook (`pjray.rl.trainer.Trainer(cfg, inputs, evaluate=training_eval)`).
 
     Scene items are built with `cfg.eval.train_seed` (validated to differ from the training
     data's seed) and judged by `generate`, the trainer's own rollout workers with the training

@@ -15,9 +15,8 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from pjray.data.prompts import render_batch
+from pjray.data.prompts import render_batch, render_probe
 from pjray.data.scenes import SceneQA, scene_split
-from pjray.eval.bias import probe_prompt
 from pjray.eval.looking import (
     LookingItem,
     LookingVerdict,
@@ -101,8 +100,8 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
         for attribute in PROBE_ATTRIBUTES:
             value = o.location if attribute == "location" else getattr(o, attribute)
             probe = probe_for(qa, Change(0, attribute, value, value))
-            probes.append((attribute, probe_prompt(item.id, item.image, probe.question), probe.answer))
-        probes.append((f"question:{qa.kind}", probe_prompt(item.id, item.image, qa.question), qa.final))
+            probes.append((attribute, render_probe(probe.question, item.image, item_id=item.id), probe.answer))
+        probes.append((f"question:{qa.kind}", render_probe(qa.question, item.image, item_id=item.id), qa.final))
     texts = [c.text for c in greedy.generate([p for _, p, _ in probes], 1, seed=0)]
     right: dict[str, list[bool]] = {}
     for (group, _, truth), text in zip(probes, texts):

@@ -110,9 +110,8 @@ from typing import Any
 
 import torch
 
-from pjray.data.prompts import EOS_TOKEN, LETTERS, render_batch, render_score
+from pjray.data.prompts import EOS_TOKEN, LETTERS, render_batch, render_probe, render_score
 from pjray.data.scenes import COLORS, SHAPES, SIZES, Scene, SceneQA, generate_scene, in_split, render, split_qas
-from pjray.eval.bias import probe_prompt
 from pjray.ppjd.perturb import final_answer, ranked_item
 from pjray.types import ChatExample, JudgeItem, JudgePrompt
 
@@ -269,7 +268,7 @@ def sft_examples(recipe: BaseJudgeRecipe, n_scenes: int, seed: int) -> list[Chat
 
     examples: list[ChatExample] = []
     for qa, item in judge_scenes(n_scenes, seed, recipe):
-        examples.append(ChatExample(probe_prompt(item.id, item.image, qa.question), probe_target(qa.final), "vqa"))
+        examples.append(ChatExample(render_probe(qa.question, item.image, item_id=item.id), probe_target(qa.final), "vqa"))
         for _ in range(2):  # two shown orders: ranking is the hardest task
             prompt = render_batch(item, rng)
             examples.append(judged(prompt, partial(ranking_target, item, prompt.shown), "batch"))
@@ -323,10 +322,11 @@ TOKENIZER_SCENES, TOKENIZER_SEED = 300, -1
 def tokenizer_corpus(recipe: BaseJudgeRecipe) -> list[str]:
     """The texts the base judge's tokenizer is trained on: its system prompts, and the prompts
     and targets of a few hundred scenes (a seed no training or evaluation data uses)."""
-    from pjray.data.prompts import SYSTEM_BATCH_RANKING, SYSTEM_BATCH_SCORES, SYSTEM_PAIR_RANKING, SYSTEM_PAIR_SCORES, SYSTEM_SCORE
-    from pjray.eval.bias import PROBE_SYSTEM
+    from pjray.data.prompts import (
+        SYSTEM_BATCH_RANKING, SYSTEM_BATCH_SCORES, SYSTEM_PAIR_RANKING, SYSTEM_PAIR_SCORES, SYSTEM_PROBE, SYSTEM_SCORE,
+    )  # fmt: skip
 
-    systems = [SYSTEM_BATCH_RANKING, SYSTEM_BATCH_SCORES, SYSTEM_PAIR_RANKING, SYSTEM_PAIR_SCORES, SYSTEM_SCORE, PROBE_SYSTEM]
+    systems = [SYSTEM_BATCH_RANKING, SYSTEM_BATCH_SCORES, SYSTEM_PAIR_RANKING, SYSTEM_PAIR_SCORES, SYSTEM_SCORE, SYSTEM_PROBE]
     lines = systems * 20
     for ex in sft_examples(recipe, TOKENIZER_SCENES, seed=TOKENIZER_SEED):
         lines += [ex.prompt.user, ex.response]
@@ -412,7 +412,7 @@ def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: An
 
     Returns accuracies per target on scenes of the held-out content split (combinations of
     shape and cell the front-end never saw)."""
-    from pjray.models.loading import decode_image
+    from pjray.data.images import decode_image
 
     visual = model.model.visual
     width = model.config.text_config.hidden_size

@@ -24,7 +24,6 @@ per-image number of image-pad tokens for the HF model (trainer and CPU rollouts)
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from pathlib import Path
@@ -46,6 +45,8 @@ from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
+from pjray.config import ImageBudget
+from pjray.data.images import decode_image
 from pjray.errors import InputError
 from pjray.types import JudgePrompt
 
@@ -57,8 +58,6 @@ __all__ = [
     "ImageOnlyQwen3VLProcessor",
     "TextOnlyProcessor",
     "ban_tokens",
-    "decode_image",
-    "image_budget",
     "image_token_count",
     "is_text_only",
     "load_judge",
@@ -244,18 +243,9 @@ def _has_vision(path: str | os.PathLike) -> bool:
     return config["model_type"] in IMAGE_ONLY_PROCESSORS or "vision_config" in config
 
 
-def image_budget(shortest: int, longest: int, min_pixels: int = 0, max_pixels: int = 0) -> tuple[int, int]:
-    """The (shortest_edge, longest_edge) pixel bounds of a Qwen-VL image processor under
-    `model.min_pixels` / `model.max_pixels` (0: the checkpoint's own): max_pixels caps the
-    checkpoint's bound and never raises it, and the lower bound never exceeds the upper."""
-    upper = min(longest, max_pixels) if max_pixels else longest
-    lower = min_pixels if min_pixels else shortest
-    return min(lower, upper), upper
-
-
-def load_processor(path: str | os.PathLike, min_pixels: int = 0, max_pixels: int = 0) -> ProcessorMixin:
+def load_processor(path: str | os.PathLike, budget: ImageBudget = ImageBudget()) -> ProcessorMixin:
     """The image-only processor of the judge at `path` (local dir or hub id), its images resized
-    within `image_budget(..., min_pixels, max_pixels)` (`model.min_pixels` / `model.max_pixels`).
+    within `budget` (`ModelConfig.image_budget`; by default the checkpoint's own).
 
     Has `.tokenizer`, `.image_processor`, and `__call__(text=..., images=...)` returning
     input_ids, attention_mask, mm_token_type_ids, pixel_values and image_grid_thw. A checkpoint
@@ -285,7 +275,7 @@ def load_processor(path: str | os.PathLike, min_pixels: int = 0, max_pixels: int
         # Batched inputs need a pad id; Qwen checkpoints pad with <|endoftext|>.
         processor.tokenizer.pad_token = "<|endoftext|>"
     size = processor.image_processor.size
-    lower, upper = image_budget(size.shortest_edge, size.longest_edge, min_pixels, max_pixels)
+    lower, upper = budget.edges(size.shortest_edge, size.longest_edge)
     processor.image_processor.size = SizeDict(shortest_edge=lower, longest_edge=upper)
     return processor
 
@@ -301,18 +291,17 @@ def load_judge(
     device: str | torch.device = "cpu",
     trainable: bool = True,
     attn_implementation: str | None = None,
-    min_pixels: int = 0,
-    max_pixels: int = 0,
+    budget: ImageBudget = ImageBudget(),
 ) -> tuple[PreTrainedModel, ProcessorMixin]:
     """Load the judge at `path` as `(model, processor)`.
 
     `trainable=False` puts the model in eval mode with gradients off (reference / rollout copy).
     `attn_implementation` is passed through ("sdpa", "flash_attention_2", ...); None = default.
-    `min_pixels` / `max_pixels`: the processor's image budget (`load_processor`).
+    `budget`: the processor's image budget (`load_processor`).
     """
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    processor = load_processor(path, min_pixels, max_pixels)
+    processor = load_processor(path, budget)
     kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype]}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
@@ -381,21 +370,6 @@ def opens_think(prompt_text: str) -> bool:
     `think_prefix` or from a thinking checkpoint's own template): the response then must not
     open it again."""
     return prompt_text.rstrip().endswith("<think>")
-
-
-def decode_image(b: bytes) -> PIL.Image.Image:
-    """Decode encoded image bytes (PNG, JPEG, ...) into an RGB PIL image; ValueError if corrupt."""
-    if not isinstance(b, (bytes, bytearray, memoryview)):
-        raise ValueError(f"image must be encoded bytes, got {type(b).__name__}")
-    data = bytes(b)
-    if not data:
-        raise ValueError("could not decode image: 0 bytes")
-    try:
-        with PIL.Image.open(io.BytesIO(data)) as img:
-            img.load()  # open() is lazy: force the decode so truncated data fails here
-            return img.convert("RGB")
-    except (PIL.UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise ValueError(f"could not decode image ({len(data)} bytes, starting {data[:8]!r}): {e}") from e
 
 
 def _as_image(image: bytes | PIL.Image.Image) -> PIL.Image.Image:

@@ -12,10 +12,15 @@ that build over the shipped one (commit `pjray/assets/base_judge` afterwards). A
 recipe or to the code its hash covers, without a re-shipped judge, fails
 `tests/unit/test_shipped_base_judge.py`.
 
-The recipe hash covers the recipe's fields, `RECIPE_VERSION` and the syntax trees (without
-docstrings) of `RECIPE_MODULES`, the modules whose code decides the training data of a build
-(scenes, prompts, targets). Changes elsewhere that alter what a build produces (the tiny model
-builders, the SFT loop, the learner's loss, this module's build settings) bump `RECIPE_VERSION`.
+The recipe hash follows what decides the weights, by content, not where the code lives: the
+recipe's fields, `RECIPE_VERSION`, every byte a build trains on (`build_data`: the tokenizer
+corpus, the perception front-end's images and targets, the supervised examples with their
+images), and the syntax trees (without docstrings) of the functions that turn that data into
+weights (`BUILD_CODE`), wherever they are defined. Moving code, renaming a module or editing a
+docstring needs no rebuild; a change to a scene, a prompt or a target does. Changes to what
+`BUILD_CODE` calls (the tiny model builders, the SFT loop, the learner's loss, this module's build
+settings) bump `RECIPE_VERSION`. Reading the data takes seconds, so its digest is kept per
+recipe and state of pjray's code in `<cache>/base_judge/digests`.
 """
 
 from __future__ import annotations
@@ -24,20 +29,25 @@ import ast
 import dataclasses
 import functools
 import hashlib
-import importlib.util
+import inspect
 import json
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from pjray.cache import cache_root
-from pjray.models.base_judge import BaseJudgeRecipe, build_untrained, pretrain_vision, sft_examples
+from pjray.data.scenes import generate_scene, render
+from pjray.models.base_judge import (
+    BaseJudgeRecipe, base_config, build_untrained, object_targets, pretrain_vision, sft_examples, tokenizer_corpus,
+    vision_seeds,
+)  # fmt: skip
 from pjray.types import JudgeItem
 
-RECIPE_MODULES = ("pjray.models.base_judge", "pjray.data.scenes", "pjray.data.prompts", "pjray.ppjd.perturb")
 RECIPE_VERSION = 3
+# The functions that turn a build's data into weights, hashed by their own code wherever they live.
+BUILD_CODE = (base_config, build_untrained, object_targets, pretrain_vision)
 
 # The base judges by `model.init`. base_judge: the shipped one, which knows how to judge by the
 # image and mostly does not (its disposition). never_shown: the same recipe (scenes, perception
@@ -60,16 +70,9 @@ class ShippedJudgeError(RuntimeError):
     """The shipped base judge is incomplete or not the one its record names."""
 
 
-def code_fingerprint(module: str) -> str:
-    """A hash of a module's syntax tree without docstrings: edits to comments and docs keep it,
-    and so does the Python version that parses it (`canonical_tree`)."""
-    spec = importlib.util.find_spec(module)
-    assert spec is not None and spec.origin is not None, module
-    return hashlib.sha256(canonical_tree(Path(spec.origin).read_text()).encode()).hexdigest()
-
-
-def canonical_tree(source: str) -> str:
-    """The syntax tree of `source` as text, without docstrings and without empty fields.
+def canonical_tree(source: str, imports: bool = True) -> str:
+    """The syntax tree of `source` as text, without docstrings and without empty fields (and
+    without import statements unless `imports`).
 
     `ast.dump` is not stable across Python versions: 3.12 added `type_params=[]` to every
     function and class, 3.13 leaves empty fields out. Writing each node's class and its
@@ -78,8 +81,11 @@ def canonical_tree(source: str) -> str:
     tree = ast.parse(source)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if isinstance(body, list) and body and _is_docstring(body[0]):
-            node.body = body[1:] or [ast.Pass()]
+        if isinstance(body, list):
+            kept = [n for n in body if imports or not isinstance(n, (ast.Import, ast.ImportFrom))]
+            kept = kept[1:] if kept and _is_docstring(kept[0]) else kept
+            if len(kept) != len(body):
+                node.body = kept or [ast.Pass()]
     return _node_text(tree)
 
 
@@ -97,12 +103,57 @@ def _is_docstring(node: Any) -> bool:
     return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
 
 
+def build_data(recipe: BaseJudgeRecipe) -> Iterator[bytes]:
+    """Every byte a build of `recipe` trains on, in order: the tokenizer corpus, the perception
+    front-end's scenes (image and targets), and the supervised examples (prompt, image, response)."""
+    for line in tokenizer_corpus(recipe):
+        yield line.encode()
+    for seed in vision_seeds(recipe, recipe.vision_steps * recipe.vision_batch, recipe.vision_split):
+        scene = generate_scene(seed, recipe.image_size, 1, 1)
+        yield render(scene)
+        yield json.dumps(object_targets(scene).tolist()).encode()
+    for ex in sft_examples(recipe, recipe.sft_scenes, recipe.seed):
+        prompt = {f.name: getattr(ex.prompt, f.name) for f in dataclasses.fields(ex.prompt) if f.name != "image"}
+        yield json.dumps({"prompt": prompt, "response": ex.response, "task": ex.task, "untrained": ex.untrained}, default=str).encode()
+        yield ex.prompt.image or b""
+
+
+def code_state() -> str:
+    """A hash of every module of pjray as it is now: the key under which a data digest is kept."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=8)
+def data_digest(recipe: BaseJudgeRecipe) -> str:
+    """sha256 of `build_data(recipe)`, each piece length-prefixed; kept per recipe and `code_state`."""
+    key = hashlib.sha256(json.dumps(recipe.to_dict(), sort_keys=True).encode() + code_state().encode()).hexdigest()[:16]
+    memo = cache_root() / "base_judge" / "digests" / f"{key}.json"
+    if memo.exists():
+        return json.loads(memo.read_text())["data"]
+    digest = hashlib.sha256()
+    for piece in build_data(recipe):
+        digest.update(len(piece).to_bytes(8, "little") + piece)
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    memo.write_text(json.dumps({"data": digest.hexdigest()}))
+    return digest.hexdigest()
+
+
+def code_digest(fn: Callable) -> str:
+    """A function's syntax tree without docstrings and without its imports (`canonical_tree`),
+    hashed: its code, not where it or what it imports lives."""
+    return hashlib.sha256(canonical_tree(inspect.getsource(fn), imports=False).encode()).hexdigest()
+
+
 def recipe_hash(recipe: BaseJudgeRecipe) -> str:
-    """Names the cache directory: the recipe's fields, RECIPE_VERSION and the code of
-    `RECIPE_MODULES`."""
-    code = {m: code_fingerprint(m) for m in RECIPE_MODULES}
-    payload = json.dumps({"recipe": recipe.to_dict(), "version": RECIPE_VERSION, "code": code}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+    """Names the cache directory: the recipe's fields, RECIPE_VERSION, the data a build trains on
+    and the code of `BUILD_CODE`, each by content."""
+    code = sorted(code_digest(fn) for fn in BUILD_CODE)
+    payload = {"recipe": recipe.to_dict(), "version": RECIPE_VERSION, "data": data_digest(recipe), "code": code}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def cached_dir(recipe: BaseJudgeRecipe) -> Path:
@@ -175,9 +226,9 @@ def base_judge(cfg: Any, recipe: BaseJudgeRecipe | None = None, log: Callable[[s
     target = cache_root() / "base_judge" / current
     if (target / "hf_model" / "COMPLETE").exists():
         return target / "hf_model"
-    if recipe == BaseJudgeRecipe():
-        log(f"pjray: the shipped base judge was built from another recipe ({shipped}, this code: {current}); "
-            "building this one")
+    why = (f"the shipped base judge was built from another recipe ({shipped}, this code: {current})"
+           if recipe == BaseJudgeRecipe() else f"no build of recipe {current} in {target.parent}")
+    log(f"pjray: {why}; building this one")
     return build_base_judge(cfg, recipe, log=log)
 
 
@@ -197,7 +248,9 @@ def build_base_judge(
     if (target / "hf_model" / "COMPLETE").exists():
         return target / "hf_model"
     started = time.perf_counter()
-    log(f"pjray: building the base judge once into {target} (about 40 min on 2 cores; then cached)")
+    minutes = json.loads((SHIPPED / SHIPPED_RECORD).read_text())["build_seconds"] / 60
+    log(f"pjray: building the base judge once into {target}: about {minutes:.0f} minutes on 2 CPU cores "
+        "(the shipped build's time), then cached")
     work = target.with_name(target.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     (work / "untrained").mkdir(parents=True)

@@ -1,4 +1,5 @@
-"""A learner rank's weights out: the HF export and DeepSpeed checkpoints.
+"""Checkpoints: a learner rank's weights out (the HF export and DeepSpeed checkpoints), and the
+run directory's checkpoints (which one a run resumes from, how many it keeps).
 
 `RankCheckpoints` is mixed into `pjray.rl.learner.LearnerRank` (as `pjray.sync.sender.WeightSender`
 is): it reads the rank's DeepSpeed engine (`engine`, `_ds`), `processor`, `rank`, `world_size`,
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -20,6 +23,36 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 _CLIENT_STATE_KEY = "pjray_client_state"
+
+
+def completed_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoints whose writing finished (their COMPLETE file is written last), oldest first."""
+    done = [p.parent for p in (run_dir / "checkpoints").glob("global_step_*/COMPLETE")]
+    return sorted(done, key=lambda p: int(p.name.rsplit("_", 1)[1]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    done = completed_checkpoints(run_dir)
+    return done[-1] if done else None
+
+
+def checkpoint_to_resume(resume: str, run_dir: Path) -> Path | None:
+    """What trainer.resume names: nothing (disable), the run's latest checkpoint (auto, if any),
+    or a checkpoint directory, which must be complete."""
+    if resume == "disable":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(run_dir)
+    path = Path(resume)
+    if not (path / "COMPLETE").exists():
+        raise FileNotFoundError(f"trainer.resume={resume}: not a complete checkpoint directory")
+    return path
+
+
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints."""
+    for old in completed_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 class RankCheckpoints:

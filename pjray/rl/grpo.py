@@ -7,7 +7,7 @@ Definitions follow verl (`core_algos.py`), which the paper trained with:
   for negative advantages;
 * KL to the reference as a loss term, k3 / "low_var_kl", clamped to [-10, 10];
 * loss aggregation "token-mean" (default), "seq-mean-token-mean", "seq-mean-token-sum-norm";
-* GSPO (`policy_loss(..., level="sequence")`): the length-normalised sequence ratio
+* GSPO (`LossSettings(kind="gspo")`): the length-normalised sequence ratio
   exp(mean_t(logp - old_logp)), clipped per sequence, with the token-level gradient of the GSPO
   paper (arXiv 2507.18071, GSPO-token with all token advantages equal to the sequence's);
 * rollout correction (`rollout_is_weights`): importance weights old-policy / rollout-engine per
@@ -26,8 +26,14 @@ Nothing here imports Ray or DeepSpeed; the learner calls these inside its micro-
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from pjray.config import AlgoConfig
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -271,20 +277,54 @@ def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return logp - logp.detach() + per_seq.unsqueeze(-1)
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """How a run's GRPO loss is computed, fixed for the run (`AlgoConfig`, `from_algo`): one
+    object for `policy_loss` and `grpo_loss`, so the two cannot disagree.
+
+    kind: "grpo" (per-token ratio exp(logp - old_logp)) or "gspo" (`sequence_log_ratio`: one
+        length-normalised ratio a sequence, clipped per sequence; no dual clip, and the paper's
+        clip ranges are ~1e-3 where GRPO's are 0.2).
+    clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high].
+    dual_clip: c > 1; for A < 0 the loss is capped at -A * c so a huge ratio on a bad token
+        cannot blow up the step. None disables it.
+    agg, norm_len: the mode and constant length of `aggregate`.
+    kl_coef: weight of the KL term of `grpo_loss` (the policy loss has none).
+    """
+
+    kind: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = 3.0
+    agg: str = "token-mean"
+    norm_len: float | None = None
+    kl_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy loss {self.kind!r}; expected one of {POLICY_LOSSES}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or None), got {self.dual_clip}")
+
+    @classmethod
+    def from_algo(cls, algo: AlgoConfig, norm_len: float | None = None) -> LossSettings:
+        """The settings `algo` names (its dual_clip 0 is off); `norm_len` as in `aggregate`."""
+        return cls(
+            kind=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip if algo.dual_clip > 0 else None, agg=algo.loss_agg, norm_len=norm_len,
+            kl_coef=algo.kl_coef,
+        )  # fmt: skip
+
+
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = 3.0,
-    agg: str = "token-mean",
+    settings: LossSettings = LossSettings(),
     global_tokens: float | None = None,
     global_seqs: float | None = None,
     dp_size: int = 1,
-    norm_len: float | None = None,
-    kind: str = "grpo",
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO clipped surrogate with dual clip (verl "vanilla" policy loss), or GSPO's.
@@ -294,13 +334,9 @@ def policy_loss(
         old_logp: [B, T] log-probs under the policy that sampled them.
         advantages: [B, T] per token, or [B] per sequence (broadcast over T).
         mask: [B, T] 1 on response tokens that are trained on.
-        clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high].
-        dual_clip: c > 1; for A < 0 the loss is capped at -A * c so a huge ratio on a bad
-            token cannot blow up the step. None disables it.
-        agg, global_tokens, global_seqs, dp_size, norm_len: passed to `aggregate`.
-        kind: "grpo" (per-token ratio exp(logp - old_logp)) or "gspo" (`sequence_log_ratio`:
-            one length-normalised ratio a sequence, clipped per sequence; no dual clip, and the
-            paper's clip ranges are ~1e-3 where GRPO's are 0.2).
+        settings: the variant, clip ranges and aggregation (`LossSettings`; kl_coef unused).
+        global_tokens, global_seqs, dp_size: this micro-batch's place in the step, passed to
+            `aggregate`.
         is_weights: [B, T] rollout-correction weights (`rollout_is_weights`, detached) that
             multiply the per-token loss; None: no correction.
 
@@ -309,22 +345,18 @@ def policy_loss(
         pg_clipfrac (PPO clip active), pg_clipfrac_lower (dual clip active), ppo_kl
         (mean of old_logp - logp), ratio_mean.
     """
-    if kind not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {kind!r}; expected one of {POLICY_LOSSES}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     advantages = advantages.expand_as(logp)
 
-    raw_log_ratio = logp - old_logp if kind == "grpo" else sequence_log_ratio(logp, old_logp, mask)
+    raw_log_ratio = logp - old_logp if settings.kind == "grpo" else sequence_log_ratio(logp, old_logp, mask)
     log_ratio = torch.clamp(raw_log_ratio, min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     loss_unclipped = -advantages * ratio
-    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss_clipped = -advantages * torch.clamp(ratio, 1.0 - settings.clip_low, 1.0 + settings.clip_high)
     loss_ppo = torch.maximum(loss_unclipped, loss_clipped)
-    if dual_clip is not None and kind == "grpo":
-        loss_cap = -advantages * dual_clip
+    if settings.dual_clip is not None and settings.kind == "grpo":
+        loss_cap = -advantages * settings.dual_clip
         per_token = torch.where(advantages < 0, torch.minimum(loss_ppo, loss_cap), loss_ppo)
     else:
         loss_cap = None
@@ -332,7 +364,7 @@ def policy_loss(
     if is_weights is not None:
         per_token = per_token * is_weights
 
-    loss = aggregate(per_token, mask, agg, global_tokens, global_seqs, dp_size, norm_len)
+    loss = aggregate(per_token, mask, settings.agg, global_tokens, global_seqs, dp_size, settings.norm_len)
 
     with torch.no_grad():
         if loss_cap is not None:
@@ -354,16 +386,10 @@ def grpo_loss(
     ref_logp: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
-    kl_coef: float,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = 3.0,
-    agg: str = "token-mean",
+    settings: LossSettings = LossSettings(),
     global_tokens: float | None = None,
     global_seqs: float | None = None,
     dp_size: int = 1,
-    norm_len: float | None = None,
-    kind: str = "grpo",
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO loss: clipped policy loss + kl_coef * aggregate(k3 KL to the reference).
@@ -373,28 +399,21 @@ def grpo_loss(
     policy loss only.
 
     Args:
-        logp, old_logp, advantages, mask, clip_*, dual_clip, agg, kind, is_weights, ...: as in
-            `policy_loss`.
-        ref_logp: [B, T] reference-model log-probs; may be None only when kl_coef == 0.
-        kl_coef: weight of the KL term.
+        ref_logp: [B, T] reference-model log-probs; may be None only when settings.kl_coef == 0.
+        the others: as in `policy_loss`.
 
     Returns:
         (loss [] scalar, metrics): `policy_loss` metrics plus pg_loss and kl_loss, this
         micro-batch's contributions (sum over micro-batches, mean over ranks = full value).
     """
-    pg, metrics = policy_loss(
-        logp, old_logp, advantages, mask, clip_low, clip_high, dual_clip,
-        agg, global_tokens, global_seqs, dp_size, norm_len, kind, is_weights,
-    )  # fmt: skip
+    pg, metrics = policy_loss(logp, old_logp, advantages, mask, settings, global_tokens, global_seqs, dp_size, is_weights)
     if ref_logp is None:
-        if kl_coef != 0:
-            raise ValueError(f"kl_coef={kl_coef} needs ref_logp; pass it or set kl_coef=0")
+        if settings.kl_coef != 0:
+            raise ValueError(f"kl_coef={settings.kl_coef} needs ref_logp; pass it or set kl_coef=0")
         kl = torch.zeros((), dtype=pg.dtype, device=pg.device)
     else:
-        kl = aggregate(
-            kl_k3(logp, ref_logp), mask, agg, global_tokens, global_seqs, dp_size, norm_len
-        )
-    loss = pg + kl_coef * kl
+        kl = aggregate(kl_k3(logp, ref_logp), mask, settings.agg, global_tokens, global_seqs, dp_size, settings.norm_len)
+    loss = pg + settings.kl_coef * kl
     metrics["pg_loss"] = float(pg.detach())
     metrics["kl_loss"] = float(kl.detach())
     return loss, metrics

@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig, resolved_rollout_is
+from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
 from pjray.console import quiet_actor_warnings
 from pjray.memory import peak_memory_mib
 from pjray.models.loading import load_judge, placeholder_ids
@@ -56,7 +56,7 @@ from pjray.placement import split_evenly
 from pjray.rl.checkpoint import RankCheckpoints
 from pjray.rl.ds_ops import skip_unused_ops
 from pjray.rl.ds_setup import ds_config, lr_multiplier, optimizer, ref_ds_config, vision_tower
-from pjray.rl.grpo import entropy_from_logits, grpo_loss, rollout_is_metrics, rollout_is_weights, sft_loss
+from pjray.rl.grpo import LossSettings, entropy_from_logits, grpo_loss, rollout_is_metrics, rollout_is_weights, sft_loss
 from pjray.rl.logprobs import can_share_prefix, collate, forward_logprobs, forwarded_positions
 from pjray.rollout.hf_engine import HFEngine
 from pjray.sync.sender import WeightSender
@@ -150,7 +150,8 @@ class LearnerRank(WeightSender, RankCheckpoints):
     """One DeepSpeed rank of the policy (and, when the KL term is on, of the reference model).
 
     Args:
-        model_cfg, learner_cfg, algo_cfg: the run's config sections.
+        model_cfg, learner_cfg, algo_cfg: the run's config sections, as `pjray.config.load` resolved
+            them (algo.rollout_is none, token or sequence).
         model_path: HF directory of the initial judge (every rank loads it).
         rank, world_size: this rank and the data-parallel size.
         master_addr, master_port: rendezvous of the process group (rank 0's node, a free port).
@@ -190,8 +191,6 @@ class LearnerRank(WeightSender, RankCheckpoints):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         quiet_actor_warnings()
         self.temperature = temperature
-        # A config that did not pass validation may still say rollout_is=auto.
-        algo_cfg = dataclasses.replace(algo_cfg, rollout_is=resolved_rollout_is(algo_cfg.rollout_is, hybrid=rollout_cfg is not None))
         self.model_cfg, self.learner_cfg, self.algo_cfg = model_cfg, learner_cfg, algo_cfg
         self.rank, self.world_size = rank, world_size
         self.grad_accum_steps = grad_accum_steps
@@ -224,8 +223,8 @@ class LearnerRank(WeightSender, RankCheckpoints):
 
         self.zero3 = learner_cfg.zero_stage == 3
         config = ds_config(learner_cfg, grad_accum_steps, world_size, ds_config_overrides or {})
-        budget = {"min_pixels": model_cfg.min_pixels, "max_pixels": model_cfg.max_pixels}
-        model, self.processor = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=True, **budget)
+        budget = model_cfg.image_budget
+        model, self.processor = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=True, budget=budget)
         # The distribution the engines sample from has no placeholder tokens; the log-probs here
         # are of that same distribution.
         self.banned = placeholder_ids(self.processor)
@@ -264,7 +263,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
             # The frozen base weights are the reference: the policy with its adapters disabled.
             self.ref = self.engine
         elif algo_cfg.kl_coef > 0:
-            ref_model, _ = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=False, **budget)
+            ref_model, _ = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=False, budget=budget)
             if self.zero3:
                 # The reference is sharded like the policy: a ZeRO-3 engine without optimizer.
                 ref_config = ref_ds_config(config, learner_cfg, world_size)
@@ -456,12 +455,9 @@ class LearnerRank(WeightSender, RankCheckpoints):
             out.is_units, out.is_total, out.is_squares, out.is_outside = (float(x) for x in is_sums)
             out.is_raw_max = float(is_max)
         loss, metrics = grpo_loss(
-            logp, old, ref, batch.advantages.to(self.device), mask,
-            kl_coef=algo.kl_coef, clip_low=algo.clip_low, clip_high=algo.clip_high,
-            dual_clip=algo.dual_clip if algo.dual_clip > 0 else None, agg=algo.loss_agg, global_tokens=global_tokens,
-            global_seqs=global_seqs, dp_size=self.world_size, norm_len=self.norm_len,
-            kind=algo.policy_loss, is_weights=is_weights,
-        )  # fmt: skip
+            logp, old, ref, batch.advantages.to(self.device), mask, LossSettings.from_algo(algo, self.norm_len),
+            global_tokens, global_seqs, self.world_size, is_weights,
+        )
         with torch.no_grad():
             tokens = float(on_mask.sum())
             out.pg_loss, out.kl_loss, out.tokens, out.seqs = metrics["pg_loss"], metrics["kl_loss"], tokens, float(on_mask.any(-1).sum())

@@ -27,7 +27,8 @@ import ray
 from pjray.cluster import connect
 from pjray.config import AlgoConfig, Config, ConfigError, to_dict
 from pjray.errors import InputError
-from pjray.models.loading import decode_image, load_processor, render_chat
+from pjray.data.images import decode_image
+from pjray.models.loading import load_processor, render_chat
 from pjray.placement import Placement, RoleResources
 from pjray.rl.learner import LearnerRank
 from pjray.tracking import Tracker
@@ -122,7 +123,7 @@ def run_sft(cfg: Config, model_path: str, examples: list[ChatExample] | None = N
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     chosen = examples if examples is not None else _examples(cfg)
-    processor = load_processor(model_path, cfg.model.min_pixels, cfg.model.max_pixels)
+    processor = load_processor(model_path, cfg.model.image_budget)
     experiences = [to_experience(processor, e, cfg.model.think_prefix) for e in chosen]
     log.info("sft: %d examples", len(experiences))
     connect(cfg.ray)

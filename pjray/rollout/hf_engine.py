@@ -65,9 +65,8 @@ class HFEngine:
         max_batch_prompts: int = 8,
     ) -> None:
         model, processor = load_judge(
-            model_path, dtype=model_cfg.dtype, device=torch.device(device), trainable=False,
-            min_pixels=model_cfg.min_pixels, max_pixels=model_cfg.max_pixels,
-        )  # fmt: skip
+            model_path, dtype=model_cfg.dtype, device=torch.device(device), trainable=False, budget=model_cfg.image_budget
+        )
         self._attach(model, processor, model_cfg, rollout_cfg, device, max_batch_prompts, name=model_path)
 
     @classmethod

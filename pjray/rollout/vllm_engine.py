@@ -63,7 +63,8 @@ import ray
 import torch
 
 from pjray.config import ModelConfig, RolloutConfig
-from pjray.models.loading import decode_image, is_text_only, load_processor, placeholder_ids, render_chat
+from pjray.data.images import decode_image
+from pjray.models.loading import is_text_only, load_processor, placeholder_ids, render_chat
 from pjray.rollout.engine import checkpoint_eos_ids, stop_token_ids
 from pjray.sync.buckets import Bucket, flat_bytes, from_bytes, state_checksums, unpack
 from pjray.sync.collective import WeightSyncGroup, dumps, loads, receive_buckets
@@ -257,7 +258,7 @@ def llm_kwargs(model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConf
             kwargs["distributed_executor_backend"] = "mp"
     if not is_text_only(processor):
         kwargs["limit_mm_per_prompt"] = {"image": 1, "video": 0}
-        # The learner's image budget (model.min_pixels / max_pixels, `load_processor`), so
+        # The learner's image budget (`ModelConfig.image_budget`, `load_processor`), so
         # both sides resize an image to the same grid.
         size = processor.image_processor.size
         kwargs["mm_processor_kwargs"] = {"size": {"shortest_edge": size.shortest_edge, "longest_edge": size.longest_edge}}
@@ -282,7 +283,7 @@ class VllmEngine:
             cpu_engine_env()
         from vllm import LLM  # noqa: PLC0415  (imported only when this backend is chosen)
 
-        self.processor = load_processor(model_path, model_cfg.min_pixels, model_cfg.max_pixels)
+        self.processor = load_processor(model_path, model_cfg.image_budget)
         # The engine runs with generation_config="vllm" (sampling from RolloutConfig only), so the
         # checkpoint's EOS ids are read here and passed as stop tokens.
         self.eos_ids: tuple[int, ...] = stop_token_ids(self.processor.tokenizer, checkpoint_eos_ids(model_path), model_path)

@@ -71,18 +71,6 @@ class Transport:
         """Free what the transport holds; none by default."""
 
 
-class NoTransport(Transport):
-    """The hybrid engine: the learner ranks generate with the weights they train."""
-
-    name = "none"
-
-    def send(self, learners: list[Any], workers: WorkerPool) -> None:
-        pass
-
-    def refresh(self, learners: list[Any], workers: WorkerPool, worker: Any) -> None:
-        pass
-
-
 class ObjectStoreTransport(Transport):
     """Rank 0 puts each packed bucket in the Ray object store once; every engine fetches them one
     at a time. Reaches any layout (the CPU path across nodes)."""
@@ -188,12 +176,12 @@ class CudaIpcTransport(Transport):
 
 TRANSPORTS: dict[str, type[Transport]] = {
     cls.name: cls
-    for cls in (NoTransport, ObjectStoreTransport, SharedMemoryTransport, BroadcastTransport, NcclTransport, CudaIpcTransport)
+    for cls in (ObjectStoreTransport, SharedMemoryTransport, BroadcastTransport, NcclTransport, CudaIpcTransport)
 }
 
 
 def make_transport(name: str, bucket_bytes: int, tensor_parallel_size: int = 1) -> Transport:
-    """The transport of `name` (a `trainer.sync_backend` other than auto, or "none")."""
+    """The transport of `name` (a `trainer.sync_backend` other than auto)."""
     if name not in TRANSPORTS:
         raise ValueError(f"unknown weight transport {name!r}; expected one of {sorted(TRANSPORTS)}")
     return TRANSPORTS[name](bucket_bytes, tensor_parallel_size)

@@ -14,6 +14,7 @@ import pytest
 import ray
 
 from pjray.config import load
+from pjray.recipes.training import training_inputs
 from pjray.rl.trainer import Trainer, train
 from pjray.signals import Interrupted
 
@@ -48,7 +49,7 @@ def test_no_sample_older_than_max_staleness_is_trained_on(ray_local, tmp_path, s
     run_dir = tmp_path / "run"
     cfg = load(overrides=[*SPLIT, *slow_side, f"trainer.run_dir={run_dir}", "trainer.steps=5",
                           f"trainer.max_staleness={k}", "algo.rollout_is=token"])  # fmt: skip
-    train(cfg)
+    train(cfg, training_inputs(cfg))
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
     for m in metrics:
@@ -90,10 +91,10 @@ def test_a_run_stopped_with_batches_in_flight_resumes_at_the_same_items(ray_loca
             os.kill(os.getpid(), signal.SIGINT)
 
     with pytest.raises(Interrupted):
-        train(cfg, on_step=ctrl_c_at_step_3)
+        train(cfg, training_inputs(cfg), on_step=ctrl_c_at_step_3)
     state = json.loads((stopped / "checkpoints" / "global_step_3" / "trainer_state.json").read_text())
     assert state["sampler"]["consumed"] == 6  # three steps of two items, not the five in flight's
-    train(cfg)
+    train(cfg, training_inputs(cfg))
     metrics = read_metrics(stopped)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert consumed(stopped) == consumed(whole)
@@ -107,12 +108,12 @@ def test_a_worker_killed_with_batches_in_flight_is_rebuilt_once(ray_local, tmp_p
     before the rebuild is sent again to the new one without rebuilding it a second time. Every
     step trains on its own items."""
     cfg = load(overrides=[*SPLIT, f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=4", "trainer.max_staleness=2"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, training_inputs(cfg))
     try:
         trainer.setup()
         trainer.step = 1
         trainer.train_step()
-        assert [b.step for b in trainer.in_flight] == [2, 3]
+        assert [b.step for b in trainer.collector.in_flight] == [2, 3]
         ray.kill(trainer.rollout.actors[0], no_restart=True)
         stale = []
         for step in (2, 3, 4):

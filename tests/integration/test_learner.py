@@ -116,11 +116,12 @@ def _dummy() -> Experience:
     return Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.0)
 
 
-def _configs(zero_stage: int = 2, micro_batch_size: int = 2, kl_coef: float = 0.0) -> tuple:
+def _configs(zero_stage: int = 2, micro_batch_size: int = 2, kl_coef: float = 0.0, rollout_is: str = "none") -> tuple:
+    """The sections as `pjray.config.load` resolves them (algo.rollout_is never auto)."""
     return (
         ModelConfig(freeze_vision=True),
         LearnerConfig(zero_stage=zero_stage, micro_batch_size=micro_batch_size, lr=LR, grad_clip=1.0),
-        AlgoConfig(kl_coef=kl_coef),
+        AlgoConfig(kl_coef=kl_coef, rollout_is=rollout_is),
     )
 
 
@@ -394,7 +395,7 @@ def _plain_torch_step(judge_dir: str, exps: list[Experience]) -> tuple[float, fl
     # The learner's distribution: the placeholder ids banned, as every rollout engine bans them.
     logp, _ = forward_logprobs(model, processor, batch, banned=placeholder_ids(processor))
     mask = batch.response_mask[:, 1:]
-    loss, _ = grpo_loss(logp, logp.detach(), None, batch.advantages, mask, 0.0, global_tokens=tokens, global_seqs=seqs)
+    loss, _ = grpo_loss(logp, logp.detach(), None, batch.advantages, mask, global_tokens=tokens, global_seqs=seqs)
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None]))
     return float(loss), float(norm)
@@ -607,7 +608,7 @@ def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, ra
                    response_ids=c.token_ids, advantage=(-1.0) ** c.sample_index, rollout_logprobs=c.logprobs)  # fmt: skip
         for c in completions
     ]
-    model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=3, kl_coef=0.01)
+    model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=3, kl_coef=0.01, rollout_is="token")  # an engine apart
     rank = LearnerRank(
         model_cfg, learner_cfg, algo_cfg, str(judge), rank=0, world_size=1, master_addr="127.0.0.1",
         master_port=free_address()[1], total_steps=10, grad_accum_steps=2, temperature=0.7,

@@ -213,7 +213,11 @@ def test_killed_job_resumes_without_duplicates(ray_local, tmp_path):
 
 
 def test_train_builds_scene_data_with_the_pipeline(ray_local, tmp_path, monkeypatch):
-    from pjray.rl.trainer import load_items
+    from pjray.recipes.training import scene_data
+    from pjray.rl.items import training_items
+
+    def load_items(cfg):
+        return training_items(cfg, str(scene_data(cfg, say=lambda line: None)))
 
     monkeypatch.setenv("PJRAY_CACHE", str(tmp_path / "cache"))  # nothing kept yet: the job runs
     overrides = ["data.num_items=256", "data.image_size=64"]

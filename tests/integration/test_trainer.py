@@ -13,7 +13,10 @@ import torch
 from pjray.cli import main
 from pjray.console import run_summary
 from pjray.config import load
-from pjray.rl.trainer import Timer, Trainer, latest_checkpoint
+from pjray.rl.checkpoint import latest_checkpoint
+from pjray.recipes.training import training_inputs
+from pjray.rl.timer import Timer
+from pjray.rl.trainer import Trainer
 from pjray.sync.transports import make_transport
 from pjray.types import Completion, Timed
 from tests.support.preference import write_vlrb
@@ -88,7 +91,7 @@ def test_learns_a_trivial_reward_with_two_ranks(ray_local, tmp_path):
             "trainer.export_hf=false",
         ]
     )
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, training_inputs(cfg))
     try:
         trainer.setup()
         first = trainer.train_step()
@@ -134,7 +137,7 @@ def test_lora_learns_the_trivial_reward_and_exports_merged_weights(ray_local, tm
             "trainer.save_every=0",
         ]
     )
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, training_inputs(cfg))
     rewards = []
     try:
         trainer.setup()
@@ -215,7 +218,7 @@ def test_train_checkpoint_export_and_resume(ray_local, tmp_path):
 def test_missing_data_path_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="no such file"):
         cfg = load(overrides=TINY + [f"trainer.run_dir={tmp_path}", "data.source=parquet", f"data.path={tmp_path}/none.parquet"])
-        Trainer(cfg).setup()
+        Trainer(cfg, training_inputs(cfg)).setup()
 
 
 def thinking_judge(path: Path) -> Path:
@@ -255,7 +258,7 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
             "trainer.sync_backend=auto",
         ]
     )
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, training_inputs(cfg))
 
     def engines_hold_the_learners_weights() -> None:
         learner_sums = ray.get(trainer.learners[0].checksums.remote())
@@ -266,9 +269,9 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
     try:
         trainer.setup()
         # auto: HF engines on the learner's node sync through shared memory (set up here).
-        assert trainer.transport.name == "shm"
-        shared = trainer.transport
-        trainer.transport = make_transport("object_store", shared.bucket_bytes)  # for steps 1 and 2
+        assert trainer.layout.transport.name == "shm"
+        shared = trainer.layout.transport
+        trainer.layout.transport = make_transport("object_store", shared.bucket_bytes)  # for steps 1 and 2
         trainer.step = 1
         trainer.train_step()
         engines_hold_the_learners_weights()
@@ -287,15 +290,15 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
         # Shared memory. Kill one rollout worker and the reward worker between steps: the next
         # step rebuilds them, gives the new rollout worker the current weights and completes,
         # counting each prompt once.
-        trainer.transport = shared
-        consumed = trainer.sampler.state.consumed
+        trainer.layout.transport = shared
+        consumed = trainer.collector.sampler.state.consumed
         ray.kill(trainer.rollout.actors[0], no_restart=True)
         ray.kill(trainer.reward.actors[0], no_restart=True)
         trainer.step = 3
         metrics = trainer.train_step()
         assert metrics["rollout/worker_restarts"] == 5  # the run's restarts so far
         assert metrics["rollout/groups_kept"] == cfg.trainer.prompts_per_step
-        assert trainer.sampler.state.consumed == consumed + cfg.trainer.prompts_per_step
+        assert trainer.collector.sampler.state.consumed == consumed + cfg.trainer.prompts_per_step
         engines_hold_the_learners_weights()
         ray.kill(trainer.rollout.actors[1], no_restart=True)
         trainer.sync_weights()
@@ -304,7 +307,7 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
 
         # The reward reads the think prefill from each prompt's text, not model.think_prefix:
         # the template opened <think>, so a response must close it without opening it again.
-        prompts, texts, _ = trainer.generate(1, seed=99, timer=Timer())
+        prompts, texts, _ = trainer.collector.generate(1, seed=99, timer=Timer())
         assert texts[0].endswith("<think>\n")
         good = "the cars are red\n</think>\n<answer>" + prompts[0].target + "</answer>"
         completions = [
@@ -312,7 +315,7 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
             for i, text in enumerate([good, "<think>" + good, good + " and more", good])
         ]
         completions[3] = dataclasses.replace(completions[3], finish_reason="length")
-        results = trainer.score(prompts, texts, completions, Timer())
+        results = trainer.collector.score(prompts, texts, completions, Timer())
         assert [r.total for r in results] == [1.0, 0.0, 0.0, 0.0], [r.reason for r in results]
         buffers = ray.get(trainer.learners[0].export_shared.remote(1 << 20))[1]
     finally:
@@ -338,13 +341,13 @@ def test_colocated_sync_hands_gpu_memory_over_in_order(ray_local, tmp_path):
         "learner.num_gpus_per_rank=0.5", "rollout.num_gpus_per_worker=0.4",
     ])  # fmt: skip
     log = ray.remote(num_cpus=0)(CallLog).remote()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, training_inputs(cfg))
     trainer.learners = [ray.remote(num_cpus=0)(RecordingLearnerRank).remote(log, r) for r in range(2)]
     placement = Placement({"rollout": RoleResources(2, 0.1, 0.0)}, strategy="PACK")
     trainer.rollout = WorkerPool(placement, "rollout", RecordingRolloutWorker, lambda i: (log, i), max_retries=0,
                                  on_restart=trainer.sync_worker)  # fmt: skip
     try:
-        trainer.init_weight_sync()  # trainer.sync_backend=ipc: the CUDA IPC transport, nothing to connect
+        trainer.layout.connect(trainer.learners, trainer.rollout)  # trainer.sync_backend=ipc: the CUDA IPC transport, nothing to connect
         trainer.sync_weights()
         calls = ray.get(log.calls.remote())
         ray.get(log.doom.remote(1))

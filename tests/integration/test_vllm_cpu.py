@@ -49,6 +49,7 @@ from pjray.ppjd import llm as ppjd_llm  # noqa: E402
 from pjray.ppjd.pipeline import LlmStage, _frame  # noqa: E402
 from pjray.ppjd.sources import RawRow  # noqa: E402
 from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
+from pjray.recipes.training import training_inputs  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.rollout.vllm_engine import VllmEngine  # noqa: E402
 from pjray.sync.buckets import pack, plan_buckets  # noqa: E402
@@ -204,7 +205,7 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
             "data.num_items=16", "data.image_size=64", "tracking.wandb=false",
         ]
     )  # fmt: skip
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, training_inputs(cfg))
     try:
         trainer.setup()
         worker = trainer.rollout.actors[0]
@@ -226,7 +227,7 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
         ray.kill(trainer.rollout.actors[1], no_restart=True)
         started = time.monotonic()
         trainer.sync_weights()
-        assert trainer.rollout.restarts == 1 and time.monotonic() - started < trainer.transport.timeout_s
+        assert trainer.rollout.restarts == 1 and time.monotonic() - started < trainer.layout.transport.timeout_s
         sums = ray.get([w.checksums.remote() for w in trainer.rollout.actors])
         assert sums[0] == sums[1]  # vLLM's own parameters, bit for bit
         assert _served_matches_learner(trainer, prompt, continuation) == pytest.approx(after_gloo, abs=1e-5)
@@ -246,7 +247,7 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
                 member.kill()
             finally:
                 os.kill(learner_pid, signal.SIGCONT)
-            syncing.result(timeout=trainer.transport.timeout_s)
+            syncing.result(timeout=trainer.layout.transport.timeout_s)
         assert trainer.rollout.restarts == 2
         sums = ray.get([w.checksums.remote() for w in trainer.rollout.actors])
         assert sums[0] == sums[1]
@@ -265,7 +266,7 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
         # One more step, synchronous, synced through the object store (the transport every layout
         # has). Engine 0's core process is dead when its generation reaches it: the worker is
         # rebuilt at the learner's weights and the generation retried.
-        trainer.transport = make_transport("object_store", trainer.transport.bucket_bytes)
+        trainer.layout.transport = make_transport("object_store", trainer.layout.transport.bucket_bytes)
         trainer.cfg.trainer.max_staleness, trainer.cfg.trainer.steps = 0, 5
         _vllm_process(trainer.rollout.actors[0], "VLLM::EngineCore").kill()
         trainer.run()

@@ -27,6 +27,7 @@ import ray  # noqa: E402
 from pjray.cluster import actor_env  # noqa: E402
 from pjray.config import load  # noqa: E402
 from pjray.models.loading import render_chat  # noqa: E402
+from pjray.recipes.training import training_inputs  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402
 
@@ -59,7 +60,7 @@ def test_grpo_steps_and_sync_on_gpu(local_ray, tmp_path: Path, layout: str) -> N
         pytest.skip("split mode needs 2 GPUs")
     overrides = COMMON + (COLOCATED if layout == "colocated" else SPLIT) + [f"trainer.run_dir={tmp_path}"]
     cfg = load(overrides=overrides)
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, training_inputs(cfg))
     try:
         trainer.setup()
         trainer.run()

@@ -45,10 +45,11 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from pjray.config import load  # noqa: E402
+from pjray.config import ImageBudget, load  # noqa: E402
 from pjray.models.loading import image_token_count, load_judge, load_processor, placeholder_ids, render_chat  # noqa: E402
 from pjray.models.tiny import TINY_ARCHS, build_tiny_judge  # noqa: E402
 from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
+from pjray.recipes.training import training_inputs  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.rollout.vllm_engine import VllmEngine  # noqa: E402
 from pjray.sync.buckets import pack, plan_buckets  # noqa: E402
@@ -124,7 +125,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def _learner_logprobs(path: str, prompts: list[JudgePrompt], completions, temperature: float, banned: bool) -> list[torch.Tensor]:
     """The learner's teacher-forced log-probs of each completion (its own forward function), its
     processor under the served engine's image budget."""
-    model, processor = load_judge(path, trainable=False, max_pixels=BUDGET)
+    model, processor = load_judge(path, trainable=False, budget=ImageBudget(max_pixels=BUDGET))
     experiences = [
         Experience(prompt_text=render_chat(processor, prompts[c.prompt_index]), image=prompts[c.prompt_index].image,
                    response_ids=c.token_ids, advantage=0.0)
@@ -210,7 +211,7 @@ def test_images_of_any_size_reach_vllm_as_they_reach_the_learner(served: Served)
     pixels (another grid shifts every position after the image)."""
     sizes = [(97, 61), (640, 480), (1920, 1080), (3000, 400)]
     prompts = [dataclasses.replace(PROMPTS[0], item_id=f"s{w}x{h}", image=_rect_png(w, h)) for w, h in sizes]
-    processor = load_processor(served.path, max_pixels=BUDGET)
+    processor = load_processor(served.path, ImageBudget(max_pixels=BUDGET))
     factor = processor.image_processor.patch_size * processor.image_processor.merge_size
     tokens = [image_token_count(processor, p.image) for p in prompts]
     assert len(set(tokens)) > 1 and max(tokens) <= BUDGET // (factor * factor), tokens
@@ -324,10 +325,10 @@ def test_grpo_with_images_and_a_trainable_vision_tower(ray_local, tmp_path: Path
             "data.num_items=4", "data.image_size=64", "tracking.wandb=false",
         ]
     )  # fmt: skip
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, training_inputs(cfg))
     try:
         trainer.setup()
-        assert trainer.transport.name == "shm"
+        assert trainer.layout.transport.name == "shm"
         visual_before = ray.get(trainer.learners[0].checksums.remote())
         trainer.run()
         metrics = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]

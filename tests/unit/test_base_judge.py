@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 
 import pytest
@@ -23,7 +24,8 @@ from pjray.models.base_judge import (
     training_scene_seeds,
 )
 from pjray.ppjd.perturb import final_answer, ranked_item
-from pjray.recipes.base_judge import canonical_tree, code_fingerprint, recipe_hash
+from pjray.recipes import base_judge as artifact
+from pjray.recipes.base_judge import canonical_tree, code_digest, recipe_hash
 from pjray.reward import judge_reward
 from pjray.reward.parse import parse_score
 
@@ -152,25 +154,50 @@ def test_image_verdicts_are_balanced_but_the_trained_disposition_keeps_the_bias(
         disposition_keep_rate(0.8, 0.1)  # fewer image verdicts than the disposition's prior asks
 
 
-def test_recipe_hash_follows_the_recipe():
-    assert recipe_hash(RECIPE) == recipe_hash(BaseJudgeRecipe())
-    assert recipe_hash(RECIPE) != recipe_hash(dataclasses.replace(RECIPE, sft_steps=RECIPE.sft_steps + 1))
+def test_recipe_hash_follows_the_recipe_the_data_and_the_build_code(monkeypatch):
+    monkeypatch.setattr(artifact, "data_digest", lambda recipe: "data")  # the data's own test: below
+    first = recipe_hash(RECIPE)
+    assert first == recipe_hash(BaseJudgeRecipe())
+    assert first != recipe_hash(dataclasses.replace(RECIPE, sft_steps=RECIPE.sft_steps + 1))
+    monkeypatch.setattr(artifact, "data_digest", lambda recipe: "other data")
+    assert recipe_hash(RECIPE) != first
+    monkeypatch.setattr(artifact, "data_digest", lambda recipe: "data")
+    monkeypatch.setattr(artifact, "BUILD_CODE", artifact.BUILD_CODE[1:])
+    assert recipe_hash(RECIPE) != first
 
 
-def test_code_fingerprint_ignores_docstrings_but_not_code(tmp_path, monkeypatch):
+def test_the_data_digest_reads_what_a_build_trains_on_once_per_code_state(monkeypatch, tmp_path):
+    monkeypatch.setenv("PJRAY_CACHE", str(tmp_path))
+    small = dataclasses.replace(RECIPE, sft_scenes=4, vision_steps=2, vision_batch=2)
+    digest = artifact.data_digest.__wrapped__  # past the in-process cache
+    first = digest(small)
+    pieces = list(artifact.build_data(small))
+    examples = artifact.sft_examples(small, small.sft_scenes, small.seed)
+    assert len(pieces) == len(artifact.tokenizer_corpus(small)) + 2 * 4 + 2 * len(examples)
+    assert examples[0].prompt.image in pieces and json.loads(pieces[-2])["response"] == examples[-1].response
+    monkeypatch.setattr(artifact, "build_data", lambda recipe: iter([b"other data"]))
+    assert digest(small) == first  # kept for this recipe and code state
+    for memo in (tmp_path / "base_judge" / "digests").glob("*.json"):
+        memo.unlink()
+    assert digest(small) != first  # read again: the data decides it
+
+
+def test_code_digest_follows_code_not_docstrings_imports_or_place(tmp_path, monkeypatch):
     pkg = tmp_path / "fpmod"
     pkg.mkdir()
     monkeypatch.syspath_prepend(str(tmp_path))
     versions = {
-        "a": '"""Doc."""\ndef f():\n    """One."""\n    return 1  # a comment\n',
-        "b": '"""Other doc."""\n\ndef f():\n    """Two."""\n    return 1\n',
-        "c": '"""Doc."""\ndef f():\n    """One."""\n    return 2\n',
+        "a": 'def f():\n    """One."""\n    return 1  # a comment\n',
+        "b": 'import os\n\n\ndef f():\n    """Two."""\n    from os import path\n    return 1\n',  # another module, an import
+        "c": 'def f():\n    """One."""\n    return 2\n',
     }
+    import importlib
+
+    (pkg / "__init__.py").write_text("")
     prints = {}
     for name, text in versions.items():
         (pkg / f"m_{name}.py").write_text(text)
-        (pkg / "__init__.py").write_text("")
-        prints[name] = code_fingerprint(f"fpmod.m_{name}")
+        prints[name] = code_digest(importlib.import_module(f"fpmod.m_{name}").f)
     assert prints["a"] == prints["b"] != prints["c"]
 
 

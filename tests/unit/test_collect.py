@@ -1,5 +1,5 @@
-"""The trainer's collection of a step's groups: dynamic sampling (algo.filter_zero_std), refill
-sizes, and reward metrics over every generated response."""
+"""The collection of a step's groups (`pjray.rl.collect`): dynamic sampling (algo.filter_zero_std),
+refill sizes, and reward metrics over every generated response."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pjray.config import load
-from pjray.rl.trainer import MAX_REFILL_FACTOR, Batch, Timer, Trainer, refill_size
+from pjray.rl.collect import MAX_REFILL_FACTOR, Batch, Collector, refill_size, rollout_metrics
+from pjray.rl.timer import Timer
 from pjray.types import Completion, JudgePrompt, RewardResult, Timed
 
 
@@ -21,19 +22,14 @@ def test_refill_size():
     assert refill_size(6, 0, 8) == 6 * MAX_REFILL_FACTOR  # nothing kept yet
 
 
-class ScriptedTrainer(Trainer):
-    """A trainer whose generation and reward are scripted: group g of the whole stream has
+class ScriptedCollector(Collector):
+    """A collector whose generation and reward are scripted: group g of the whole stream has
     reward variance iff `varied(g)`; a varied group scores 1 on its first sample and every other response 0.5."""
 
     def __init__(self, cfg, varied):
-        super().__init__(cfg)
+        super().__init__(cfg, sampler=SimpleNamespace(state=None), processor=None, rollout=None, reward=None)
         self.varied = varied
         self.generated: list[int] = []
-        self.step = 1
-        # What step_metrics reads of the Ray side.
-        self.rollout = self.reward = SimpleNamespace(restarts=0)
-        self.sampler = SimpleNamespace(state=SimpleNamespace(consumed=0), epoch=0)
-        self.rejected_rows = lambda: 0
 
     def generate(self, num_prompts, seed, timer):
         first = sum(self.generated)
@@ -67,37 +63,32 @@ def config(filter_zero_std: bool, rounds: int = 2):
 
 
 def test_dynamic_sampling_keeps_varied_groups_and_measures_every_response():
-    trainer = ScriptedTrainer(config(True), varied=lambda g: g % 4 == 0)  # 1 group in 4 has signal
-    rollouts = trainer.collect(Timer())
+    collector = ScriptedCollector(config(True), varied=lambda g: g % 4 == 0)  # 1 group in 4 has signal
+    rollouts = collector.collect(1, Timer())
     # 8 -> 2 kept; 6 more at a keep rate of 1/4: 24 prompts -> 6 kept; full after one refill.
-    assert trainer.generated == [8, 24]
+    assert collector.generated == [8, 24]
     assert [p.item_id for p in rollouts.prompts] == [f"g{g}" for g in range(0, 32, 4)]
     assert len(rollouts.completions) == len(rollouts.rewards) == 8 * 4
     assert len(rollouts.seen) == 32 * 4 and rollouts.groups_seen == 32
     assert rollouts.frac_zero_std == pytest.approx(24 / 32)
-    metrics = trainer.step_metrics(rollouts, torch.zeros(32), {}, timer_with_step())
+    metrics = rollout_metrics(rollouts, torch.zeros(32), group_size=4)
     # The policy's reward is the mean over all 128 responses; the kept groups' is higher.
     assert metrics["reward/mean"] == pytest.approx((8 * 1.0 + 120 * 0.5) / 128)
     assert metrics["reward/kept_mean"] == pytest.approx((8 * 1.0 + 24 * 0.5) / 32)
 
 
 def test_dynamic_sampling_stops_after_its_refill_rounds():
-    trainer = ScriptedTrainer(config(True, rounds=1), varied=lambda g: g == 3)
-    rollouts = trainer.collect(Timer())
-    assert trainer.generated == [8, 7 * MAX_REFILL_FACTOR]  # 1 of 8 kept: 7 more, capped
+    collector = ScriptedCollector(config(True, rounds=1), varied=lambda g: g == 3)
+    rollouts = collector.collect(1, Timer())
+    assert collector.generated == [8, 7 * MAX_REFILL_FACTOR]  # 1 of 8 kept: 7 more, capped
     assert [p.item_id for p in rollouts.prompts] == ["g3"]
 
 
 def test_without_filtering_every_group_is_kept():
-    trainer = ScriptedTrainer(config(False), varied=lambda g: g % 4 == 0)
-    rollouts = trainer.collect(Timer())
-    assert trainer.generated == [8]
+    collector = ScriptedCollector(config(False), varied=lambda g: g % 4 == 0)
+    rollouts = collector.collect(1, Timer())
+    assert collector.generated == [8]
     assert len(rollouts.prompts) == 8 and len(rollouts.seen) == len(rollouts.rewards) == 32
-    metrics = trainer.step_metrics(rollouts, torch.zeros(32), {}, timer_with_step())
+    metrics = rollout_metrics(rollouts, torch.zeros(32), group_size=4)
     assert metrics["reward/mean"] == metrics["reward/kept_mean"]
 
-
-def timer_with_step() -> Timer:
-    timer = Timer()
-    timer.seconds["step"] = 1.0
-    return timer

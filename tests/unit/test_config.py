@@ -1,12 +1,13 @@
 """The config schema: defaults, YAML + overrides, and loud failures naming the key."""
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from pjray.config import Config, ConfigError, load, to_dict, to_yaml
+from pjray.config import CHECK, Check, Config, ConfigError, load, to_dict, to_yaml
 
 REPO = Path(__file__).parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -185,3 +186,63 @@ def test_async_rollouts_refuse_the_layouts_that_cannot_overlap(overrides, says):
 def test_async_rollouts_load_on_split_layouts():
     cfg = load(overrides=["trainer.max_staleness=2", "rollout.backend=hf", "algo.rollout_is=token"])
     assert cfg.trainer.max_staleness == 2
+
+
+def _checked_fields(cls: type, prefix: str) -> list[tuple[str, object, Check]]:
+    """(key, default, check) of every field that `opt` gave a rule, nested sections included."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(default := f.default_factory()):
+            out += _checked_fields(type(default), f"{prefix}{f.name}.")
+        elif CHECK in f.metadata:
+            out.append((f"{prefix}{f.name}", f.default, f.metadata[CHECK]))
+    return out
+
+
+CHECKED = _checked_fields(Config, "")
+
+
+def _breaking(default: object, check: Check) -> list[object]:
+    """Values just outside the rule: a value no choice is, each bound itself where it is open, one
+    step beyond it where it is closed."""
+    if check.choices:
+        return [max(check.choices) + 1 if isinstance(default, int) else "bogus"]
+    step = 1 if isinstance(default, int) else 0.5
+    return [v for v in (check.gt, None if check.ge is None else check.ge - step, check.lt,
+                        None if check.le is None else check.le + step) if v is not None]  # fmt: skip
+
+
+def test_every_field_rule_is_checked_by_the_generic_validator():
+    """Each field carrying choices or a range rejects a value just outside it, with the message
+    naming the key; its default and every choice pass."""
+    assert len(CHECKED) > 100
+    for key, default, check in CHECKED:
+        assert check.passes(default), key
+        assert all(check.passes(c) for c in check.choices), key
+        breaking = _breaking(default, check)
+        assert breaking, key
+        for bad in breaking:
+            with pytest.raises(ConfigError) as err:
+                load(overrides=[f"{key}={bad}"])
+            assert str(err.value) == check.error(key, type(default)(bad)), (key, bad)
+            assert str(err.value).startswith(f"{key}={type(default)(bad)!r}: "), (key, bad)
+
+
+@pytest.mark.parametrize(
+    "check, rule",
+    [(Check(gt=0), "> 0"), (Check(ge=0), ">= 0"), (Check(gt=0, le=1), "in (0, 1]"), (Check(ge=0, lt=1), "in [0, 1)"),
+     (Check(ge=0, le=1), "in [0, 1]"), (Check(ge=2, le=26, integer=True), "in 2..26")],
+)
+def test_rules_read_as_the_messages_say(check, rule):
+    assert check.rule() == rule
+    assert check.error("a.b", -1).startswith(f"a.b=-1: must be {rule}")
+    assert Check(choices=("x", "y")).error("a.b", "z") == "a.b='z': expected one of x, y"
+
+
+def test_rollout_correction_auto_is_resolved_once_in_the_config():
+    """algo.rollout_is=auto: none for the hybrid engine (the learner's own samples), token (TIS)
+    where rollout workers sample; a level asked for stays."""
+    assert load().algo.rollout_is == "none"
+    assert load(overrides=["rollout.backend=hf"]).algo.rollout_is == "token"
+    assert load(overrides=["rollout.backend=hf", "algo.rollout_is=sequence"]).algo.rollout_is == "sequence"
+    assert load(overrides=["rollout.backend=hf", "algo.rollout_is=none"]).algo.rollout_is == "none"

@@ -32,6 +32,14 @@ def fake_judge(path: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def tiny_judge(tmp_path_factory) -> Path:
+    """A judge to train, built before the test (its build's output is not the command's)."""
+    from pjray.models.tiny import build_tiny_judge
+
+    return build_tiny_judge(tmp_path_factory.mktemp("judge") / "tiny", seed=0)
+
+
 def run_cli(argv: list[str], capsys) -> tuple[int, list[str]]:
     code = main(argv)
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -172,7 +180,7 @@ def test_eval_with_a_malformed_jsonl_line(tmp_path, monkeypatch, capsys):
     )
 
 
-def test_train_on_a_parquet_with_too_many_bad_rows(tmp_path, monkeypatch, capsys):
+def test_train_on_a_parquet_with_too_many_bad_rows(tmp_path, monkeypatch, capsys, tiny_judge):
     from pjray.data.sources import write_items
     from pjray.ppjd.perturb import scene_items
 
@@ -180,8 +188,9 @@ def test_train_on_a_parquet_with_too_many_bad_rows(tmp_path, monkeypatch, capsys
     items = scene_items(3, seed=0, num_candidates=3, image_size=64)
     items[1] = dataclasses.replace(items[1], image=items[1].image[:50])  # a truncated PNG
     write_items(items, tmp_path / "rows.parquet")
-    code, err = run_cli(["train", "model.init=tiny", "data.source=parquet", "data.path=rows.parquet",
-                         f"trainer.run_dir={tmp_path / 'run'}"], capsys)
+    code, err = run_cli([
+        "train", f"model.path={tiny_judge}", "data.source=parquet", "data.path=rows.parquet", f"trainer.run_dir={tmp_path / 'run'}"
+    ], capsys)  # fmt: skip
     assert code == 2 and len(err) == 1
     assert err[0].startswith(
         "pjray: bad data: rows.parquet: 1 of 3 rows are bad (more than data.max_reject_fraction=0.01): "
@@ -189,17 +198,17 @@ def test_train_on_a_parquet_with_too_many_bad_rows(tmp_path, monkeypatch, capsys
     )
 
 
-def test_train_on_a_dataset_without_the_ppjd_columns(tmp_path, monkeypatch, capsys):
+def test_train_on_a_dataset_without_the_ppjd_columns(tmp_path, monkeypatch, capsys, tiny_judge):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path / "hf_cache")
     (tmp_path / "pairs").mkdir()
     (tmp_path / "pairs" / "train.jsonl").write_text(json.dumps({"prompt": "q?", "img": "a.png", "chosen": "a", "rejected": "b"}) + "\n")
-    code, err = run_cli(["train", "model.init=tiny", "data.source=hf", "data.path=pairs", "data.num_candidates=2",
+    code, err = run_cli(["train", f"model.path={tiny_judge}", "data.source=hf", "data.path=pairs", "data.num_candidates=2",
                          f"trainer.run_dir={tmp_path / 'run'}"], capsys)
     assert (code, err) == (2, [
         "pjray: bad data: pairs [train]: no column for image, question (columns: prompt, img, chosen, rejected); name "
         "yours with data.columns.image=COLUMN"])
-    code, err = run_cli(["train", "model.init=tiny", "data.source=hf", "data.path=pairs", "data.split=test",
+    code, err = run_cli(["train", f"model.path={tiny_judge}", "data.source=hf", "data.path=pairs", "data.split=test",
                          f"trainer.run_dir={tmp_path / 'run'}"], capsys)
     assert (code, err) == (2, ["pjray: data.split: test: no such split of pairs (splits: train)"])
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pjray.rl import grpo
 from pjray.rl.grpo import (
     AGG_MODES,
+    LossSettings,
     aggregate,
     entropy_from_logits,
     group_advantages,
@@ -242,7 +243,7 @@ def test_aggregation_is_split_invariant(data, rows, cols, dp, n_micro, mode, see
 def _one_token(delta, adv, **kwargs):
     logp = t([[delta]])
     old = t([[0.0]])
-    return policy_loss(logp, old, t([[adv]]), torch.ones(1, 1), **kwargs)
+    return policy_loss(logp, old, t([[adv]]), torch.ones(1, 1), LossSettings(**kwargs))
 
 
 @pytest.mark.parametrize(
@@ -332,7 +333,7 @@ def test_grpo_loss_adds_kl_term():
     ref = t([[log2, 0.0]])  # k3 = [1 - log 2, 0]
     adv = t([[1.0, 1.0]])
     mask = torch.ones(1, 2)
-    loss, metrics = grpo_loss(logp, old, ref, adv, mask, kl_coef=0.1)
+    loss, metrics = grpo_loss(logp, old, ref, adv, mask, LossSettings(kl_coef=0.1))
     kl = (1.0 - log2) / 2
     assert metrics["pg_loss"] == pytest.approx(-1.0)
     assert metrics["kl_loss"] == pytest.approx(kl)
@@ -343,11 +344,28 @@ def test_grpo_loss_adds_kl_term():
 
 def test_grpo_loss_without_reference():
     logp, adv, mask = t([[0.0]]), t([[1.0]]), torch.ones(1, 1)
-    loss, metrics = grpo_loss(logp, logp, None, adv, mask, kl_coef=0.0)
+    loss, metrics = grpo_loss(logp, logp, None, adv, mask, LossSettings(kl_coef=0.0))
     assert loss.item() == pytest.approx(-1.0)
     assert metrics["kl_loss"] == 0.0
     with pytest.raises(ValueError, match="ref_logp"):
-        grpo_loss(logp, logp, None, adv, mask, kl_coef=0.01)
+        grpo_loss(logp, logp, None, adv, mask, LossSettings(kl_coef=0.01))
+
+
+def test_loss_settings_from_the_algo_config():
+    """The settings the learner builds from `algo`: its names, a dual clip of 0 is none, and
+    impossible settings fail when built, not at the first loss."""
+    from pjray.config import AlgoConfig
+
+    algo = AlgoConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean", clip_low=3e-4, clip_high=4e-4,
+                      dual_clip=0.0, kl_coef=0.02)  # fmt: skip
+    assert LossSettings.from_algo(algo, norm_len=64) == LossSettings(
+        kind="gspo", clip_low=3e-4, clip_high=4e-4, dual_clip=None, agg="seq-mean-token-mean", norm_len=64, kl_coef=0.02
+    )
+    assert LossSettings.from_algo(AlgoConfig()).dual_clip == 3.0
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo'"):
+        LossSettings(kind="ppo")
+    with pytest.raises(ValueError, match="dual_clip"):
+        LossSettings(dual_clip=1.0)
 
 
 @settings(max_examples=40, deadline=None)
@@ -365,9 +383,9 @@ def test_grpo_gradient_is_split_invariant(seed, dp, mode):
     ref = logp.detach() + 0.3 * torch.randn(rows, cols, generator=g, dtype=torch.float64)
     adv = torch.randn(rows, generator=g, dtype=torch.float64)
     mask = (torch.rand(rows, cols, generator=g) < 0.7).long()
-    kwargs = dict(kl_coef=0.05, agg=mode, norm_len=7.0)
+    cfg = LossSettings(kl_coef=0.05, agg=mode, norm_len=7.0)
 
-    full, _ = grpo_loss(logp, old, ref, adv, mask, **kwargs)
+    full, _ = grpo_loss(logp, old, ref, adv, mask, cfg)
     (full_grad,) = torch.autograd.grad(full, logp)
 
     global_tokens = float(mask.sum())
@@ -381,8 +399,8 @@ def test_grpo_gradient_is_split_invariant(seed, dp, mode):
             if not micro:
                 continue
             part, _ = grpo_loss(
-                logp[micro], old[micro], ref[micro], adv[micro], mask[micro],
-                global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp, **kwargs,
+                logp[micro], old[micro], ref[micro], adv[micro], mask[micro], cfg,
+                global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp,
             )  # fmt: skip
             (gr,) = torch.autograd.grad(part, logp)
             rank_grad += gr  # gradient accumulation sums micro-batches

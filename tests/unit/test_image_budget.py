@@ -12,13 +12,13 @@ import json
 import PIL.Image
 import pytest
 
-from pjray.config import ConfigError, load
+from pjray.config import ConfigError, ImageBudget, load
 from pjray.console import run_summary
 from pjray.data.sources import Rows
-from pjray.models.loading import image_budget, image_token_count, load_processor
+from pjray.models.loading import image_token_count, load_processor
 from pjray.models.tiny import build_tiny_judge
 from pjray.ppjd.perturb import scene_items
-from pjray.rl.trainer import drop_overlong
+from pjray.rl.items import drop_overlong
 
 
 def png(width: int, height: int) -> bytes:
@@ -28,11 +28,11 @@ def png(width: int, height: int) -> bytes:
 
 
 def test_the_budget_caps_the_checkpoint_and_never_raises_it():
-    assert image_budget(3136, 12_845_056) == (3136, 12_845_056)  # 0, 0: the checkpoint's own
-    assert image_budget(3136, 12_845_056, max_pixels=1_003_520) == (3136, 1_003_520)
-    assert image_budget(2304, 2304, max_pixels=1_003_520) == (2304, 2304)  # the shipped judge: unchanged
-    assert image_budget(3136, 12_845_056, min_pixels=200_704, max_pixels=1_003_520) == (200_704, 1_003_520)
-    assert image_budget(3136, 50_000, min_pixels=200_704) == (50_000, 50_000)  # lower bound never above the upper
+    assert ImageBudget().edges(3136, 12_845_056) == (3136, 12_845_056)  # 0, 0: the checkpoint's own
+    assert ImageBudget(max_pixels=1_003_520).edges(3136, 12_845_056) == (3136, 1_003_520)
+    assert ImageBudget(max_pixels=1_003_520).edges(2304, 2304) == (2304, 2304)  # the shipped judge: unchanged
+    assert ImageBudget(200_704, 1_003_520).edges(3136, 12_845_056) == (200_704, 1_003_520)
+    assert ImageBudget(min_pixels=200_704).edges(3136, 50_000) == (50_000, 50_000)  # lower bound never above the upper
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "qwen3_vl"])
@@ -42,15 +42,15 @@ def test_images_of_any_size_stay_within_the_budget(tmp_path, arch):
     factor = own.image_processor.patch_size * own.image_processor.merge_size
     sizes = [(97, 61), (640, 480), (1920, 1080), (3000, 400)]
     own_tokens = [image_token_count(own, png(w, h)) for w, h in sizes]
-    capped = load_processor(judge, max_pixels=6 * factor * factor)
+    capped = load_processor(judge, ImageBudget(max_pixels=6 * factor * factor))
     tokens = [image_token_count(capped, png(w, h)) for w, h in sizes]
     assert all(t <= 6 for t in tokens) and max(own_tokens) > 6
     assert capped.image_processor.size.longest_edge == 6 * factor * factor
-    assert load_processor(judge, max_pixels=10**9).image_processor.size == own.image_processor.size  # never raised
+    assert load_processor(judge, ImageBudget(max_pixels=10**9)).image_processor.size == own.image_processor.size  # never raised
 
 
 def test_config_refuses_an_impossible_budget():
-    assert load(None, []).model.max_pixels == 1_003_520
+    assert load(None, []).model.image_budget == ImageBudget(0, 1_003_520)
     with pytest.raises(ConfigError, match="model.min_pixels=5 > model.max_pixels=4"):
         load(None, ["model.min_pixels=5", "model.max_pixels=4"])
     with pytest.raises(ConfigError, match=">= 0"):

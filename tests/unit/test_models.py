@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from PIL import Image
 from safetensors.torch import load_file
 
+from pjray.data.images import decode_image
 from pjray.models.loading import (
-    decode_image,
     image_token_count,
     load_judge,
     load_processor,

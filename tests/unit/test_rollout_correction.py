@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pjray.rl.grpo import aggregate, policy_loss, rollout_is_metrics, rollout_is_weights
+from pjray.rl.grpo import LossSettings, aggregate, policy_loss, rollout_is_metrics, rollout_is_weights
 
 
 def random_batch(seed: int, rows: int = 6, length: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,8 +97,8 @@ def test_the_weights_multiply_the_per_token_policy_loss():
     mask = torch.ones(4, 7, dtype=torch.float64)
     mask[1, 5:] = 0
     weights = torch.rand(4, 7, generator=gen, dtype=torch.float64) * 2 * mask
-    plain, _ = policy_loss(logp, old, adv, mask, dual_clip=None)
-    weighted, _ = policy_loss(logp, old, adv, mask, dual_clip=None, is_weights=weights)
+    plain, _ = policy_loss(logp, old, adv, mask, LossSettings(dual_clip=None))
+    weighted, _ = policy_loss(logp, old, adv, mask, LossSettings(dual_clip=None), is_weights=weights)
     ratio = torch.exp(logp - old)
     per_token = torch.maximum(-adv[:, None] * ratio, -adv[:, None] * ratio.clamp(0.8, 1.2))
     assert weighted.item() == pytest.approx(float((per_token * weights).sum() / mask.sum()))
@@ -118,8 +118,8 @@ def test_gspo_matches_the_papers_objective_and_gradient(seed):
     lengths = torch.randint(1, length + 1, (rows,), generator=gen)
     mask = (torch.arange(length)[None, :] < lengths[:, None]).to(torch.float64)
     eps_low, eps_high = 0.01, 0.02
-    loss, _ = policy_loss(logp, old, adv, mask, clip_low=eps_low, clip_high=eps_high, dual_clip=3.0,
-                          agg="seq-mean-token-mean", kind="gspo")  # fmt: skip
+    gspo = LossSettings(kind="gspo", clip_low=eps_low, clip_high=eps_high, dual_clip=3.0, agg="seq-mean-token-mean")
+    loss, _ = policy_loss(logp, old, adv, mask, gspo)
     loss.backward()
 
     objective, grads = 0.0, torch.zeros(rows, length, dtype=torch.float64)
@@ -142,7 +142,7 @@ def test_gspo_and_grpo_agree_when_every_sequence_is_one_token():
     old = logp + 0.3 * torch.randn(5, 1, generator=gen, dtype=torch.float64)
     adv = torch.randn(5, generator=gen, dtype=torch.float64)
     mask = torch.ones(5, 1, dtype=torch.float64)
-    grpo, _ = policy_loss(logp, old, adv, mask, dual_clip=None)
-    gspo, _ = policy_loss(logp, old, adv, mask, dual_clip=None, kind="gspo")
+    grpo, _ = policy_loss(logp, old, adv, mask, LossSettings(dual_clip=None))
+    gspo, _ = policy_loss(logp, old, adv, mask, LossSettings(kind="gspo", dual_clip=None))
     assert grpo.item() == pytest.approx(gspo.item())
     assert aggregate(torch.ones(5, 1), mask, "token-mean").item() == 1.0

@@ -1,6 +1,6 @@
-"""Where responsibilities live: one module connects to Ray, the driver does not import the
-evaluation, the models do not import the trainer, the learner file holds no weight transport, one
-chunking helper, one EOS constant."""
+"""Where responsibilities live: each layer of the package imports only the layers below it, one
+module connects to Ray, the driver does not import the evaluation, the learner file holds no
+weight transport, one chunking helper, one EOS constant."""
 
 from __future__ import annotations
 
@@ -43,14 +43,6 @@ def test_a_reward_worker_does_not_import_torch():
     assert out.strip() == "False"
 
 
-def test_the_models_do_not_run_the_trainer():
-    """A recipe that runs training (pjray.recipes) sits above the models and the trainer: no
-    module of pjray.models imports pjray.rl, so no cycle models -> sft -> models."""
-    importers = [name for name, text in _sources().items()
-                 if name.startswith("pjray/models/") and re.search(r"^\s*(from|import) pjray\.(rl|recipes)\b", text, re.M)]
-    assert importers == []
-
-
 def test_weight_transports_live_beside_sync():
     from pjray.rl.learner import LearnerRank
     from pjray.sync.sender import WeightSender
@@ -74,8 +66,8 @@ def test_the_rollout_and_sync_packages_stand_below_the_trainer():
     placement = (PACKAGE / "placement.py").read_text()
     assert not re.search(r"^\s*(from|import) pjray\.(rl|rollout|sync)\b", placement, re.M)
     assert sorted(p.name for p in (PACKAGE / "rl").glob("*.py")) == [
-        "__init__.py", "best.py", "checkpoint.py", "ds_ops.py", "ds_setup.py", "grpo.py", "learner.py", "logprobs.py", "sft.py",
-        "trainer.py",
+        "__init__.py", "best.py", "checkpoint.py", "collect.py", "ds_ops.py", "ds_setup.py", "grpo.py", "items.py",
+        "layout.py", "learner.py", "logprobs.py", "sft.py", "timer.py", "trainer.py",
     ]
 
 
@@ -86,7 +78,30 @@ def test_the_trainer_holds_no_branch_on_the_weight_transport():
     assert [name for name in ("shm", "object_store", "gloo", "nccl", "ipc") if f'"{name}"' in trainer] == []
     from pjray.sync.transports import TRANSPORTS
 
-    assert sorted(TRANSPORTS) == ["gloo", "ipc", "nccl", "none", "object_store", "shm"]
+    assert sorted(TRANSPORTS) == ["gloo", "ipc", "nccl", "object_store", "shm"]
+
+
+def test_the_trainer_asks_its_layout_and_only_trains():
+    """The layout is chosen once (`pjray.rl.layout.choose_layout`): the trainer names no layout
+    and reads none of the keys that decide one; it launches no PPJD job and builds no judge (the
+    CLI resolves both, `pjray.recipes.training`); it stays short, its functions shorter."""
+    import ast
+
+    source = (PACKAGE / "rl" / "trainer.py").read_text()
+    assert [word for word in ("hybrid", "colocate", "backend", "isinstance(self.layout") if word in source] == []
+    assert not re.search(r"^\s*(from|import) pjray\.(ppjd|recipes|models\.tiny)\b", source, re.M)
+    assert len(source.splitlines()) <= 450
+    functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]
+    assert {f.name: f.end_lineno - f.lineno + 1 for f in functions if f.end_lineno - f.lineno + 1 > 80} == {}
+
+
+def test_the_data_layer_loads_neither_torch_nor_transformers():
+    """Reading and checking rows (images decoded, `pjray.data.images`) starts no model stack."""
+    code = ("import sys, importlib, pkgutil, pjray.data as d\n"
+            "[importlib.import_module(f'pjray.data.{m.name}') for m in pkgutil.iter_modules(d.__path__)]\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_one_eos_constant():
@@ -188,3 +203,57 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circles_even_through_lazy_imports():
     assert circles(import_graph(PACKAGE)) == []
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The layers of pjray, lowest first: a module imports modules of its own layer and of the layers
+# below, never of a layer above (an upward arrow). A name places a module, or a package with every
+# module in it; the longest name that is the module or a package above it decides.
+LAYERS = (
+    # helpers, and the typed messages that cross actor boundaries (the root holds the version)
+    ("pjray", "pjray.types", "pjray.errors", "pjray.signals", "pjray.console", "pjray.memory", "pjray.cache"),
+    # the scene world and its perturbed answers: pure definitions that the config checks its
+    # values against and that data, models and evaluation read
+    ("pjray.data.scenes", "pjray.ppjd.perturb"),
+    # the config schema, and what reads it before a job: the inputs it names, experiment tracking
+    ("pjray.config", "pjray.inputs", "pjray.tracking"),
+    # the judge's data: items, prompts, images, samplers (no torch, no transformers)
+    ("pjray.data",),
+    # its reward and its weights (loading, LoRA, tiny and base judges)
+    ("pjray.reward", "pjray.models"),
+    # Ray: the one connection to the cluster, and where actors are placed
+    ("pjray.cluster", "pjray.placement"),
+    # the rollout side: weight sync, the rollout engines and workers
+    ("pjray.sync", "pjray.rollout"),
+    # the PPJD job (Ray Data; its LLM rewrites run on the rollout engines)
+    ("pjray.ppjd",),
+    # training: GRPO math, the learner, SFT, the layout, the driver
+    ("pjray.rl",),
+    # evaluation: benchmarks and diagnoses on the rollout engines (the driver is handed its hook)
+    ("pjray.eval",),
+    # recipes: the base judge's build and a training run's inputs, made of training and evaluation
+    ("pjray.recipes",),
+    # entry points
+    ("pjray.sweep", "pjray.cli", "pjray.config_reference", "pjray.__main__"),
+)
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of the longest name that is `module` or a package above it (the root
+    places only itself); None when no name does."""
+    index = {name: i for i, names in enumerate(LAYERS) for name in names}
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        name = ".".join(parts[:n])
+        if name in index and (name != "pjray" or n == len(parts)):
+            return index[name]
+    return None
+
+
+def test_no_module_imports_a_higher_layer():
+    graph = import_graph(PACKAGE)
+    assert [m for m in sorted(graph) if layer_of(m) is None] == []  # a new package: give it its layer
+    assert [name for names in LAYERS for name in names if not any(m == name or m.startswith(f"{name}.") for m in graph)] == []
+    upward = [f"{m} -> {imported}" for m in sorted(graph) for imported in sorted(graph[m]) if layer_of(imported) > layer_of(m)]
+    assert upward == []
+    assert layer_of("pjray.ppjd.perturb") < layer_of("pjray.config") < layer_of("pjray.ppjd.pipeline")
+    assert layer_of("pjray.somewhere_new") is None

@@ -14,7 +14,7 @@ import pytest
 from pjray.cli import main
 from pjray.config import ConfigError, load
 from pjray.placement import Placement, RoleResources, placement_plan
-from pjray.rl.trainer import training_roles
+from pjray.rl.layout import choose_layout
 from pjray.sweep import (
     DRIVER_BUNDLE,
     check_same_sweep,
@@ -155,7 +155,7 @@ def test_tune_configs_map_to_trials(tmp_path):
 def test_a_trial_reserves_a_driver_bundle_and_exactly_its_trainings_bundles(overrides, roles):
     cfg = load(None, ["learner.num_cpus_per_rank=0.5", "ray.placement_strategy=SPREAD", *overrides])
     factory = trial_resources(cfg)
-    bundles, ranges = placement_plan(training_roles(cfg), first=1)
+    bundles, ranges = placement_plan(choose_layout(cfg).roles(), first=1)
     assert factory.bundles == [DRIVER_BUNDLE, *bundles]
     assert factory.strategy == "SPREAD"
     assert ranges == roles
@@ -169,7 +169,7 @@ def test_the_trainer_places_its_actors_in_a_group_it_is_given(monkeypatch):
     from pjray import placement as placement_module
 
     cfg = load(None, ["rollout.backend=hf", "rollout.num_workers=2"])
-    roles = training_roles(cfg)
+    roles = choose_layout(cfg).roles()
     bundles, _ = placement_plan(roles, first=1)
     group = SimpleNamespace(bundle_specs=[dict(DRIVER_BUNDLE), *bundles])
     placement = Placement(roles, strategy="PACK", group=group, first=1)

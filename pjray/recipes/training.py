@@ -1,0 +1,96 @@
+"""What `pjray train` resolves before the trainer starts: the judge to train and the training rows.
+
+The trainer receives paths (`pjray.types.TrainInputs`) and never launches a job or a build; this
+module does both, saying what it does and how long it takes:
+
+* the judge: `model.path`; else the base judge of `model.init` (shipped, cached, or built into the
+  cache: `pjray.recipes.base_judge`); else (`model.init=tiny`) a tiny random judge built in the
+  run directory;
+* the rows: `data.path` (a PPJD parquet or a dataset); else (`data.source=scenes`) the PPJD Ray Data
+  job on synthetic scenes (rules + oracle), into `<run_dir>/data` on the cluster of this training.
+  A rerun or resume reuses the shards already there, and a new run of the same data settings and
+  code starts from the shards kept on this machine (`pjray.ppjd.cache`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from pjray.cluster import connect
+from pjray.config import Config, PPJDConfig
+from pjray.types import TrainInputs
+
+log = logging.getLogger(__name__)
+
+Say = Callable[[str], None]
+
+
+def training_inputs(cfg: Config, say: Say = log.info) -> TrainInputs:
+    """The judge and the rows of the training `cfg` describes, built where they must be."""
+    items = cfg.data.path if cfg.data.source in ("parquet", "hf") else str(scene_data(cfg, say))
+    model, base = judge(cfg, say)
+    return TrainInputs(model=model, items=items, base_judge=base)
+
+
+def judge(cfg: Config, say: Say) -> tuple[str, bool]:
+    """The judge to train, and whether it is a base judge of pjray's recipes."""
+    if cfg.model.path:
+        return cfg.model.path, False
+    if cfg.model.init != "tiny":
+        from pjray.recipes.base_judge import RECIPES, base_judge
+
+        path = base_judge(cfg, RECIPES[cfg.model.init], log=say)
+        say(f"pjray: judge: {path} (model.init={cfg.model.init})")
+        return str(path), True
+    return str(tiny_judge(cfg, say)), False
+
+
+def tiny_judge(cfg: Config, say: Say) -> Path:
+    """A tiny random judge (`model.tiny_arch`, seeded by trainer.seed) in `<run_dir>/base_model`,
+    built aside and renamed when complete, so an interrupted build is never reused."""
+    from pjray.models.tiny import build_tiny_judge
+
+    target = Path(cfg.trainer.run_dir).resolve() / "base_model"
+    if target.exists():
+        return target
+    started = time.perf_counter()
+    partial = target.with_name("base_model.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    build_tiny_judge(partial, arch=cfg.model.tiny_arch, seed=cfg.trainer.seed)
+    partial.rename(target)
+    say(f"pjray: judge: a tiny random {cfg.model.tiny_arch} judge built in {time.perf_counter() - started:.1f}s, {target}")
+    return target
+
+
+def scene_data(cfg: Config, say: Say) -> Path:
+    """The PPJD rows of `data.*`'s scenes, built (or reused) by the PPJD job into `<run_dir>/data`."""
+    from pjray.ppjd import cache as ppjd_cache
+    from pjray.ppjd.card import text_only_line
+    from pjray.ppjd.pipeline import run_ppjd
+
+    out = Path(cfg.trainer.run_dir).resolve() / "data"
+    d = cfg.data
+    ppjd = PPJDConfig(
+        source="scenes", num_items=d.num_items, image_size=d.image_size, scene_kinds=d.scene_kinds,
+        scene_objects=d.scene_objects, scene_split=d.scene_split, construction=d.construction,
+        num_candidates=d.num_candidates, perturb_backend="rules", vqa_backend="oracle", output_dir=str(out), seed=d.seed,
+    )  # fmt: skip
+    say(f"pjray: data: {d.num_items} scene items through the PPJD job (Ray Data, rules + oracle) into {out}; "
+        "shards already there or kept for these settings are reused; a fresh build takes about 10 s per 100 items on 2 cores")
+    connect(cfg.ray)  # the job runs on the cluster of this training
+    started = time.perf_counter()
+    kept = ppjd_cache.restore(ppjd, out)
+    manifest = run_ppjd(ppjd)
+    seconds = time.perf_counter() - started
+    if kept is None:
+        ppjd_cache.store(ppjd, out, manifest)
+        how = f"built in {seconds:.0f}s ({manifest['counts']['read'] / max(seconds, 1e-9):.0f} rows/s)"
+    else:
+        how = f"copied from {kept} in {seconds:.1f}s"
+    say(f"pjray: data: {manifest['counts']['kept']} kept of {manifest['counts']['read']} read, {how}; the text alone "
+        f"ranks them (pjray.ppjd.shortcuts): {text_only_line(manifest['text_only_ranker'])}")
+    return out / "ppjd"

@@ -1,0 +1,223 @@
+"""A step's scored groups: items sampled and rendered, responses generated (ahead of training with
+`trainer.max_staleness`), scored by the reward workers, and, with `algo.filter_zero_std`, groups
+without reward variance dropped and refilled (DAPO's dynamic sampling)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import math
+from collections import deque
+from typing import Any
+
+import torch
+
+from pjray.config import Config
+from pjray.data.prompts import render_batch
+from pjray.data.sampler import shown_order
+from pjray.models.loading import opens_think, render_chat
+from pjray.placement import split_evenly
+from pjray.ppjd.swap import counterfactual_pair
+from pjray.rl.grpo import zero_std_groups
+from pjray.rl.timer import Timer
+from pjray.rollout.worker import PendingGeneration, generate_with_pool, submit_generation
+from pjray.types import Completion, JudgePrompt, RewardResult
+
+log = logging.getLogger(__name__)
+
+# A refill round asks for at most this many times the groups still needed.
+MAX_REFILL_FACTOR = 4
+
+
+def refill_size(need: int, kept: int, seen: int) -> int:
+    """How many prompts a round of `collect` generates to fill `need` more groups, when `kept` of
+    the `seen` groups so far had reward variance: `need` at first, then `need` over the fraction
+    kept so far (at most MAX_REFILL_FACTOR x `need`), so that one refill round usually fills the
+    step instead of several rounds each adding a few groups."""
+    if seen == 0:
+        return need
+    if kept == 0:
+        return need * MAX_REFILL_FACTOR
+    return min(need * MAX_REFILL_FACTOR, math.ceil(need * seen / kept))
+
+
+@dataclasses.dataclass
+class Rollouts:
+    """Scored responses of the groups kept for training, group by group, and the rewards of every
+    response generated for the step (kept or dropped by `algo.filter_zero_std`)."""
+
+    prompts: list[JudgePrompt]  # one a group, or two (data.counterfactual_pairs)
+    texts: list[str]  # chat-rendered prompt text per prompt
+    completions: list[Completion]  # group_size per group, in prompt order
+    rewards: list[RewardResult]
+    frac_zero_std: float
+    groups_seen: int
+    seen: list[RewardResult]  # every scored response of the step: the policy's reward
+
+    def groups(self, group_size: int) -> int:
+        return len(self.rewards) // group_size
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def rollout_metrics(rollouts: Rollouts, advantages: torch.Tensor, group_size: int) -> dict[str, float]:
+    """reward/*, rollout/*, response_length/* and advantages/* of a step. reward/* are over every
+    response generated for the step, what the policy earns; with algo.filter_zero_std the groups
+    trained on are a biased subset (reward/kept_mean)."""
+    totals = [r.total for r in rollouts.seen]
+    lengths = [len(c.token_ids) for c in rollouts.completions]
+    some = advantages.numel() > 0
+    return {
+        "reward/mean": mean(totals),
+        "reward/std": float(torch.tensor(totals).std()) if len(totals) > 1 else 0.0,
+        "reward/format_mean": mean([r.format for r in rollouts.seen]),
+        "reward/ranking_mean": mean([r.ranking for r in rollouts.seen]),
+        "reward/kept_mean": mean([r.total for r in rollouts.rewards]),
+        "rollout/frac_zero_std": rollouts.frac_zero_std,
+        "rollout/groups_kept": float(rollouts.groups(group_size)),
+        "rollout/groups_seen": float(rollouts.groups_seen),
+        "response_length/mean": mean(lengths),
+        "response_length/max": float(max(lengths, default=0)),
+        "response_length/clip_ratio": mean([float(c.finish_reason == "length") for c in rollouts.completions]),
+        "advantages/mean": float(advantages.mean()) if some else 0.0,
+        "advantages/max": float(advantages.max()) if some else 0.0,
+        "advantages/min": float(advantages.min()) if some else 0.0,
+    }
+
+
+@dataclasses.dataclass
+class Batch:
+    """A step's first round of prompts, its generation started (`Collector.submit_batch`), and the
+    sampler's state before it took its items: with batches in flight, a checkpoint records the
+    state before the first of them, so a resumed run takes those items again."""
+
+    step: int
+    sampler_state: Any
+    prompts: list[JudgePrompt]
+    texts: list[str]
+    generation: PendingGeneration
+
+
+class Collector:
+    """Draws items from `sampler`, generates on the `rollout` pool, scores on the `reward` pool."""
+
+    def __init__(self, cfg: Config, sampler: Any, processor: Any, rollout: Any, reward: Any) -> None:
+        self.cfg = cfg
+        self.sampler, self.processor, self.rollout, self.reward = sampler, processor, rollout, reward
+        # Batches whose generation has started, oldest first: the current step's and, with
+        # trainer.max_staleness = k, those of up to k steps ahead.
+        self.in_flight: deque[Batch] = deque()
+
+    @property
+    def prompts_per_group(self) -> int:
+        """Prompts a GRPO group holds: one, or with data.counterfactual_pairs the tuple on its
+        image and on its swapped image, each with half the group's responses."""
+        return 2 if self.cfg.data.counterfactual_pairs else 1
+
+    @property
+    def responses_per_prompt(self) -> int:
+        return self.cfg.algo.group_size // self.prompts_per_group
+
+    def collect(self, step: int, timer: Timer) -> Rollouts:
+        """Step `step`'s groups: its batch, and with filtering refill rounds until
+        trainer.prompts_per_step groups have reward variance (or the rounds run out)."""
+        cfg = self.cfg
+        n, want, shown = cfg.algo.group_size, cfg.trainer.prompts_per_step, self.prompts_per_group
+        rounds = 1 + (cfg.algo.max_refill_rounds if cfg.algo.filter_zero_std else 0)
+        kept = Rollouts([], [], [], [], 0.0, 0, [])
+        zero_groups = 0
+        for round_index in range(rounds):
+            need = refill_size(want - kept.groups(n), kept.groups(n), kept.groups_seen)
+            with timer("gen"):
+                if round_index == 0:
+                    batch = self.next_batch(step)
+                    prompts, texts = batch.prompts, batch.texts
+                    completions = timer.unwrap("gen", [batch.generation.result()])[0]
+                else:
+                    prompts, texts, completions = self.generate(need, seed=step * 1_000 + round_index, timer=timer)
+            with timer("reward"):
+                results = self.score(prompts, texts, completions, timer)
+            with timer("adv"):
+                zero = zero_std_groups(torch.tensor([r.total for r in results]), n).tolist()
+            zero_groups += sum(zero)
+            kept.groups_seen += len(zero)
+            kept.seen.extend(results)
+            for g in range(len(zero)):
+                if cfg.algo.filter_zero_std and zero[g]:
+                    continue
+                kept.prompts.extend(prompts[g * shown : (g + 1) * shown])
+                kept.texts.extend(texts[g * shown : (g + 1) * shown])
+                kept.completions.extend(completions[g * n : (g + 1) * n])
+                kept.rewards.extend(results[g * n : (g + 1) * n])
+            if kept.groups(n) >= want:
+                break
+        # A refill round may overshoot; keep exactly the configured number of groups.
+        del kept.prompts[want * shown :], kept.texts[want * shown :], kept.completions[want * n :], kept.rewards[want * n :]
+        kept.frac_zero_std = zero_groups / kept.groups_seen
+        if not kept.prompts:
+            # Every group was degenerate: train on nothing this step but keep the run alive.
+            log.warning("step %d: every group had zero reward variance", step)
+        return kept
+
+    def next_batch(self, step: int) -> Batch:
+        """Step `step`'s batch: first the generation of every step up to `max_staleness` ahead is
+        started (each samples with the weights its workers hold when it reaches them: a sync
+        queued behind it waits for it), then the oldest batch, this step's, is handed out."""
+        last = self.in_flight[-1].step if self.in_flight else step - 1
+        for ahead in range(last + 1, min(step + self.cfg.trainer.max_staleness, self.cfg.trainer.steps) + 1):
+            self.in_flight.append(self.submit_batch(ahead))
+        batch = self.in_flight.popleft()
+        assert batch.step == step, (batch.step, step)
+        return batch
+
+    def submit_batch(self, step: int) -> Batch:
+        """Take a step's items and start generating their groups."""
+        state = copy.deepcopy(self.sampler.state)
+        prompts, texts = self.sample_prompts(self.cfg.trainer.prompts_per_step)
+        return Batch(step, state, prompts, texts, submit_generation(self.rollout, prompts, self.responses_per_prompt, seed=step * 1_000))
+
+    def trained_state(self) -> Any:
+        """The sampler's state after the items of the batches trained on so far: the state before
+        the oldest batch in flight, if any."""
+        return self.in_flight[0].sampler_state if self.in_flight else self.sampler.state
+
+    def generate(self, num_groups: int, seed: int, timer: Timer) -> tuple[list[JudgePrompt], list[str], list[Completion]]:
+        """`sample_prompts` and generate a group's responses for each, now."""
+        prompts, texts = self.sample_prompts(num_groups)
+        answer = generate_with_pool(self.rollout, prompts, self.responses_per_prompt, seed)
+        return prompts, texts, timer.unwrap("gen", [answer])[0]
+
+    def sample_prompts(self, num_groups: int) -> tuple[list[JudgePrompt], list[str]]:
+        """Sample items and render prompts (candidates in the stream's balanced orders,
+        `shown_order`), group by group (with counterfactual pairs two prompts a group, the same
+        letters on both images), with each prompt's chat text as the engines and the learner
+        render it."""
+        prompts = []
+        for index, item in self.sampler.take(num_groups):
+            shown = shown_order(index, len(item.candidates), self.cfg.trainer.seed)
+            for it in counterfactual_pair(item) if self.cfg.data.counterfactual_pairs else (item,):
+                prompt = render_batch(it, None, style=self.cfg.reward.style, shown=shown)
+                # data.images=false: a text-only judge (validated against the model in config).
+                prompts.append(prompt if self.cfg.data.images else dataclasses.replace(prompt, image=None))
+        texts = [render_chat(self.processor, p, think_prefix=self.cfg.model.think_prefix) for p in prompts]
+        return prompts, texts
+
+    def judge_texts(self, prompts: list[JudgePrompt], seed: int) -> list[str]:
+        """One response text per prompt from the rollout workers: the evaluation hook's generate."""
+        return [c.text for c in generate_with_pool(self.rollout, prompts, 1, seed).value]
+
+    def score(self, prompts: list[JudgePrompt], texts: list[str], completions: list[Completion], timer: Timer) -> list[RewardResult]:
+        """Reward per completion, over the reward workers in even chunks."""
+        targets = [prompts[c.prompt_index].target for c in completions]
+        # Whether a response must open <think> itself is read from its prompt's text: a chat
+        # template may open the block whatever model.think_prefix says.
+        prefilled = [opens_think(texts[c.prompt_index]) for c in completions]
+        chunks = split_evenly(range(len(completions)), len(self.reward))
+        answers = self.reward.call(
+            "score_timed",
+            [([completions[i] for i in chunk], [targets[i] for i in chunk], [prefilled[i] for i in chunk]) for chunk in chunks],
+        )
+        return [r for chunk_results in timer.unwrap("reward", answers) for r in chunk_results]

@@ -1,0 +1,200 @@
+"""Where the rollout engines run beside the learner ranks, and everything that follows from it.
+
+A layout is chosen once from the config (`choose_layout`); the trainer asks it and never names
+one. It owns which roles are placed and how (`roles`), how the rollout side starts (`start_rollout`),
+the weight transport (`connect`), what happens around a step's generation (`after_generation`:
+colocated engines sleep), a sync (`sync`) and version stamping (`staleness`), and which actors
+report memory as which role (`memory_roles`).
+
+* `Hybrid` (rollout.backend=hybrid): the learner ranks generate with the weights they train; no
+  rollout workers, no transport, no version gap.
+* `Split` (rollout workers of their own): weights travel over the transport `trainer.sync_backend`
+  names (`auto`: `pjray.sync.transports.auto_transport`); every sample is stamped with the version
+  that made it, which lets generation run ahead of training (`trainer.max_staleness`).
+* `Colocated` (rollout.colocate): rollout worker i shares learner rank i's GPU bundle. Its engine
+  starts once the ranks hold their memory (it sizes its KV cache from what is free), sleeps while
+  the learner trains and wakes at the sync.
+
+Adding a layout is one class here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import ray
+
+from pjray.config import Config
+from pjray.placement import Placement, RankGroup, RoleResources, WorkerPool
+from pjray.rl.timer import Timer
+from pjray.rollout.worker import RolloutWorker
+from pjray.sync.transports import Transport, auto_transport, make_transport
+from pjray.types import Completion
+
+log = logging.getLogger(__name__)
+
+# A rollout pool: rollout workers (WorkerPool) or the learner ranks themselves (RankGroup).
+Rollout = WorkerPool | RankGroup
+
+
+class Layout:
+    """Split layout: rollout workers in bundles of their own, weights sent after every update."""
+
+    name = "split"
+    share_learner_bundles = False
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.transport: Transport | None = None
+
+    # ------------------------------------------------------------------ placement and start-up
+    def roles(self) -> dict[str, RoleResources]:
+        """The actors a training places, by role: learner ranks, rollout workers and reward workers."""
+        cfg = self.cfg
+        return {
+            "learner": RoleResources(
+                cfg.learner.num_ranks, cfg.learner.num_cpus_per_rank, cfg.learner.num_gpus_per_rank,
+                resources=dict(cfg.learner.resources),
+            ),
+            "rollout": RoleResources(
+                cfg.rollout.num_workers, cfg.rollout.num_cpus_per_worker, cfg.rollout.num_gpus_per_worker,
+                share_with="learner" if self.share_learner_bundles else None, resources=dict(cfg.rollout.resources),
+            ),
+            "reward": RoleResources(cfg.reward.num_workers, cfg.reward.num_cpus_per_worker, 0.0),
+        }
+
+    def learner_rollout(self) -> Any:
+        """The rollout settings the learner ranks generate with (`LearnerRank(rollout_cfg=...)`):
+        none, they only train."""
+        return None
+
+    def start_rollout(
+        self, placement: Placement, learners: list, starting: list, model_path: str, on_restart: Callable[[Any], None]
+    ) -> Rollout:
+        """The rollout pool, its workers started (their `ready` calls appended to `starting`)."""
+        cfg = self.cfg
+        threads = placement.threads("rollout", cfg.rollout.num_threads)
+        pool = WorkerPool(
+            placement, "rollout", RolloutWorker, lambda i: (model_path, cfg.model, cfg.rollout, i, threads[i]),
+            max_retries=cfg.trainer.max_step_retries, on_restart=on_restart, wait=False,
+        )
+        starting += pool.ready()
+        return pool
+
+    def connect(self, learners: list, rollout: Rollout) -> None:
+        """Choose the weight transport once (`trainer.sync_backend`; `auto` from where the actors
+        landed) and set it up."""
+        cfg = self.cfg
+        name = cfg.trainer.sync_backend
+        if name == "auto":
+            learner_node = ray.get(learners[0].node_id.remote())
+            workers = ray.get([w.node_id.remote() for w in rollout.actors])
+            name = auto_transport(cfg.rollout, cfg.learner.num_gpus_per_rank > 0, learner_node, workers)
+            log.info(
+                "weight sync: %s (trainer.sync_backend=auto; learner rank 0 on node %s, rollout workers on %s)",
+                name, learner_node[:8], [w[:8] for w in workers],
+            )  # fmt: skip
+        self.transport = make_transport(name, cfg.trainer.sync_bucket_mb << 20, cfg.rollout.tensor_parallel_size)
+        self.transport.connect(learners, rollout)
+
+    # ------------------------------------------------------------------ the step
+    def after_generation(self, rollout: Rollout, timer: Timer) -> None:
+        """Between a step's generation and its update: nothing, the engines keep their memory."""
+
+    def sync(self, learners: list, rollout: Rollout, version: int) -> None:
+        """The learner's weights of `version` to every engine, which stamps it on what it samples."""
+        assert self.transport is not None
+        self.transport.send(learners, rollout)
+        rollout.broadcast("set_weight_version", version)
+
+    def refresh(self, learners: list, rollout: Rollout, worker: Any, version: int) -> None:
+        """Bring one rebuilt rollout worker to the learner's weights of `version`."""
+        assert self.transport is not None
+        self.transport.refresh(learners, rollout, worker)
+        ray.get(worker.set_weight_version.remote(version))
+
+    def staleness(self, version: int, completions: list[Completion]) -> list[int]:
+        """Weight versions between the learner's weights now and those that sampled each completion."""
+        return [version - c.weight_version for c in completions]
+
+    def memory_roles(self, learners: list, reward: WorkerPool, rollout: Rollout) -> dict[str, list]:
+        """The actors whose peak memory is reported, by role."""
+        return {"learner": learners, "reward": reward.actors, "rollout": rollout.actors}
+
+    def close(self, learners: list) -> None:
+        if self.transport is not None:
+            self.transport.close(learners)
+
+
+class Colocated(Layout):
+    """Rollout worker i in learner rank i's GPU bundle, asleep while the learner trains."""
+
+    name = "colocated"
+    share_learner_bundles = True
+
+    def start_rollout(
+        self, placement: Placement, learners: list, starting: list, model_path: str, on_restart: Callable[[Any], None]
+    ) -> Rollout:
+        # An engine sizes its KV cache from the GPU memory it finds free: start it once the
+        # learner ranks (and whatever else was starting) hold theirs.
+        ray.get(starting)
+        return super().start_rollout(placement, learners, starting, model_path, on_restart)
+
+    def after_generation(self, rollout: Rollout, timer: Timer) -> None:
+        """The engines hand their GPU memory to the learner until the next sync wakes them."""
+        with timer("sleep"):
+            rollout.broadcast("sleep")
+
+    def sync(self, learners: list, rollout: Rollout, version: int) -> None:
+        """GPU memory changes hands in this order: the learners return their allocator's cached
+        blocks, the sleeping engines wake their weights and load, the learners free their two
+        stream buffers, and only then do the engines wake their KV caches."""
+        ray.get([r.release_memory.remote() for r in learners])
+        super().sync(learners, rollout, version)
+        rollout.broadcast("wake_up")
+
+
+class Hybrid(Layout):
+    """The learner ranks generate with the weights they train: no rollout workers, nothing to send."""
+
+    name = "hybrid"
+
+    def roles(self) -> dict[str, RoleResources]:
+        roles = super().roles()
+        del roles["rollout"]
+        return roles
+
+    def learner_rollout(self) -> Any:
+        return self.cfg.rollout
+
+    def start_rollout(
+        self, placement: Placement, learners: list, starting: list, model_path: str, on_restart: Callable[[Any], None]
+    ) -> Rollout:
+        return RankGroup(learners)
+
+    def connect(self, learners: list, rollout: Rollout) -> None:
+        log.info("weight sync: none (rollout.backend=hybrid: the learner ranks generate with the weights they train)")
+
+    def sync(self, learners: list, rollout: Rollout, version: int) -> None:
+        """Nothing to send: the engine is the learner."""
+
+    def refresh(self, learners: list, rollout: Rollout, worker: Any, version: int) -> None:
+        raise AssertionError("the hybrid engine has no rollout workers to rebuild")
+
+    def staleness(self, version: int, completions: list[Completion]) -> list[int]:
+        """The learner's own weights sampled every completion."""
+        return [0] * len(completions)
+
+    def memory_roles(self, learners: list, reward: WorkerPool, rollout: Rollout) -> dict[str, list]:
+        """The learner ranks are the rollout role too."""
+        return {"learner": learners, "reward": reward.actors}
+
+
+def choose_layout(cfg: Config) -> Layout:
+    """The layout `cfg` describes (rollout.backend=hybrid, else rollout.colocate, else split)."""
+    if cfg.rollout.backend == "hybrid":
+        return Hybrid(cfg)
+    if cfg.rollout.colocate:
+        return Colocated(cfg)
+    return Layout(cfg)
