@@ -322,6 +322,10 @@ class LearnerConfig:
     # Forward a prompt that several sequences of a micro-batch share (a GRPO group's samples)
     # once, its keys and values reused by each response: same log-probs, a fraction of the compute.
     shared_prefix: bool = True
+    # Response positions projected through the output embedding at once for log-probs and
+    # entropies: one [chunk, vocab] block of logits at a time (recomputed in backward), never
+    # [tokens, vocab]. Lower it for long responses on a large vocabulary.
+    logit_chunk_tokens: int = opt(1024, gt=0)
     bf16: bool = False
     master_port: int = 0  # 0: pick a free port
 

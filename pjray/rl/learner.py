@@ -56,7 +56,7 @@ from pjray.placement import split_evenly
 from pjray.rl.checkpoint import RankCheckpoints
 from pjray.rl.ds_ops import skip_unused_ops
 from pjray.rl.ds_setup import ds_config, lr_multiplier, optimizer, ref_ds_config, vision_tower
-from pjray.rl.grpo import LossSettings, entropy_from_logits, grpo_loss, rollout_is_metrics, rollout_is_weights, sft_loss
+from pjray.rl.grpo import LossSettings, grpo_loss, rollout_is_metrics, rollout_is_weights, sft_loss
 from pjray.rl.logprobs import can_share_prefix, collate, forward_logprobs, forwarded_positions
 from pjray.rollout.hf_engine import HFEngine
 from pjray.sync.sender import WeightSender
@@ -319,7 +319,8 @@ class LearnerRank(WeightSender, RankCheckpoints):
                     chunk = experiences[start : start + mbs]
                     batch = collate(self.processor, chunk)
                     logp, _ = forward_logprobs(
-                        model, self.processor, batch, self.device, self.temperature, self.learner_cfg.shared_prefix, self.banned
+                        model, self.processor, batch, self.device, self.temperature, self.learner_cfg.shared_prefix, self.banned,
+                        chunk_tokens=self.learner_cfg.logit_chunk_tokens,
                     )
                     logp = logp.float().cpu()
                     mask = batch.response_mask[:, 1:].bool()
@@ -428,7 +429,10 @@ class LearnerRank(WeightSender, RankCheckpoints):
         algo = self.algo_cfg
         batch = collate(self.processor, chunk)
         shared = self.learner_cfg.shared_prefix and can_share_prefix(self.engine, batch)
-        logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device, self.temperature, shared, self.banned)
+        logp, stats = forward_logprobs(
+            self.engine, self.processor, batch, self.device, self.temperature, shared, self.banned,
+            chunk_tokens=self.learner_cfg.logit_chunk_tokens,
+        )
         mask = batch.response_mask[:, 1:].to(self.device)
         on_mask = mask > 0
         old = batch.old_logprobs[:, 1:].to(self.device)
@@ -461,8 +465,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
         with torch.no_grad():
             tokens = float(on_mask.sum())
             out.pg_loss, out.kl_loss, out.tokens, out.seqs = metrics["pg_loss"], metrics["kl_loss"], tokens, float(on_mask.any(-1).sum())
-            # Entropy of the response positions only: [n_tokens, V], not [B, T, V].
-            out.entropy = float(entropy_from_logits(logits).sum())
+            out.entropy = float(stats.entropy.sum())
             out.pg_clipfrac = metrics["pg_clipfrac"] * tokens
             out.pg_clipfrac_lower = metrics["pg_clipfrac_lower"] * tokens
             out.ppo_kl = metrics["ppo_kl"] * tokens
@@ -471,7 +474,6 @@ class LearnerRank(WeightSender, RankCheckpoints):
                 out.logprob_diff, out.logprob_diff_tokens = float(diffs.sum()), float(diffs.numel())
                 out.logprob_diff_max = float(diffs.max()) if diffs.numel() else 0.0
             out.padding_positions, out.positions = map(float, forwarded_positions(batch, shared))
-        del logits
         # The aggregation already normalises by the global counts; DeepSpeed must not divide by
         # the accumulation steps again.
         self.engine.backward(loss, scale_wrt_gas=False)
@@ -503,15 +505,17 @@ class LearnerRank(WeightSender, RankCheckpoints):
             batch = collate(self.processor, chunk)
             # Unbanned: teacher forcing on fixed targets samples nothing (and the shipped base
             # judge was built this way).
-            logp, logits = forward_logprobs(self.engine, self.processor, batch, self.device, shared_prefix=self.learner_cfg.shared_prefix)
+            logp, stats = forward_logprobs(
+                self.engine, self.processor, batch, self.device, shared_prefix=self.learner_cfg.shared_prefix,
+                chunk_tokens=self.learner_cfg.logit_chunk_tokens,
+            )
             mask = batch.response_mask[:, 1:].to(self.device)
             loss = sft_loss(logp, mask, float(global_tokens), self.world_size)
             with torch.no_grad():
                 on = mask > 0
                 targets = batch.input_ids[:, 1:].to(self.device)[on]
-                right = float((logits.argmax(-1) == targets).sum())
+                right = float((stats.greedy == targets).sum())
                 sums += torch.tensor([float(-(logp.detach() * mask).sum()), float(on.sum()), right], dtype=torch.float64)
-            del logits
             self.engine.backward(loss, scale_wrt_gas=False)
             if index == len(chunks) - 1 and self.learner_cfg.zero_stage == 0:
                 manual_grad_norm = self._grad_norm()

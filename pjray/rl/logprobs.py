@@ -2,30 +2,54 @@
 
 `collate` lays prompt + response sequences out as one right-padded `TrainBatch` (images through
 the judge's processor); `forward_logprobs` runs a model over it and returns the per-token
-log-probs of the responses (of the logits divided by the rollout's temperature), forwarding each
-distinct prompt once when rows share it (`can_share_prefix`); `forwarded_positions` counts what
-a forward ran through the model. The learner (`pjray.rl.learner`) and the tests of served
-against learner log-probs use them.
+log-probs of the responses (of the logits divided by the rollout's temperature) and their
+entropies, projecting the response positions through the output embedding a chunk at a time,
+and forwarding each distinct prompt once when rows share it (`can_share_prefix`);
+`forwarded_positions` counts what a forward ran through the model. The learner
+(`pjray.rl.learner`) and the tests of served against learner log-probs use them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from pjray.models.loading import continued_positions, mm_token_type_ids, processor_inputs, prompt_positions
 from pjray.models.loading import ban_tokens
-from pjray.rl.grpo import token_logprobs
+from pjray.rl.grpo import entropy_from_logits, token_logprobs
 from pjray.types import Experience, TrainBatch
 
 if TYPE_CHECKING:
     from transformers.processing_utils import ProcessorMixin
 
-__all__ = ["can_share_prefix", "collate", "forward_logprobs", "forwarded_positions", "model_inputs"]
+__all__ = [
+    "LOGIT_CHUNK_TOKENS", "TokenStats", "can_share_prefix", "collate", "forward_logprobs", "forwarded_positions",
+    "model_inputs",
+]  # fmt: skip
+
+# Response positions projected through the output embedding at once: a forward or backward of
+# `forward_logprobs` holds one [C, V] block of logits (plus its float32 temporaries) at a time.
+# At V = 152k and C = 1024 that is ~0.3 GB in bf16, where all of a 16k-token response's are ~5 GB.
+LOGIT_CHUNK_TOKENS = 1024
+
+
+class TokenStats(NamedTuple):
+    """What the learner reads of each trained response position's distribution besides the
+    label's log-prob, taken from the same chunks of logits (no [N, V] tensor is returned).
+
+    Both are [N], in the row-major order of the positions where response_mask[:, 1:] > 0, and
+    detached: entropy (float32) of softmax(logits / temperature) with the banned ids out, greedy
+    (long) its argmax.
+    """
+
+    entropy: Tensor
+    greedy: Tensor
 
 
 def collate(
@@ -188,54 +212,113 @@ def forward_logprobs(
     temperature: float = 1.0,
     shared_prefix: bool = True,
     banned: Sequence[int] = (),
-) -> tuple[Tensor, Tensor]:
-    """Log-prob of each next token under logits / temperature, and the scaled logits of the
-    positions that predict a response token.
+    chunk_tokens: int = LOGIT_CHUNK_TOKENS,
+) -> tuple[Tensor, TokenStats]:
+    """Log-prob of each next response token under logits / temperature, and the entropy and
+    argmax of each of those distributions.
 
-    Only what the response needs goes through the output projection: the prompt, with its image
-    tokens, is most of a judge's sequence, and its [T, V] logits (kept for backward) would be
+    Only the positions that predict a trained response token go through the output projection,
+    `chunk_tokens` at a time (`_project_in_chunks`): the prompt, with its image tokens, is most of
+    a judge's sequence, and a long response's [tokens, V] logits (kept for backward) would be
     most of the activation memory. With `shared_prefix` (and rows that share a prompt, as a
     GRPO group's samples do), each distinct prompt is forwarded once and its keys and values
-    serve every response to it (`_shared_prefix_logits`): the same numbers as one forward per
+    serve every response to it (`_shared_prefix_hidden`): the same numbers as one forward per
     row, with a fraction of the compute.
 
     Args:
-        model: a Qwen-VL judge or a causal LM (or a DeepSpeed engine wrapping one).
+        model: a Qwen-VL judge or a causal LM (or a DeepSpeed engine or PEFT model wrapping one).
         batch: from `collate`, B rows of padded length T.
-        temperature: the rollout's sampling temperature, so that the log-probs (and an entropy
-            of the returned logits) are of the distribution the responses were sampled from.
+        temperature: the rollout's sampling temperature, so that the log-probs and entropies are
+            of the distribution the responses were sampled from.
         shared_prefix: forward a prompt that several rows share once (falls back to one forward
             per row when no prompt is shared, or under gradient checkpointing in training, which
             keeps no cache).
         banned: token ids taken out of the distribution (`ban_tokens`) before the log-softmax:
             the learner passes the judge's placeholder ids (`placeholder_ids`), which every
             rollout engine bans when it samples, so both sides compute the same distribution.
+        chunk_tokens: positions projected at once (`LOGIT_CHUNK_TOKENS`).
 
     Returns:
-        (logp [B, T-1] float32, logits [N, V] detached): logp[:, t] = log pi_T(input_ids[:, t+1]
-        | ...), so response_mask[:, 1:] selects the response tokens (other positions hold 0);
-        the logits are those of the N positions where response_mask[:, 1:] > 0, in row-major
-        order (for entropies and accuracies).
+        (logp [B, T-1] float32, TokenStats of the N trained positions): logp[:, t] =
+        log pi_T(input_ids[:, t+1] | ...) where response_mask[:, t+1] > 0, 0 elsewhere.
     """
     device = torch.device(device)
-    predicts = batch.response_mask[:, 1:] > 0  # [B, T-1]: position t predicts a response token
-    ban = torch.tensor(list(banned), dtype=torch.long)
+    predicts = (batch.response_mask[:, 1:] > 0).to(device)  # [B, T-1]: position t predicts a trained token
+    # A DeepSpeed engine wraps the HF (or PEFT) model; a PEFT model hands the call on to it.
+    head = getattr(model, "module", model).get_output_embeddings()
     if shared_prefix and can_share_prefix(model, batch):
-        return _shared_prefix_logits(model, processor, batch, device, temperature, ban)
-    length = predicts.shape[1]
-    hits = predicts.any(0).nonzero()
-    first = int(hits[0]) if len(hits) else max(length - 1, 0)
-    keep = length - first
-    out = model(**model_inputs(processor, batch, device), use_cache=False, logits_to_keep=keep + 1)
-    logits = out.logits[:, :-1]  # [B, keep, V]: positions first .. T-2
+        hidden, empty = _shared_prefix_hidden(model, processor, batch, device, head)
+    else:
+        with _projection_inputs(head) as seen:
+            out = model(**model_inputs(processor, batch, device), use_cache=False)
+        hidden, empty = seen[0][:, :-1][predicts], out.logits.sum()
+    labels = batch.input_ids[:, 1:].to(device)[predicts]
+    ban = torch.tensor(list(banned), dtype=torch.long)
+    picked, entropy, greedy = _project_in_chunks(head, hidden, labels, temperature, ban, chunk_tokens)
+    logp = torch.zeros(predicts.shape, dtype=picked.dtype, device=device).masked_scatter(predicts, picked)
+    # `empty` is 0 (the sum of the model's empty logits) but makes the loss reach the model's own
+    # output, ahead of the output projection's weight: a DeepSpeed engine starts its backward
+    # (ZeRO's accumulation boundary and hook counts) from hooks on what its forward returned.
+    return logp + empty, TokenStats(entropy, greedy)
+
+
+@contextlib.contextmanager
+def _projection_inputs(head: torch.nn.Module) -> Iterator[list[Tensor]]:
+    """Inside, each call of the output projection `head` (an HF model's forward projects
+    `hidden_states[:, -logits_to_keep:]` through it) appends its input to the yielded list and
+    projects no position: the model returns [B, 0, V] logits, `_project_in_chunks` the rest."""
+    seen: list[Tensor] = []
+
+    def keep_and_empty(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        seen.append(args[0])
+        return (args[0][:, :0], *args[1:])
+
+    handle = head.register_forward_pre_hook(keep_and_empty)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def _project_in_chunks(
+    head: torch.nn.Module, hidden: Tensor, labels: Tensor, temperature: float, ban: Tensor, chunk_tokens: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-prob of each label [N] float32, entropy [N], argmax [N]) under head(hidden) /
+    temperature with `ban` out, for hidden [N, H] and labels [N].
+
+    Each chunk of `chunk_tokens` rows runs under non-reentrant checkpointing, so its logits are
+    freed once its three [chunk] results exist and recomputed in its backward: neither pass
+    holds more than one chunk's logits."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    pieces = [
+        checkpoint(
+            _chunk_stats, head, hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens],
+            temperature, ban, use_reentrant=False,
+        )  # fmt: skip
+        for start in range(0, hidden.shape[0], chunk_tokens)
+    ]
+    if not pieces:
+        none = hidden.new_zeros(0, dtype=torch.float32)
+        return none, none, labels.new_zeros(0)
+    picked, entropy, greedy = zip(*pieces)
+    return torch.cat(picked), torch.cat(entropy), torch.cat(greedy)
+
+
+def _chunk_stats(
+    head: torch.nn.Module, hidden: Tensor, labels: Tensor, temperature: float, ban: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`_project_in_chunks` of one chunk: the logits in the model's dtype, scaled and banned as
+    the rollout engines sample, then read in float32 (`token_logprobs`, `entropy_from_logits`)."""
+    logits = head(hidden)  # [C, V]
     if temperature != 1.0:
-        # In place: a second [B, K, V] tensor would double the largest activation. The lm_head's
-        # backward does not read its output, so autograd allows it.
+        # In place: a second [C, V] tensor would double the chunk. The projection's backward
+        # does not read its output, so autograd allows it.
         logits.div_(temperature)
     ban_tokens(logits, ban)
-    kept = token_logprobs(logits, batch.input_ids[:, first + 1 :].to(device))
-    logp = torch.cat([torch.zeros(kept.shape[0], first, dtype=kept.dtype, device=kept.device), kept], dim=1)
-    return logp, logits.detach()[predicts[:, first:].to(device)]
+    logp = token_logprobs(logits, labels)
+    with torch.no_grad():
+        return logp, entropy_from_logits(logits), logits.argmax(-1)
 
 
 def forwarded_positions(batch: TrainBatch, shared: bool) -> tuple[int, int]:
@@ -264,26 +347,27 @@ def can_share_prefix(model: torch.nn.Module, batch: TrainBatch) -> bool:
     return not (hf.training and getattr(hf, "is_gradient_checkpointing", False))
 
 
-def _shared_prefix_logits(
+def _shared_prefix_hidden(
     model: torch.nn.Module,
     processor: ProcessorMixin,
     batch: TrainBatch,
     device: torch.device,
-    temperature: float,
-    ban: Tensor,
+    head: torch.nn.Module,
 ) -> tuple[Tensor, Tensor]:
-    """`forward_logprobs` with each distinct prompt forwarded once.
+    """The inputs of the output projection `head` at the N positions that predict a trained
+    response token [N, H] (row-major), with each distinct prompt forwarded once, and the sum of
+    the forwards' (empty) logits (see `forward_logprobs`).
 
     1. The U distinct prompts, left-padded to P tokens, go through the model with their images;
-       it returns their keys and values and the logits at their last token (which predict each
-       response's first token).
+       it returns their keys and values and the final hidden state of their last token (which
+       predicts each response's first token).
     2. The cache is indexed out to the B rows (autograd sums the rows' gradients into the one
        prompt forward), and the right-padded responses [B, R] are forwarded on top of it, with
        explicit positions that continue each prompt's (for Qwen-VL, its M-RoPE positions from
        the model's own `get_rope_index`), so every token sees the keys and positions it sees in
        the unshared forward.
     """
-    B, T = batch.input_ids.shape
+    T = batch.input_ids.shape[1]
     pad_id = processor.tokenizer.pad_token_id
     heads, plens, rlens = _prefix_layout(batch)
     index = torch.tensor([heads.index(g) for g in batch.prompt_group.tolist()], dtype=torch.long)  # row -> prompt
@@ -303,9 +387,6 @@ def _shared_prefix_logits(
             prompt["image_grid_thw"] = torch.cat([batch.image_grid_thw[h] for h in images])
     # [3, U, P] for Qwen-VL (M-RoPE), [U, P] for a causal LM; following [U]: the position after each prompt
     prompt["position_ids"], following = prompt_positions(model, prompt)
-    out = model(**{k: v.to(device) for k, v in prompt.items()}, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    cache.batch_select_indices(index.to(device))
 
     steps = torch.arange(R)
     real = steps[None, :] < rlens[:, None]  # [B, R]
@@ -315,20 +396,15 @@ def _shared_prefix_logits(
     if processor.image_token_id is not None:  # as in `model_inputs`: a sampled image pad is fed as pad
         fed = _image_pads_as_pad(processor, response, real)
     positions = continued_positions(prompt["position_ids"], following[index], R)
-    out2 = model(
-        input_ids=fed.to(device), attention_mask=torch.cat([mask[index], real.long()], 1).to(device),
-        position_ids=positions.to(device), past_key_values=cache, use_cache=True,
-    )  # fmt: skip
-    # logits[:, j] predicts response token j: the prompt's last logits, then the responses'.
-    logits = torch.cat([out.logits[index.to(device)], out2.logits[:, : R - 1]], dim=1)  # [B, R, V]
-    if temperature != 1.0:
-        logits.div_(temperature)
-    ban_tokens(logits, ban)
-    lp = token_logprobs(logits, response.to(device))  # [B, R]
-    rows = torch.arange(B)[:, None].expand(B, R)
-    at = (rows[real], cols[real] - 1)  # logp[:, t] predicts token t + 1
-    logp = torch.zeros(B, T - 1, dtype=lp.dtype, device=device).index_put(
-        tuple(i.to(device) for i in at), lp[real.to(device)]
-    )
+    with _projection_inputs(head) as seen:
+        out = model(**{k: v.to(device) for k, v in prompt.items()}, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_select_indices(index.to(device))
+        out2 = model(
+            input_ids=fed.to(device), attention_mask=torch.cat([mask[index], real.long()], 1).to(device),
+            position_ids=positions.to(device), past_key_values=cache, use_cache=True,
+        )  # fmt: skip
+    # hidden[:, j] predicts response token j: the prompt's last state, then the responses'.
+    hidden = torch.cat([seen[0][index.to(device)], seen[1][:, : R - 1]], dim=1)  # [B, R, H]
     trained = (batch.response_mask.gather(1, cols) > 0) & real
-    return logp, logits.detach()[trained.to(device)]
+    return hidden[trained.to(device)], out.logits.sum() + out2.logits.sum()

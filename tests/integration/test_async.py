@@ -77,10 +77,14 @@ def test_a_run_stopped_with_batches_in_flight_resumes_at_the_same_items(ray_loca
     def consumed(run_dir: Path) -> list[float]:
         return [m["data/consumed"] for m in read_metrics(run_dir)]
 
+    def run(*overrides: str) -> None:
+        cfg = load(overrides=[*common, *overrides])
+        train(cfg, training_inputs(cfg))
+
     whole = tmp_path / "whole"
-    train(load(overrides=[*common, f"trainer.run_dir={whole}", "trainer.max_staleness=2"]))
+    run(f"trainer.run_dir={whole}", "trainer.max_staleness=2")
     synchronous = tmp_path / "sync"
-    train(load(overrides=[*common, f"trainer.run_dir={synchronous}"]))
+    run(f"trainer.run_dir={synchronous}")
     assert consumed(whole) == consumed(synchronous) == [2.0 * s for s in range(1, 7)]
 
     stopped = tmp_path / "stopped"

@@ -228,26 +228,29 @@ def test_right_padded_batch_matches_unpadded_sequences(any_arch_judge_dir: str) 
 
 
 def test_only_the_response_positions_are_projected(judge_dir: str) -> None:
-    """forward_logprobs runs the output projection from the first position that predicts a
-    response token on, and its log-probs and logits there equal the full projection's."""
+    """forward_logprobs runs the output projection over the positions that predict a trained
+    response token only, a chunk at a time, and its log-probs, entropies and argmaxes there equal
+    the full projection's."""
     from pjray.rl.logprobs import model_inputs as _model_inputs
 
     model, processor = load_judge(judge_dir, trainable=False)
     batch = collate(processor, _experiences(4, seed=5) + [_dummy()])
     projected: list[int] = []
-    hook = model.lm_head.register_forward_hook(lambda module, args, out: projected.append(out.shape[1]))
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: projected.append(out.shape[-2]))
     try:
         with torch.no_grad():
-            logp, logits = forward_logprobs(model, processor, batch, temperature=0.7, shared_prefix=False)
-            full = model(**_model_inputs(processor, batch, torch.device("cpu")), use_cache=False).logits[:, :-1] / 0.7
+            logp, stats = forward_logprobs(model, processor, batch, temperature=0.7, shared_prefix=False, chunk_tokens=4)
     finally:
         hook.remove()
-    length = batch.input_ids.shape[1]
-    assert projected[0] < length and projected[1] == length  # the prompt is not projected
+    with torch.no_grad():
+        full = model(**_model_inputs(processor, batch, torch.device("cpu")), use_cache=False).logits[:, :-1] / 0.7
     mask = batch.response_mask[:, 1:].bool()
-    assert mask[:, : length - projected[0]].sum() == 0 and mask[:, length - projected[0]].any()
+    n = int(mask.sum())
+    assert projected[0] == 0 and projected[1:] == [4] * (n // 4) + ([n % 4] if n % 4 else [])  # the model's own: none
     torch.testing.assert_close(logp[mask], token_logprobs(full, batch.input_ids[:, 1:])[mask], atol=1e-5, rtol=0)
-    torch.testing.assert_close(logits, full[mask], atol=1e-5, rtol=0)
+    assert torch.all(logp[~mask] == 0)
+    torch.testing.assert_close(stats.entropy, entropy_from_logits(full[mask]), atol=1e-5, rtol=0)
+    assert torch.equal(stats.greedy, full[mask].argmax(-1))
 
 
 def _groups(seed: int, image_token_id: int) -> list[Experience]:
@@ -284,16 +287,16 @@ def test_a_shared_prompt_is_forwarded_once_with_the_same_logprobs_and_gradients(
         for shared in (False, True):
             model.zero_grad()
             embedded.clear()
-            logp, logits = forward_logprobs(model, processor, batch, temperature=0.7, shared_prefix=shared)
+            logp, stats = forward_logprobs(model, processor, batch, temperature=0.7, shared_prefix=shared)
             (logp * mask * batch.advantages[:, None]).sum().backward()
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            results[shared] = (logp, logits, grads, sum(embedded))
+            results[shared] = (logp, stats, grads, sum(embedded))
     finally:
         hook.remove()
-    (logp0, logits0, grads0, tokens0), (logp1, logits1, grads1, tokens1) = results[False], results[True]
+    (logp0, stats0, grads0, tokens0), (logp1, stats1, grads1, tokens1) = results[False], results[True]
     torch.testing.assert_close(logp1[mask], logp0[mask], atol=1e-5, rtol=0)
-    torch.testing.assert_close(logits1, logits0, atol=1e-5, rtol=0)
-    assert logits1.shape[0] == int(mask.sum())
+    torch.testing.assert_close(stats1.entropy, stats0.entropy, atol=1e-5, rtol=0)
+    assert torch.equal(stats1.greedy, stats0.greedy) and stats1.entropy.shape[0] == int(mask.sum())
     assert grads1.keys() == grads0.keys() and grads0
     for name, g in grads0.items():
         torch.testing.assert_close(grads1[name], g, atol=1e-5, rtol=1e-4, msg=name)
@@ -621,7 +624,7 @@ def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, ra
         with torch.no_grad():
             raw, _ = forward_logprobs(rank.engine, rank.processor, batch, DEVICE, temperature=1.0)
             _, scaled = forward_logprobs(rank.engine, rank.processor, batch, DEVICE, temperature=0.7, banned=rank.banned)
-            entropy = float(entropy_from_logits(scaled).mean())
+            entropy = float(scaled.entropy.mean())
         exps = [dataclasses.replace(e, ref_logprobs=r) for e, r in zip(exps, ref)]
         metrics = rank.train_step(exps, *_counts(exps))
     finally:
