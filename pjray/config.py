@@ -11,6 +11,7 @@ fields together are the `_check_<section>` functions. Derived values are resolve
 from __future__ import annotations
 
 import re
+import dataclasses
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
@@ -104,7 +105,7 @@ def opt(
     return field(default=default, metadata={CHECK: check})
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraConfig:
     """LoRA adapters through PEFT (pjray.models.lora): only they train; the reference model is
     the judge with its adapters disabled; rollout engines and the HF export get merged weights."""
@@ -134,7 +135,7 @@ class ImageBudget:
         return min(lower, upper), upper
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     # HF directory or hub id of the judge. Empty: start from `init`.
     path: str = ""
@@ -164,7 +165,7 @@ class ModelConfig:
         return ImageBudget(self.min_pixels, self.max_pixels)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     source: str = opt("scenes", choices=("scenes", "parquet", "hf"))  # hf: Hugging Face `datasets`
     # parquet: a file or directory of PPJD rows. hf: a hub id (owner/name), a folder written by
@@ -213,7 +214,7 @@ class DataConfig:
     max_reject_fraction: float = opt(0.01, ge=0, le=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutConfig:
     # hybrid (the CPU default): no rollout workers, each learner rank generates (transformers
     # generate) with the module it trains: no second copy of the weights, no weight sync
@@ -249,7 +250,7 @@ class RolloutConfig:
     colocate: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewardConfig:
     # "module:function" of a custom `(response_text, target) -> float` reward used instead of
     # the judge reward (verl's custom_reward_function); empty: format x ranking.
@@ -269,7 +270,7 @@ class RewardConfig:
     overlong_penalty: float = opt(1.0, ge=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class AlgoConfig:
     group_size: int = opt(8, ge=2, why="GRPO needs at least 2 responses per prompt")  # n responses per prompt
     norm_adv_by_std: bool = True  # False: Dr.GRPO (mean only)
@@ -301,7 +302,7 @@ class AlgoConfig:
     ppo_epochs: int = opt(1, gt=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class LearnerConfig:
     num_ranks: int = opt(1, gt=0)
     num_cpus_per_rank: float = opt(0.5, ge=0)
@@ -330,7 +331,7 @@ class LearnerConfig:
     master_port: int = 0  # 0: pick a free port
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainerConfig:
     steps: int = opt(40, gt=0)
     prompts_per_step: int = opt(8, gt=0)
@@ -366,7 +367,7 @@ class TrainerConfig:
     max_staleness: int = opt(0, ge=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrackingConfig:
     wandb: bool = True
     project: str = "pjray"
@@ -375,7 +376,7 @@ class TrackingConfig:
     mode: str = opt("auto", choices=("auto", "online", "offline"))  # auto: offline without an API key
 
 
-@dataclass
+@dataclass(frozen=True)
 class RayConfig:
     # Empty: RAY_ADDRESS if set (as under `ray job submit`), else a local cluster.
     address: str = ""
@@ -392,7 +393,7 @@ class RayConfig:
     placement_timeout_s: float = opt(600.0, ge=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PPJDConfig:
     """`pjray ppjd`: the perceptual-perturbation dataset job (pjray.ppjd.pipeline)."""
 
@@ -442,7 +443,7 @@ class PPJDConfig:
     seed: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     """`pjray eval`, and the held-out eval the trainer runs every `every_steps` steps."""
 
@@ -545,7 +546,7 @@ class EvalConfig:
     train_seed: int = 1000
 
 
-@dataclass
+@dataclass(frozen=True)
 class SFTConfig:
     """`pjray sft`: supervised fine-tuning of a judge on chat examples (the warm start for GRPO).
 
@@ -566,7 +567,7 @@ class SFTConfig:
     save_every: int = 0  # 0: only at the end
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -584,12 +585,14 @@ class Config:
 
 def validate(cfg: Config) -> Config:
     """Check every field's own rule (`opt`), resolve the derived values, then check each
-    section's combinations; raise ConfigError naming the key."""
+    section's combinations; raise ConfigError naming the key. Returns the config the rest of
+    pjray reads: frozen, every derived value resolved."""
     _check_fields(cfg, "")
     # algo.rollout_is=auto: TIS per token (`token`) where rollout workers sample, `none` with the
     # hybrid engine (its samples are the learner's own). Resolved here only; the rest reads it.
     if cfg.algo.rollout_is == "auto":
-        cfg.algo.rollout_is = "none" if cfg.rollout.backend == "hybrid" else "token"
+        level = "none" if cfg.rollout.backend == "hybrid" else "token"
+        cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, rollout_is=level))
     for check in (_check_model, _check_data, _check_rollout, _check_reward, _check_algo, _check_learner,
                   _check_trainer, _check_ray, _check_ppjd, _check_eval, _check_sft):  # fmt: skip
         check(cfg)

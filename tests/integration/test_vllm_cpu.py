@@ -173,6 +173,12 @@ def test_load_weights_in_buckets(engine: VllmEngine, tmp_path: Path) -> None:
     )
 
 
+def with_trainer_keys(trainer, **keys) -> None:
+    """The running trainer (and its collector) on its config with `keys` of trainer.* changed."""
+    cfg = dataclasses.replace(trainer.cfg, trainer=dataclasses.replace(trainer.cfg.trainer, **keys))
+    trainer.cfg = trainer.collector.cfg = cfg
+
+
 def _served_matches_learner(trainer: Trainer, prompt: JudgePrompt, continuation: tuple[int, ...]) -> list[float]:
     """The engine's logprobs of `continuation`, checked equal to the DeepSpeed learner's."""
     text = render_chat(trainer.processor, prompt, think_prefix=trainer.cfg.model.think_prefix)
@@ -256,7 +262,7 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
         # Two async steps (trainer.max_staleness=1) over the new gloo group: the batch of step 4
         # is generated while step 3 trains, by step 2's weights, and the sync of step 3 waits for
         # that generation to end before vLLM takes the new weights.
-        trainer.cfg.trainer.max_staleness, trainer.cfg.trainer.steps = 1, 4
+        with_trainer_keys(trainer, max_staleness=1, steps=4)
         trainer.run()
         metrics = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
         assert [(m["step"], m["rollout/staleness_max"]) for m in metrics[2:]] == [(3, 0), (4, 1)]
@@ -267,7 +273,7 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
         # has). Engine 0's core process is dead when its generation reaches it: the worker is
         # rebuilt at the learner's weights and the generation retried.
         trainer.layout.transport = make_transport("object_store", trainer.layout.transport.bucket_bytes)
-        trainer.cfg.trainer.max_staleness, trainer.cfg.trainer.steps = 0, 5
+        with_trainer_keys(trainer, max_staleness=0, steps=5)
         _vllm_process(trainer.rollout.actors[0], "VLLM::EngineCore").kill()
         trainer.run()
         assert trainer.rollout.restarts == 3
