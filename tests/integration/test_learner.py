@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import io
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
-import PIL.Image
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -34,6 +32,7 @@ from pjray.rl.logprobs import collate, forward_logprobs, forwarded_positions
 from pjray.rollout.hf_engine import HFEngine
 from pjray.sync.buckets import pack, state_checksums, unpack
 from pjray.types import Experience, JudgePrompt
+from tests.support.images import noisy_png
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -77,16 +76,6 @@ def rank_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def _png(width: int, height: int, seed: int) -> bytes:
-    rng = random.Random(seed)
-    img = PIL.Image.new("RGB", (width, height), tuple(rng.randrange(256) for _ in range(3)))
-    for _ in range(40):
-        img.putpixel((rng.randrange(width), rng.randrange(height)), tuple(rng.randrange(256) for _ in range(3)))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def _prompt(user: str, image: bool) -> str:
     placeholder = "<|vision_start|><|image_pad|><|vision_end|>" if image else ""
     return f"<|im_start|>user\n{placeholder}{user}<|im_end|>\n<|im_start|>assistant\n"
@@ -98,7 +87,7 @@ def _experiences(n: int, seed: int = 0, advantages: list[float] | None = None) -
     rng = random.Random(seed)
     out = []
     for i in range(n):
-        image = _png(56 + 28 * (i % 3), 56 + 28 * ((i // 3) % 2), seed * 1000 + i) if i % 4 != 3 else None
+        image = noisy_png(56 + 28 * (i % 3), 56 + 28 * ((i // 3) % 2), seed * 1000 + i) if i % 4 != 3 else None
         length = rng.randrange(3, 10)
         out.append(
             Experience(
@@ -260,7 +249,7 @@ def _groups(seed: int, image_token_id: int) -> list[Experience]:
     rng = random.Random(seed)
     out = []
     for g in range(3):
-        image = _png(56 + 28 * g, 56, seed * 100 + g) if g < 2 else None
+        image = noisy_png(56 + 28 * g, 56, seed * 100 + g) if g < 2 else None
         prompt = _prompt("Rank the answers A, B and C. " * (1 + g), image is not None)
         for _ in range(3):
             ids = tuple(rng.randrange(0, 400) for _ in range(rng.randrange(2, 9)))
@@ -603,7 +592,7 @@ def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, ra
     prompts = [
         JudgePrompt(item_id=str(i), system="Judge.", user=user, image=image, protocol="batch", style="ranking",
                     num_candidates=3, shown=(0, 1, 2), target="ABC")  # fmt: skip
-        for i, (user, image) in enumerate([("Rank the answers A, B and C.", _png(84, 56, 3)), ("No image here.", None)])
+        for i, (user, image) in enumerate([("Rank the answers A, B and C.", noisy_png(84, 56, 3)), ("No image here.", None)])
     ]
     completions = engine.generate(prompts, n=3, seed=0)
     exps = [
@@ -646,7 +635,7 @@ def test_rollout_correction_weighs_the_engines_samples_and_gspo_trains(tmp_path:
     whose engine log-probs are off dropped, the others trained."""
     judge = build_tiny_judge(tmp_path / "judge", seed=0)
     engine = HFEngine(str(judge), ModelConfig(), RolloutConfig(max_new_tokens=8), device=str(DEVICE))
-    prompts = [JudgePrompt(item_id="0", system="Judge.", user="Rank the answers A, B and C.", image=_png(84, 56, 3),
+    prompts = [JudgePrompt(item_id="0", system="Judge.", user="Rank the answers A, B and C.", image=noisy_png(84, 56, 3),
                            protocol="batch", style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC")]  # fmt: skip
     completions = engine.generate(prompts, n=4, seed=0)
     exps = [
@@ -826,7 +815,7 @@ HYBRID_ROLLOUT = RolloutConfig(backend="hybrid", max_new_tokens=8, temperature=0
 def _judge_prompts(count: int) -> list[JudgePrompt]:
     return [
         JudgePrompt(item_id=str(i), system="Judge.", user=f"Rank the answers A, B and C. ({i})",
-                    image=_png(84, 56, i) if i % 2 == 0 else None, protocol="batch", style="ranking",
+                    image=noisy_png(84, 56, i) if i % 2 == 0 else None, protocol="batch", style="ranking",
                     num_candidates=3, shown=(0, 1, 2), target="ABC")  # fmt: skip
         for i in range(count)
     ]

@@ -6,10 +6,8 @@ backward."""
 from __future__ import annotations
 
 import dataclasses
-import io
 import random
 
-import PIL.Image
 import pytest
 import torch
 
@@ -20,16 +18,7 @@ from pjray.models.tiny import build_tiny_judge
 from pjray.rl.grpo import entropy_from_logits, token_logprobs
 from pjray.rl.logprobs import can_share_prefix, collate, forward_logprobs, model_inputs
 from pjray.types import Experience
-
-
-def _png(width: int, height: int, seed: int) -> bytes:
-    rng = random.Random(seed)
-    img = PIL.Image.new("RGB", (width, height), tuple(rng.randrange(256) for _ in range(3)))
-    for _ in range(40):
-        img.putpixel((rng.randrange(width), rng.randrange(height)), tuple(rng.randrange(256) for _ in range(3)))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
+from tests.support.images import noisy_png
 
 
 def _groups(image_token_id: int | None, seed: int = 1) -> list[Experience]:
@@ -38,7 +27,7 @@ def _groups(image_token_id: int | None, seed: int = 1) -> list[Experience]:
     rng = random.Random(seed)
     out = []
     for g in range(3):
-        image = _png(56 + 28 * g, 56, seed * 100 + g) if g < 2 and image_token_id is not None else None
+        image = noisy_png(56 + 28 * g, 56, seed * 100 + g) if g < 2 and image_token_id is not None else None
         placeholder = "<|vision_start|><|image_pad|><|vision_end|>" if image else ""
         user = "Rank the answers A, B and C. " * (1 + g)
         prompt = f"<|im_start|>user\n{placeholder}{user}<|im_end|>\n<|im_start|>assistant\n"
