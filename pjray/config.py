@@ -327,6 +327,10 @@ class LearnerConfig:
     # entropies: one [chunk, vocab] block of logits at a time (recomputed in backward), never
     # [tokens, vocab]. Lower it for long responses on a large vocabulary.
     logit_chunk_tokens: int = opt(1024, gt=0)
+    # DeepSpeed ZeRO-Offload to CPU memory, for a judge whose training state does not fit its
+    # GPUs: the optimizer states (zero_stage >= 1), or with `all` the parameters too (zero_stage
+    # 3). The optimizer is then DeepSpeed's CPU Adam (a C++ op compiled on first use). GPU ranks only.
+    offload: str = opt("none", choices=("none", "optimizer", "all"))
     bf16: bool = False
     master_port: int = 0  # 0: pick a free port
 
@@ -798,8 +802,16 @@ def _check_algo(cfg: Config) -> None:
 
 
 def _check_learner(cfg: Config) -> None:
-    if cfg.learner.bf16 and cfg.model.dtype != "bfloat16":
+    lc = cfg.learner
+    if lc.bf16 and cfg.model.dtype != "bfloat16":
         raise ConfigError("learner.bf16: set model.dtype=bfloat16 too (learner.bf16 trains in it)")
+    if lc.offload != "none" and lc.num_gpus_per_rank == 0:
+        raise ConfigError(f"learner.offload={lc.offload}: the ranks run on CPU (learner.num_gpus_per_rank=0), "
+                          "where their state is in CPU memory already")  # fmt: skip
+    if lc.offload == "optimizer" and lc.zero_stage == 0:
+        raise ConfigError("learner.offload=optimizer: ZeRO-Offload needs learner.zero_stage >= 1")
+    if lc.offload == "all" and lc.zero_stage != 3:
+        raise ConfigError(f"learner.offload=all: offloading parameters needs learner.zero_stage=3, not {lc.zero_stage}")
     _check_resources("learner", cfg.learner.resources)
 
 

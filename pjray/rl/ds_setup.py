@@ -34,12 +34,17 @@ def lr_multiplier(
 
 def ds_config(lc: LearnerConfig, grad_accum_steps: int, world_size: int, overrides: dict[str, Any]) -> dict[str, Any]:
     """The policy engine's DeepSpeed config; `overrides` (learner.ds_config) merged in last."""
+    zero: dict[str, Any] = {"stage": lc.zero_stage}
+    if lc.offload in ("optimizer", "all"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if lc.offload == "all":
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": lc.micro_batch_size,
         "gradient_accumulation_steps": grad_accum_steps,
         "train_batch_size": lc.micro_batch_size * grad_accum_steps * world_size,
         "gradient_clipping": lc.grad_clip,
-        "zero_optimization": {"stage": lc.zero_stage},
+        "zero_optimization": zero,
         "bf16": {"enabled": bool(lc.bf16)},
         # Required to pass a torch optimizer under ZeRO (see `optimizer`).
         "zero_allow_untested_optimizer": True,
@@ -66,7 +71,8 @@ def ref_ds_config(policy: dict[str, Any], lc: LearnerConfig, world_size: int) ->
 def optimizer(model: torch.nn.Module, lc: LearnerConfig) -> torch.optim.Optimizer:
     """AdamW over the trainable parameters; biases and norm weights (1-D) are not decayed, the
     usual convention. A plain torch AdamW: DeepSpeed's own Adam variants JIT-compile a C++/CUDA
-    op first."""
+    op first; with learner.offload the states live in CPU memory, which DeepSpeed steps with its
+    CPU Adam (the same AdamW update)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -75,6 +81,10 @@ def optimizer(model: torch.nn.Module, lc: LearnerConfig) -> torch.optim.Optimize
         {"params": decay, "weight_decay": lc.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ) if g["params"]]  # fmt: skip
+    if lc.offload != "none":
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=lc.lr, betas=(0.9, 0.999), eps=1e-8, adamw_mode=True)
     return torch.optim.AdamW(groups, lr=lc.lr, betas=(0.9, 0.999), eps=1e-8)
 
 
