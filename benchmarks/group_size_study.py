@@ -20,7 +20,7 @@ G = 8 with 8 prompts is both the equal-samples and the equal-prompts run (one co
 at equal samples a step, G only changes how the 64 responses are spread over prompts.
 
 A run directory is reused only when its `study_run.json` holds the same key: the run's overrides,
-the base judge's weights (hash) and pjray's code (`pjray.ppjd.cache.code_hash`), so no run of other
+the base judge's weights (hash) and pjray's code (`pjray.cache.code_hash`), so no run of other
 code is reused; a started run of the same key resumes from its checkpoint.
 
 Per run and kind (color, size, pooled): held-out image-following (and its Wilson interval) and
@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from pjray.config import Config, load
-from pjray.ppjd.cache import code_hash
+from pjray.cache import code_hash
 from pjray.recipes.base_judge import RECIPES, base_judge, weights_sha256
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -40,7 +40,7 @@ size, training items, learning rate; `data.seed=0`; seeds are `trainer.seed`):
 Every run is the whole system (`pjray.recipes.training` then `pjray.rl.trainer.train`: Ray Data PPJD build, DeepSpeed learner
 that generates with the weights it trains, reward pool, HF exports at the curve's steps). A run
 directory is reused only when its `study_run.json` names the same key: base judge (by the hash of
-its weights), variant, seed, budget and pjray's code (`pjray.ppjd.cache.code_hash`), so no run of
+its weights), variant, seed, budget and pjray's code (`pjray.cache.code_hash`), so no run of
 older code is ever reused; a started run of the same key resumes from its checkpoint.
 
 Evaluation: one set of held-out tuples (`LOOKING_SEED`, `LETTERS_SEED`), asserted by content
@@ -89,7 +89,7 @@ from pjray.eval.looking import (
     nulls,
     swap_test,
 )
-from pjray.ppjd.cache import code_hash
+from pjray.cache import code_hash
 from pjray.recipes.base_judge import RECIPES, base_judge, weights_sha256
 
 VARIANTS: dict[str, list[str]] = {

@@ -13,7 +13,6 @@ so on a multi-node cluster they stay on the driver's node.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -21,7 +20,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pjray.cache import cache_root
+from pjray.cache import cache_root, code_hash
 from pjray.config import PPJDConfig
 from pjray.ppjd.pipeline import job_fingerprint
 
@@ -29,16 +28,6 @@ from pjray.ppjd.pipeline import job_fingerprint
 # `ppjd` parquet exists, so that one is restored last.
 SHARD_DIRS = ("stats", "rejects", "ppjd")
 COMPLETE = "COMPLETE"
-
-
-@functools.cache
-def code_hash() -> str:
-    """A hash of every Python file of the installed pjray package (names and contents)."""
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
 
 
 def entry_dir(cfg: PPJDConfig) -> Path:

@@ -42,7 +42,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import random
 import time
 from collections import Counter
@@ -54,6 +53,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pjray.cache import atomic_write
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, PPJDConfig, RayConfig, to_dict
 from pjray.console import quiet_ray_data
@@ -486,14 +486,6 @@ class VlmStage:
 # --------------------------------------------------------------------------- write
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Write to a temporary sibling, then rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def shard_name(shard: int) -> str:
     return f"shard-{shard:05d}"
 
@@ -535,11 +527,11 @@ class ShardWriter:
         name = shard_name(shard)
         seconds["write"] = time.perf_counter() - start  # the files below are not counted
         # Rejects and stats first, the PPJD shard last: its existence marks the shard done.
-        _atomic_write(self.out / "rejects" / f"{name}.parquet",
+        atomic_write(self.out / "rejects" / f"{name}.parquet",
                       lambda p: pq.write_table(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA), p))
-        _atomic_write(self.out / "stats" / f"{name}.json", lambda p: p.write_text(json.dumps(stats)))
+        atomic_write(self.out / "stats" / f"{name}.json", lambda p: p.write_text(json.dumps(stats)))
         check_reject_rates(name, len(rows), rejects, self.max_reject_fraction)
-        _atomic_write(self.out / "ppjd" / f"{name}.parquet", lambda p: pq.write_table(items_to_table(kept), p))
+        atomic_write(self.out / "ppjd" / f"{name}.parquet", lambda p: pq.write_table(items_to_table(kept), p))
         return json.dumps(stats)
 
 
@@ -586,7 +578,7 @@ def _check_job(out: Path, cfg: PPJDConfig) -> None:
                 "use a new ppjd.output_dir or delete this one"
             )
     else:
-        _atomic_write(job, lambda p: p.write_text(json.dumps(fingerprint, indent=2)))
+        atomic_write(job, lambda p: p.write_text(json.dumps(fingerprint, indent=2)))
 
 
 def _shards(rows: list[RawRow], size: int) -> list[list[RawRow]]:
@@ -674,8 +666,8 @@ def run_ppjd(cfg: Config | PPJDConfig, config_dict: dict[str, Any] | None = None
     wall = time.perf_counter() - start
     processed = sum(len(shards[i]) for i in pending)
     manifest = build_manifest(out, len(shards), len(pending), processed, wall, config_dict)
-    _atomic_write(out / "manifest.json", lambda f: f.write_text(json.dumps(manifest, indent=2)))
-    _atomic_write(out / "README.md", lambda f: dataset_card(out, manifest).save(f))
+    atomic_write(out / "manifest.json", lambda f: f.write_text(json.dumps(manifest, indent=2)))
+    atomic_write(out / "README.md", lambda f: dataset_card(out, manifest).save(f))
     if p.push_to_hub:
         push_to_hub(out, p.push_to_hub)
     return manifest

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pjray.cache import cache_root
+from pjray.cache import atomic_write, cache_root, code_hash
 from pjray.data.scenes import generate_scene, render
 from pjray.models.base_judge import (
     BaseJudgeRecipe, base_config, build_untrained, object_targets, pretrain_vision, sft_examples, tokenizer_corpus,
@@ -118,27 +118,19 @@ def build_data(recipe: BaseJudgeRecipe) -> Iterator[bytes]:
         yield ex.prompt.image or b""
 
 
-def code_state() -> str:
-    """A hash of every module of pjray as it is now: the key under which a data digest is kept."""
-    root = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 @functools.lru_cache(maxsize=8)
 def data_digest(recipe: BaseJudgeRecipe) -> str:
-    """sha256 of `build_data(recipe)`, each piece length-prefixed; kept per recipe and `code_state`."""
-    key = hashlib.sha256(json.dumps(recipe.to_dict(), sort_keys=True).encode() + code_state().encode()).hexdigest()[:16]
+    """sha256 of `build_data(recipe)`, each piece length-prefixed; kept per recipe and state of
+    pjray's code (`code_hash`)."""
+    key = hashlib.sha256(json.dumps(recipe.to_dict(), sort_keys=True).encode() + code_hash().encode()).hexdigest()[:16]
     memo = cache_root() / "base_judge" / "digests" / f"{key}.json"
     if memo.exists():
         return json.loads(memo.read_text())["data"]
     digest = hashlib.sha256()
     for piece in build_data(recipe):
         digest.update(len(piece).to_bytes(8, "little") + piece)
-    memo.parent.mkdir(parents=True, exist_ok=True)
-    memo.write_text(json.dumps({"data": digest.hexdigest()}))
+    # Written whole: sweep trials look the judge up side by side.
+    atomic_write(memo, lambda path: path.write_text(json.dumps({"data": digest.hexdigest()})))
     return digest.hexdigest()
 
 

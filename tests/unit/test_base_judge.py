@@ -166,7 +166,7 @@ def test_recipe_hash_follows_the_recipe_the_data_and_the_build_code(monkeypatch)
     assert recipe_hash(RECIPE) != first
 
 
-def test_the_data_digest_reads_what_a_build_trains_on_once_per_code_state(monkeypatch, tmp_path):
+def test_the_data_digest_reads_what_a_build_trains_on_once_per_code_hash(monkeypatch, tmp_path):
     monkeypatch.setenv("PJRAY_CACHE", str(tmp_path))
     small = dataclasses.replace(RECIPE, sft_scenes=4, vision_steps=2, vision_batch=2)
     digest = artifact.data_digest.__wrapped__  # past the in-process cache
