@@ -41,7 +41,6 @@ Rollout = WorkerPool | RankGroup
 class Layout:
     """Split layout: rollout workers in bundles of their own, weights sent after every update."""
 
-    name = "split"
     share_learner_bundles = False
 
     def __init__(self, cfg: Config) -> None:
@@ -130,7 +129,6 @@ class Layout:
 class Colocated(Layout):
     """Rollout worker i in learner rank i's GPU bundle, asleep while the learner trains."""
 
-    name = "colocated"
     share_learner_bundles = True
 
     def start_rollout(
@@ -157,8 +155,6 @@ class Colocated(Layout):
 
 class Hybrid(Layout):
     """The learner ranks generate with the weights they train: no rollout workers, nothing to send."""
-
-    name = "hybrid"
 
     def roles(self) -> dict[str, RoleResources]:
         roles = super().roles()
