@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -51,12 +51,22 @@ def shared_threads(actor_nodes: Sequence[str], node_cpus: dict[str, float]) -> l
     return [max(1, int(node_cpus.get(node, 1) // per_node[node])) for node in actor_nodes]
 
 
+# Sockets holding the ports `free_address` handed out (the latest 64; one evicted closes).
+_RESERVED: deque[socket.socket] = deque(maxlen=64)
+
+
 def free_address() -> tuple[str, int]:
-    """This node's IP and a port that is free on it now."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    """This node's IP and a port reserved on it by this process.
+
+    The port stays bound here (SO_REUSEADDR, never listening): the kernel gives it to no other
+    `bind` to port 0 and to no outgoing connection, while the listener it is meant for binds it
+    anyway (torch's TCPStore sets SO_REUSEADDR too). A port probed and released at once could be
+    taken by anything on the node before rank 0 binds it, seconds later."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("", 0))
+    _RESERVED.append(sock)
+    return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -181,7 +191,8 @@ class Placement:
 
     def master_address(self, role: str) -> tuple[str, int]:
         """IP and a free port on the node of the role's first bundle (for torch.distributed):
-        probed here when that node is the driver's, else by a task in the bundle."""
+        reserved here when that node is the driver's, else by a task in the bundle (whose pooled
+        worker process holds it while it lives)."""
         node = placement_group_table(self.pg)["bundles_to_node_id"][self.ranges[role][0]]
         if node == ray.get_runtime_context().get_node_id():
             return free_address()  # no worker process to start for a port number

@@ -77,10 +77,14 @@ def test_cluster_manifests_parse_and_agree():
     assert launcher["provider"]["type"] == "aws" and launcher["head_node_type"] in launcher["available_node_types"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: each socket stays bound until all are chosen (one probed
+    and released at a time, the kernel may hand the same port out twice)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 def ray_env() -> dict[str, str]:
@@ -105,13 +109,13 @@ def local_cluster(head_resources: dict[str, float] | None = None, worker_resourc
     yields the dashboard (job API) address."""
     # Unix socket paths are limited to ~107 bytes: keep the session dir short.
     temp_dir = tempfile.mkdtemp(prefix="pjr", dir="/tmp")
-    dashboard, gcs = free_port(), free_port()
+    dashboard, gcs, client, head_agent, worker_agent = free_ports(5)
     # Every port with a fixed default is chosen here, so a second cluster on the machine
     # (another test run, another user) cannot collide with this one.
     command = [
         str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--num-gpus=0",
         f"--port={gcs}", f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1",
-        f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={head_agent}",
         f"--temp-dir={temp_dir}", "--include-dashboard=true", "--disable-usage-stats",
     ]
     if head_resources:
@@ -126,7 +130,7 @@ def local_cluster(head_resources: dict[str, float] | None = None, worker_resourc
         if worker_resources is not None:
             worker = [
                 str(BIN / "ray"), "start", "--block", f"--address=127.0.0.1:{gcs}", "--num-cpus=2", "--num-gpus=0",
-                f"--resources={json.dumps(worker_resources)}", f"--dashboard-agent-listen-port={free_port()}",
+                f"--resources={json.dumps(worker_resources)}", f"--dashboard-agent-listen-port={worker_agent}",
                 # A temp dir of its own, as a second machine has: in a shared one the worker node
                 # would delete the job's unpacked working dir (the head's driver's cwd) when its
                 # actors end.

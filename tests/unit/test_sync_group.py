@@ -5,6 +5,10 @@ gloo group here is the NCCL path's code on CPU tensors."""
 
 from __future__ import annotations
 
+import errno
+import socket
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -47,3 +51,29 @@ def test_a_member_that_never_joins_fails_the_set_up_with_the_groups_address():
     _, port = free_address()
     with pytest.raises(RuntimeError, match=rf"weight-sync group \(gloo, rank 0 of 2, store 127\.0\.0\.1:{port}, timeout 2s\)"):
         WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=2)
+
+
+def test_a_reserved_port_is_kept_from_other_binds_and_open_to_the_store_it_is_for():
+    """A rendezvous port probed and released could be taken before rank 0 binds it, seconds
+    later (EADDRINUSE in a busy CI). `free_address` keeps it bound: no bind to port 0 gets it,
+    a plain bind to it fails, and a TCPStore in another process still listens on it."""
+    _, port = free_address()
+    others = []
+    for _ in range(2000):
+        sock = socket.socket()
+        sock.bind(("", 0))
+        others.append(sock)
+    handed_out = {s.getsockname()[1] for s in others}
+    for sock in others:
+        sock.close()
+    assert port not in handed_out
+    with socket.socket() as plain, pytest.raises(OSError) as refused:
+        plain.bind(("", port))
+    assert refused.value.errno == errno.EADDRINUSE
+    store = (
+        "import datetime, torch.distributed as dist\n"
+        f"s = dist.TCPStore('127.0.0.1', {port}, 1, is_master=True, timeout=datetime.timedelta(seconds=10))\n"
+        "s.set('k', 'v'); print(s.get('k').decode())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", store], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "v", done.stderr[-2000:]
