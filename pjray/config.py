@@ -148,6 +148,10 @@ class ModelConfig:
     dtype: str = opt("float32", choices=("float32", "bfloat16"))
     freeze_vision: bool = True
     gradient_checkpointing: bool = False
+    # The learner's attention kernels (HF's attn_implementation). flash_attention_2 (CUDA, the
+    # flash-attn package) runs packed sequences (learner.packing) in variable-length kernels;
+    # sdpa and eager attend through an [N, N] block mask, quadratic in the packed length.
+    attn_implementation: str = opt("sdpa", choices=("sdpa", "eager", "flash_attention_2"))
     # Append "<think>\n" after the generation prompt, as the released training code does.
     think_prefix: bool = True
     # Image budget in pixels, applied alike by the learner's processor and by vLLM's: an image is
@@ -320,6 +324,17 @@ class LearnerConfig:
     min_lr_ratio: float = opt(0.0, ge=0)  # cosine floor as a fraction of lr
     grad_clip: float = opt(1.0, ge=0)
     micro_batch_size: int = opt(16, gt=0)  # sequences per forward/backward on one rank
+    # > 0: cut each rank's sequences into micro-batches of at most this many forwarded tokens
+    # (prompt, image and response; packed: their sum, else rows x the longest), balanced, as many
+    # on every rank (`pjray.rl.microbatch`), in place of micro_batch_size sequences each. One
+    # sequence longer than the budget runs alone.
+    micro_batch_tokens: int = opt(0, ge=0)
+    # Forward a micro-batch's sequences end to end without padding, each attending only to
+    # itself, where no prompt is shared: the same log-probs and gradients as padded rows. With
+    # model.attn_implementation=flash_attention_2 (variable-length kernels) it saves the padding's
+    # compute; under sdpa or eager attention goes through an [N, N] block mask over the packed N
+    # tokens, more work than padded rows when many are packed (benchmarks/bench_packing.py).
+    packing: bool = False
     # Forward a prompt that several sequences of a micro-batch share (a GRPO group's samples)
     # once, its keys and values reused by each response: same log-probs, a fraction of the compute.
     shared_prefix: bool = True
@@ -824,15 +839,17 @@ def _check_trainer(cfg: Config) -> None:
     if t.resume not in ("auto", "disable") and not Path(t.resume).is_dir():
         raise ConfigError(f"trainer.resume={t.resume!r}: not auto, disable or a directory")
     sequences = t.prompts_per_step * algo.group_size
-    per_update = algo.ppo_mini_batches * lc.num_ranks * lc.micro_batch_size
-    if sequences % per_update:
+    # Token-budget micro-batches are cut on each rank (and padded to the ranks' largest count),
+    # so only fixed ones must divide the shards.
+    per_micro = 1 if lc.micro_batch_tokens else lc.micro_batch_size
+    if sequences % (algo.ppo_mini_batches * lc.num_ranks * per_micro):
         # Every rank must run the same number of micro-batches (ZeRO collectives), so a step's
         # sequences must split evenly into mini-batches x ranks x micro-batches.
         raise ConfigError(
             f"trainer.prompts_per_step: {t.prompts_per_step} prompts x algo.group_size "
             f"{algo.group_size} = {sequences} sequences do not split into algo.ppo_mini_batches "
-            f"{algo.ppo_mini_batches} x learner.num_ranks {lc.num_ranks} x "
-            f"learner.micro_batch_size {lc.micro_batch_size}"
+            f"{algo.ppo_mini_batches} x learner.num_ranks {lc.num_ranks}"
+            + ("" if lc.micro_batch_tokens else f" x learner.micro_batch_size {lc.micro_batch_size}")
         )
     if t.keep_best and not (t.keep_best.startswith("eval/") and cfg.eval.every_steps):
         raise ConfigError(f"trainer.keep_best={t.keep_best}: a validation metric (eval/...) logged every "

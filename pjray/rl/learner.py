@@ -18,8 +18,9 @@ Conventions shared with the driver:
   (the driver fills them with `compute_logprobs(..., "ref")`).
 * A padding ("dummy") experience has an empty `response_ids`: it is still forwarded (so ZeRO-3
   ranks stay in step) but has no response tokens, hence no loss, no gradient and no count.
-* Every log-prob (current, old, reference) and the entropy are of the logits divided by the
-  rollout's sampling temperature: the distribution the responses were sampled from.
+* Every log-prob (current, old, reference) and the entropy are of the distribution the
+  responses were sampled from: the logits divided by the rollout's temperature, the placeholder
+  ids banned, its top-k and top-p applied (the sampled token always kept in).
 * Weight sync to the rollout engines and checksums are `pjray.sync.sender.WeightSender`'s methods,
   mixed into the rank; exported weights carry the HF model's own parameter names. The HF export
   and DeepSpeed checkpoints are `pjray.rl.checkpoint.RankCheckpoints`'s, mixed in the same way.
@@ -57,10 +58,11 @@ from pjray.rl.checkpoint import RankCheckpoints
 from pjray.rl.ds_ops import skip_unused_ops
 from pjray.rl.ds_setup import ds_config, lr_multiplier, optimizer, ref_ds_config, vision_tower
 from pjray.rl.grpo import LossSettings, grpo_loss, rollout_is_metrics, rollout_is_weights, sft_loss
-from pjray.rl.logprobs import can_share_prefix, collate, forward_logprobs, forwarded_positions
+from pjray.rl.logprobs import can_share_prefix, collate, forward_logprobs, forwarded_positions, take_rows
+from pjray.rl.microbatch import token_budget_batches
 from pjray.rollout.hf_engine import HFEngine
 from pjray.sync.sender import WeightSender
-from pjray.types import Completion, Experience, JudgePrompt, Timed
+from pjray.types import Completion, Experience, JudgePrompt, Timed, TrainBatch
 
 __all__ = ["LearnerRank", "collate", "forward_logprobs", "forwarded_positions", "lr_multiplier"]
 
@@ -157,11 +159,13 @@ class LearnerRank(WeightSender, RankCheckpoints):
         master_addr, master_port: rendezvous of the process group (rank 0's node, a free port).
         total_steps: optimizer steps of the whole run (the cosine schedule's length).
         grad_accum_steps: micro-batches per optimizer step on each rank, normally
-            prompts_per_step * group_size / (ppo_mini_batches * num_ranks * micro_batch_size).
+            prompts_per_step * group_size / (ppo_mini_batches * num_ranks * micro_batch_size);
+            with `learner.micro_batch_tokens` the token budget decides the count, step by step.
         norm_len: the constant length of the "seq-mean-token-sum-norm" aggregation (the
             configured max response length); None uses the padded micro-batch length.
-        temperature: the rollout's sampling temperature (rollout.temperature); every log-prob
-            and the entropy are of logits / temperature.
+        temperature, top_k, top_p: the rollout's sampling (rollout.temperature, top_k, top_p);
+            every log-prob and the entropy are of the distribution the engines draw from:
+            logits / temperature, placeholders banned, top-k then top-p (`truncate_logits`).
         ds_config_overrides: merged last into the DeepSpeed config (e.g. ZeRO-3 bucket sizes).
         num_threads: torch intra-op threads of this rank; 0 leaves the process's setting.
         rollout_cfg: given, the rank also generates (the hybrid engine, see the module docstring).
@@ -182,6 +186,8 @@ class LearnerRank(WeightSender, RankCheckpoints):
         norm_len: int | None = None,
         ds_config_overrides: dict[str, Any] | None = None,
         temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
         num_threads: int = 0,
         rollout_cfg: RolloutConfig | None = None,
     ) -> None:
@@ -191,6 +197,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
             raise ValueError(f"temperature must be > 0, got {temperature}")
         quiet_actor_warnings()
         self.temperature = temperature
+        self.top_k, self.top_p = top_k, top_p
         self.model_cfg, self.learner_cfg, self.algo_cfg = model_cfg, learner_cfg, algo_cfg
         self.rank, self.world_size = rank, world_size
         self.grad_accum_steps = grad_accum_steps
@@ -224,7 +231,10 @@ class LearnerRank(WeightSender, RankCheckpoints):
         self.zero3 = learner_cfg.zero_stage == 3
         config = ds_config(learner_cfg, grad_accum_steps, world_size, ds_config_overrides or {})
         budget = model_cfg.image_budget
-        model, self.processor = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=True, budget=budget)
+        attention = model_cfg.attn_implementation
+        model, self.processor = load_judge(
+            model_path, dtype=model_cfg.dtype, device=self.device, trainable=True, attn_implementation=attention, budget=budget
+        )
         # The distribution the engines sample from has no placeholder tokens; the log-probs here
         # are of that same distribution.
         self.banned = placeholder_ids(self.processor)
@@ -263,7 +273,10 @@ class LearnerRank(WeightSender, RankCheckpoints):
             # The frozen base weights are the reference: the policy with its adapters disabled.
             self.ref = self.engine
         elif algo_cfg.kl_coef > 0:
-            ref_model, _ = load_judge(model_path, dtype=model_cfg.dtype, device=self.device, trainable=False, budget=budget)
+            ref_model, _ = load_judge(
+                model_path, dtype=model_cfg.dtype, device=self.device, trainable=False, attn_implementation=attention,
+                budget=budget,
+            )  # fmt: skip
             if self.zero3:
                 # The reference is sharded like the policy: a ZeRO-3 engine without optimizer.
                 ref_config = ref_ds_config(config, learner_cfg, world_size)
@@ -293,7 +306,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
     def compute_logprobs(self, experiences: Sequence[Experience], which: str = "policy") -> list[tuple[float, ...]]:
         """Per-response-token log-probs under the policy or the reference model, no grad.
 
-        Runs ceil(len / micro_batch_size) forwards whatever the content, so ranks given shards
+        Runs the micro-batches `_micro_batches` cuts (as many on every rank), so ranks given shards
         of equal length stay in step under ZeRO-3.
 
         Returns:
@@ -313,19 +326,20 @@ class LearnerRank(WeightSender, RankCheckpoints):
         adapters_off = self.engine.module.disable_adapter() if which == "ref" and self.lora else contextlib.nullcontext()
         try:
             with adapters_off:
-                results: list[tuple[float, ...]] = []
-                mbs = self.learner_cfg.micro_batch_size
-                for start in range(0, len(experiences), mbs):
-                    chunk = experiences[start : start + mbs]
-                    batch = collate(self.processor, chunk)
+                results: list[tuple[float, ...] | None] = [None] * len(experiences)
+                mbs, n = self.learner_cfg.micro_batch_size, len(experiences)
+                runs = [list(range(start, min(start + mbs, n))) for start in range(0, n, mbs)]
+                for rows, batch in self._micro_batches(experiences, runs):
                     logp, _ = forward_logprobs(
                         model, self.processor, batch, self.device, self.temperature, self.learner_cfg.shared_prefix, self.banned,
-                        chunk_tokens=self.learner_cfg.logit_chunk_tokens,
+                        chunk_tokens=self.learner_cfg.logit_chunk_tokens, packed=self.learner_cfg.packing,
+                        top_k=self.top_k, top_p=self.top_p,
                     )
                     logp = logp.float().cpu()
                     mask = batch.response_mask[:, 1:].bool()
-                    results.extend(tuple(logp[i][mask[i]].tolist()) for i in range(len(chunk)))
-                return results
+                    for k, row in enumerate(rows):
+                        results[row] = tuple(logp[k][mask[k]].tolist())
+                return [r if r is not None else () for r in results]
         finally:
             self.engine.train(was_training)
 
@@ -394,24 +408,16 @@ class LearnerRank(WeightSender, RankCheckpoints):
         lr = float(self.engine.get_lr()[0])
         sums = StepSums()
         self.engine.train()
-        manual_grad_norm: float | None = None
-        chunks = split_evenly(experiences, self.grad_accum_steps)
-        for index, chunk in enumerate(chunks):
-            sums.add(self._micro_batch(chunk, float(global_tokens), float(global_seqs)))
-            if index == len(chunks) - 1 and self.learner_cfg.zero_stage == 0:
-                # Without ZeRO (fp32) DeepSpeed clips but does not keep the norm; the gradients
-                # are already all-reduced after the boundary backward, so measure them here.
-                manual_grad_norm = self._grad_norm()
-            self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
-        if grad_norm is None:
-            grad_norm = manual_grad_norm if manual_grad_norm is not None else math.nan
+        batches = self._micro_batches(experiences, self._even_runs(len(experiences)))
+        grad_norm = self._accumulate(
+            [lambda b=b: sums.add(self._micro_batch(b, float(global_tokens), float(global_seqs))) for _, b in batches]
+        )
         if self.world_size > 1:
             sums = sums.reduced(lambda t, op: self._ds.comm.all_reduce(t, op=op), self.device)
         return sums.metrics(self.world_size, float(grad_norm), lr)
 
     def _check_step(self, experiences: Sequence[Experience]) -> None:
-        if len(experiences) < self.grad_accum_steps:
+        if not self.learner_cfg.micro_batch_tokens and len(experiences) < self.grad_accum_steps:
             raise ValueError(
                 f"train_step: {len(experiences)} experiences cannot fill {self.grad_accum_steps} micro-batches"
             )
@@ -423,15 +429,71 @@ class LearnerRank(WeightSender, RankCheckpoints):
                     "ref_logprobs; fill them with compute_logprobs(..., 'ref') first"
                 )
 
-    def _micro_batch(self, chunk: Sequence[Experience], global_tokens: float, global_seqs: float) -> StepSums:
+    def _even_runs(self, n: int) -> list[list[int]]:
+        """`grad_accum_steps` runs of consecutive indices of n experiences, as even as they go."""
+        return split_evenly(list(range(n)), self.grad_accum_steps)
+
+    def _micro_batches(self, experiences: Sequence[Experience], runs: list[list[int]]) -> list[tuple[list[int], TrainBatch]]:
+        """This rank's experiences cut into micro-batches: (their indices, their batch).
+
+        The whole shard goes through the processor once (`collate`) and is cut by rows
+        (`take_rows`): into the fixed `runs` of indices, or with `learner.micro_batch_tokens`
+        under that token budget (`token_budget_batches`, packed or padded as the forward runs),
+        and then padded with micro-batches that train nothing up to the largest count on any rank
+        (ZeRO's collectives run per micro-batch)."""
+        lc = self.learner_cfg
+        if not experiences:
+            return []
+        whole = collate(self.processor, experiences)
+        if lc.micro_batch_tokens:
+            lengths = [int(n) for n in whole.attention_mask.sum(-1)]
+            cuts = token_budget_batches(lengths, lc.micro_batch_tokens, lc.packing)
+        else:
+            cuts = runs
+        batches = [(rows, take_rows(whole, rows)) for rows in cuts]
+        wanted = self._most_over_ranks(len(batches)) if lc.micro_batch_tokens else len(batches)
+        # The shortest row's forward, with nothing to train: it keeps the vision tower's
+        # parameters in step under ZeRO-3 where the row has an image.
+        shortest = min(range(len(experiences)), key=lambda i: int(whole.attention_mask[i].sum()))
+        batches += [([], take_rows(whole, [shortest], trained=False))] * (wanted - len(batches))
+        return batches
+
+    def _most_over_ranks(self, count: int) -> int:
+        """The largest `count` any rank passed (all ranks call this together)."""
+        if self.world_size == 1:
+            return count
+        total = torch.tensor([count], dtype=torch.long, device=self.device)
+        self._ds.comm.all_reduce(total, op=self._ds.comm.ReduceOp.MAX)
+        return int(total.item())
+
+    def _accumulate(self, micro_batches: list[Callable[[], None]]) -> float:
+        """Run each micro-batch's forward and backward, then the optimizer step at the last
+        (the boundary set per micro-batch, so their number may change from step to step);
+        returns the gradient norm before clipping (NaN where none is kept)."""
+        manual_grad_norm: float | None = None
+        for index, run in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            self.engine.set_gradient_accumulation_boundary(last)
+            run()
+            if last and self.learner_cfg.zero_stage == 0:
+                # Without ZeRO (fp32) DeepSpeed clips but does not keep the norm; the gradients
+                # are already all-reduced after the boundary backward, so measure them here.
+                manual_grad_norm = self._grad_norm()
+            self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is None:
+            return manual_grad_norm if manual_grad_norm is not None else math.nan
+        return float(grad_norm)
+
+    def _micro_batch(self, batch: TrainBatch, global_tokens: float, global_seqs: float) -> StepSums:
         """Forward, loss and backward of one micro-batch (the optimizer step is the caller's);
         returns what it adds to the step's sums."""
         algo = self.algo_cfg
-        batch = collate(self.processor, chunk)
-        shared = self.learner_cfg.shared_prefix and can_share_prefix(self.engine, batch)
+        lc = self.learner_cfg
+        shared = lc.shared_prefix and can_share_prefix(self.engine, batch)
         logp, stats = forward_logprobs(
             self.engine, self.processor, batch, self.device, self.temperature, shared, self.banned,
-            chunk_tokens=self.learner_cfg.logit_chunk_tokens,
+            chunk_tokens=lc.logit_chunk_tokens, packed=lc.packing, top_k=self.top_k, top_p=self.top_p,
         )
         mask = batch.response_mask[:, 1:].to(self.device)
         on_mask = mask > 0
@@ -473,7 +535,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
                 diffs = (old.double() - rollout)[on_mask & ~torch.isnan(rollout)].abs()
                 out.logprob_diff, out.logprob_diff_tokens = float(diffs.sum()), float(diffs.numel())
                 out.logprob_diff_max = float(diffs.max()) if diffs.numel() else 0.0
-            out.padding_positions, out.positions = map(float, forwarded_positions(batch, shared))
+            out.padding_positions, out.positions = map(float, forwarded_positions(batch, shared, lc.packing))
         # The aggregation already normalises by the global counts; DeepSpeed must not divide by
         # the accumulation steps again.
         self.engine.backward(loss, scale_wrt_gas=False)
@@ -494,20 +556,19 @@ class LearnerRank(WeightSender, RankCheckpoints):
         Returns sft/loss (the full-batch token-mean NLL), sft/token_acc (greedy next-token
         accuracy on targets), actor/grad_norm, actor/lr and sft/num_tokens, identical on ranks.
         """
-        if len(experiences) < self.grad_accum_steps:
+        if not self.learner_cfg.micro_batch_tokens and len(experiences) < self.grad_accum_steps:
             raise ValueError(f"sft_step: {len(experiences)} experiences cannot fill {self.grad_accum_steps} micro-batches")
         lr = float(self.engine.get_lr()[0])
         sums = torch.zeros(3, dtype=torch.float64)  # [loss, tokens, right]
         self.engine.train()
-        manual_grad_norm: float | None = None
-        chunks = split_evenly(experiences, self.grad_accum_steps)
-        for index, chunk in enumerate(chunks):
-            batch = collate(self.processor, chunk)
+
+        def one(batch: TrainBatch) -> None:
+            nonlocal sums
             # Unbanned: teacher forcing on fixed targets samples nothing (and the shipped base
             # judge was built this way).
             logp, stats = forward_logprobs(
                 self.engine, self.processor, batch, self.device, shared_prefix=self.learner_cfg.shared_prefix,
-                chunk_tokens=self.learner_cfg.logit_chunk_tokens,
+                chunk_tokens=self.learner_cfg.logit_chunk_tokens, packed=self.learner_cfg.packing,
             )
             mask = batch.response_mask[:, 1:].to(self.device)
             loss = sft_loss(logp, mask, float(global_tokens), self.world_size)
@@ -517,12 +578,8 @@ class LearnerRank(WeightSender, RankCheckpoints):
                 right = float((stats.greedy == targets).sum())
                 sums += torch.tensor([float(-(logp.detach() * mask).sum()), float(on.sum()), right], dtype=torch.float64)
             self.engine.backward(loss, scale_wrt_gas=False)
-            if index == len(chunks) - 1 and self.learner_cfg.zero_stage == 0:
-                manual_grad_norm = self._grad_norm()
-            self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
-        if grad_norm is None:
-            grad_norm = manual_grad_norm if manual_grad_norm is not None else math.nan
+
+        grad_norm = self._accumulate([lambda b=b: one(b) for _, b in self._micro_batches(experiences, self._even_runs(len(experiences)))])
         totals = sums.to(self.device)
         if self.world_size > 1:
             self._ds.comm.all_reduce(totals)

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from pjray.models.loading import continued_positions, mm_token_type_ids, processor_inputs, prompt_positions
-from pjray.models.loading import ban_tokens
+from pjray.models.loading import ban_tokens, truncate_logits
 from pjray.rl.grpo import entropy_from_logits, token_logprobs
 from pjray.types import Experience, TrainBatch
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOGIT_CHUNK_TOKENS", "TokenStats", "can_share_prefix", "collate", "forward_logprobs", "forwarded_positions",
-    "model_inputs",
+    "model_inputs", "take_rows",
 ]  # fmt: skip
 
 # Response positions projected through the output embedding at once: a forward or backward of
@@ -171,6 +171,41 @@ def collate(
     )
 
 
+def take_rows(batch: TrainBatch, rows: Sequence[int], trained: bool = True) -> TrainBatch:
+    """The rows `rows` of `batch`, in that order, trimmed to their longest (what `collate`
+    returns for those experiences alone). `trained=False` keeps the rows' forward but drops
+    their trained positions: a micro-batch that runs the model and adds nothing to the step."""
+    index = torch.tensor(list(rows), dtype=torch.long)
+    if index.numel() == 0:
+        raise ValueError("take_rows: no rows")
+    length = int(batch.attention_mask[index].sum(-1).max())
+
+    def cut(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[index, :length].clone()
+
+    response_mask = cut(batch.response_mask)
+    assert response_mask is not None
+    if not trained:
+        response_mask.zero_()
+    group = None
+    if batch.prompt_group is not None:
+        first: dict[int, int] = {}
+        group = torch.tensor([first.setdefault(int(batch.prompt_group[r]), k) for k, r in enumerate(rows)], dtype=torch.long)
+    return TrainBatch(
+        input_ids=batch.input_ids[index, :length].clone(),
+        attention_mask=batch.attention_mask[index, :length].clone(),
+        response_mask=response_mask,
+        old_logprobs=batch.old_logprobs[index, :length].clone(),
+        advantages=batch.advantages[index].clone(),
+        pixel_values=[batch.pixel_values[r] for r in rows],
+        image_grid_thw=[batch.image_grid_thw[r] for r in rows],
+        ref_logprobs=cut(batch.ref_logprobs),
+        rollout_logprobs=cut(batch.rollout_logprobs),
+        prompt_lens=None if batch.prompt_lens is None else batch.prompt_lens[index].clone(),
+        prompt_group=group,
+    )
+
+
 def model_inputs(
     processor: ProcessorMixin, batch: TrainBatch, device: torch.device
 ) -> dict[str, Tensor | None]:
@@ -213,6 +248,9 @@ def forward_logprobs(
     shared_prefix: bool = True,
     banned: Sequence[int] = (),
     chunk_tokens: int = LOGIT_CHUNK_TOKENS,
+    packed: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[Tensor, TokenStats]:
     """Log-prob of each next response token under logits / temperature, and the entropy and
     argmax of each of those distributions.
@@ -237,6 +275,12 @@ def forward_logprobs(
             the learner passes the judge's placeholder ids (`placeholder_ids`), which every
             rollout engine bans when it samples, so both sides compute the same distribution.
         chunk_tokens: positions projected at once (`LOGIT_CHUNK_TOKENS`).
+        top_k, top_p: the rollout's truncation (`truncate_logits`; 0 and 1.0: none), applied
+            after the temperature and the ban, so the log-probs are those the engines return
+            and the entropy that of the distribution they drew from.
+        packed: where no prompt is shared, forward the rows' real tokens end to end as one
+            sequence, each row attending only to itself (`_packed_hidden`), instead of B rows
+            padded to T.
 
     Returns:
         (logp [B, T-1] float32, TokenStats of the N trained positions): logp[:, t] =
@@ -248,13 +292,15 @@ def forward_logprobs(
     head = getattr(model, "module", model).get_output_embeddings()
     if shared_prefix and can_share_prefix(model, batch):
         hidden, empty = _shared_prefix_hidden(model, processor, batch, device, head)
+    elif packed:
+        hidden, empty = _packed_hidden(model, processor, batch, device, head, predicts)
     else:
         with _projection_inputs(head) as seen:
             out = model(**model_inputs(processor, batch, device), use_cache=False)
         hidden, empty = seen[0][:, :-1][predicts], out.logits.sum()
     labels = batch.input_ids[:, 1:].to(device)[predicts]
     ban = torch.tensor(list(banned), dtype=torch.long)
-    picked, entropy, greedy = _project_in_chunks(head, hidden, labels, temperature, ban, chunk_tokens)
+    picked, entropy, greedy = _project_in_chunks(head, hidden, labels, temperature, ban, chunk_tokens, top_k, top_p)
     logp = torch.zeros(predicts.shape, dtype=picked.dtype, device=device).masked_scatter(predicts, picked)
     # `empty` is 0 (the sum of the model's empty logits) but makes the loss reach the model's own
     # output, ahead of the output projection's weight: a DeepSpeed engine starts its backward
@@ -281,10 +327,11 @@ def _projection_inputs(head: torch.nn.Module) -> Iterator[list[Tensor]]:
 
 
 def _project_in_chunks(
-    head: torch.nn.Module, hidden: Tensor, labels: Tensor, temperature: float, ban: Tensor, chunk_tokens: int
+    head: torch.nn.Module, hidden: Tensor, labels: Tensor, temperature: float, ban: Tensor, chunk_tokens: int,
+    top_k: int = 0, top_p: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log-prob of each label [N] float32, entropy [N], argmax [N]) under head(hidden) /
-    temperature with `ban` out, for hidden [N, H] and labels [N].
+    temperature with `ban` out and top-k / top-p applied, for hidden [N, H] and labels [N].
 
     Each chunk of `chunk_tokens` rows runs under non-reentrant checkpointing, so its logits are
     freed once its three [chunk] results exist and recomputed in its backward: neither pass
@@ -294,7 +341,7 @@ def _project_in_chunks(
     pieces = [
         checkpoint(
             _chunk_stats, head, hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens],
-            temperature, ban, use_reentrant=False,
+            temperature, ban, top_k, top_p, use_reentrant=False,
         )  # fmt: skip
         for start in range(0, hidden.shape[0], chunk_tokens)
     ]
@@ -306,24 +353,67 @@ def _project_in_chunks(
 
 
 def _chunk_stats(
-    head: torch.nn.Module, hidden: Tensor, labels: Tensor, temperature: float, ban: Tensor
+    head: torch.nn.Module, hidden: Tensor, labels: Tensor, temperature: float, ban: Tensor, top_k: int, top_p: float
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """`_project_in_chunks` of one chunk: the logits in the model's dtype, scaled and banned as
-    the rollout engines sample, then read in float32 (`token_logprobs`, `entropy_from_logits`)."""
+    """`_project_in_chunks` of one chunk: the logits in the model's dtype, scaled, banned and
+    truncated as the rollout engines sample, then read in float32 (`token_logprobs`,
+    `entropy_from_logits`)."""
     logits = head(hidden)  # [C, V]
     if temperature != 1.0:
         # In place: a second [C, V] tensor would double the chunk. The projection's backward
         # does not read its output, so autograd allows it.
         logits.div_(temperature)
     ban_tokens(logits, ban)
+    truncate_logits(logits, top_k, top_p, keep=labels)
     logp = token_logprobs(logits, labels)
     with torch.no_grad():
         return logp, entropy_from_logits(logits), logits.argmax(-1)
 
 
-def forwarded_positions(batch: TrainBatch, shared: bool) -> tuple[int, int]:
+def _packed_hidden(
+    model: torch.nn.Module,
+    processor: ProcessorMixin,
+    batch: TrainBatch,
+    device: torch.device,
+    head: torch.nn.Module,
+    predicts: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """`_shared_prefix_hidden`'s result for a forward without padding: the B rows' real tokens
+    laid end to end as one sequence [1, N] with no attention mask, and each row's own position
+    ids, restarting at 0. transformers reads the restarts as sequence boundaries: a block-diagonal
+    causal mask for eager and SDPA attention, variable-length kernels for flash attention. A
+    Qwen-VL judge gets each row's M-RoPE positions (from the padded batch, so identical to the
+    unpacked forward's), led by the plain per-row positions that mark the boundaries ([4, 1, N]);
+    its images keep their order, the order of their placeholders in the packed sequence."""
+    inputs = model_inputs(processor, batch, device)
+    real = batch.attention_mask.bool()
+    text = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: 0, 1, ... per row
+    packed: dict[str, Any] = {"input_ids": inputs["input_ids"].cpu()[real][None]}
+    if processor.image_token_id is not None:
+        rope_inputs = {k: inputs[k].cpu() for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        if inputs["image_grid_thw"] is not None:
+            rope_inputs["image_grid_thw"] = inputs["image_grid_thw"].cpu()
+        rope, _ = prompt_positions(model, rope_inputs)  # [3, B, T]
+        packed["position_ids"] = torch.cat([text[real][None, None], rope[:, real][:, None]])
+        packed["mm_token_type_ids"] = inputs["mm_token_type_ids"].cpu()[real][None]
+        packed["pixel_values"], packed["image_grid_thw"] = inputs["pixel_values"], inputs["image_grid_thw"]
+    else:
+        packed["position_ids"] = text[real][None]
+    with _projection_inputs(head) as seen:
+        out = model(
+            **{k: v.to(device) if v is not None else None for k, v in packed.items()}, attention_mask=None, use_cache=False
+        )
+    # Where each padded position [B, T] sits in the packed sequence (real positions only).
+    where = (real.flatten().cumsum(0) - 1).view(real.shape)[:, :-1].to(device)
+    return seen[0][0][where[predicts]], out.logits.sum()
+
+
+def forwarded_positions(batch: TrainBatch, shared: bool, packed: bool = False) -> tuple[int, int]:
     """(padding positions, all positions) that `forward_logprobs` runs through the model for
-    `batch`: B x T rows, or with a shared prefix U distinct prompts x P plus B responses x R."""
+    `batch`: B x T rows, with a shared prefix U distinct prompts x P plus B responses x R, packed
+    the real tokens alone."""
+    if packed and not shared:
+        return 0, int(batch.attention_mask.sum())
     if not shared:
         return int((batch.attention_mask == 0).sum()), batch.attention_mask.numel()
     heads, plens, rlens = _prefix_layout(batch)

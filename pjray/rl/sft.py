@@ -129,7 +129,7 @@ def run_sft(cfg: Config, model_path: str, examples: list[ChatExample] | None = N
     connect(cfg.ray)
 
     lc, s = cfg.learner, cfg.sft
-    if s.batch_size % (lc.num_ranks * lc.micro_batch_size):
+    if s.batch_size % (lc.num_ranks * (1 if lc.micro_batch_tokens else lc.micro_batch_size)):
         raise ConfigError(
             f"sft.batch_size={s.batch_size}: must split into learner.num_ranks {lc.num_ranks} x "
             f"learner.micro_batch_size {lc.micro_batch_size}"
@@ -146,7 +146,7 @@ def run_sft(cfg: Config, model_path: str, examples: list[ChatExample] | None = N
         placement.launch(
             "learner", LearnerRank, r, cfg.model, learner_cfg, AlgoConfig(kl_coef=0.0), model_path,
             rank=r, world_size=lc.num_ranks, master_addr=addr, master_port=lc.master_port or port,
-            total_steps=s.steps, grad_accum_steps=per_rank // lc.micro_batch_size, num_threads=threads[r],
+            total_steps=s.steps, grad_accum_steps=max(1, per_rank // lc.micro_batch_size), num_threads=threads[r],
         )  # fmt: skip
         for r in range(lc.num_ranks)
     ]

@@ -186,8 +186,9 @@ class Trainer:
             self.placement.launch(
                 "learner", LearnerRank, r, cfg.model, cfg.learner, cfg.algo, self.inputs.model,
                 rank=r, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,
-                total_steps=total_updates, grad_accum_steps=per_rank // cfg.learner.micro_batch_size,
+                total_steps=total_updates, grad_accum_steps=max(1, per_rank // cfg.learner.micro_batch_size),
                 norm_len=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
                 num_threads=threads[r], rollout_cfg=self.layout.learner_rollout(),
             )
             for r in range(cfg.learner.num_ranks)

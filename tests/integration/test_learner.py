@@ -441,6 +441,42 @@ def test_step_is_invariant_to_micro_batch_split(judge_dir: str, rank_env: None) 
     assert _max_diff(one, two) < WEIGHT_ATOL
 
 
+def test_token_budget_and_packed_steps_equal_fixed_micro_batches(judge_dir: str, rank_env: None) -> None:
+    """Two optimizer steps (ZeRO-2), each of one shard cut three ways: fixed runs of sequences,
+    token-budget micro-batches padded, and packed. The budget gives the steps different numbers
+    of micro-batches (the accumulation boundary follows); metrics, schedule and weights agree."""
+    shards = [_experiences(8, seed=6), _experiences(8, seed=7)]
+    _, processor = load_judge(judge_dir, trainable=False)
+    lengths = [int(n) for s in shards for n in collate(processor, s).attention_mask.sum(-1)]
+    budget = 2 * max(lengths)
+    results = []
+    for tokens, packing in [(0, False), (budget, False), (budget, True)]:
+        model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=4)
+        learner_cfg = dataclasses.replace(learner_cfg, micro_batch_tokens=tokens, packing=packing, shared_prefix=False)
+        rank = LearnerRank(
+            model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
+            master_port=free_address()[1], total_steps=10, grad_accum_steps=2,
+        )  # fmt: skip
+        try:
+            metrics = [rank.train_step(s, *_counts(s)) for s in shards]
+            results.append((metrics, _weights(rank), rank.engine.global_steps))
+        finally:
+            rank.shutdown()
+    (fixed, fixed_weights, fixed_steps), *budgeted = results
+    for metrics, weights, steps in budgeted:
+        assert steps == fixed_steps == 2
+        for got, want in zip(metrics, fixed):
+            for key in ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "actor/num_tokens", "actor/lr"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+        assert _max_diff(fixed_weights, weights) < WEIGHT_ATOL
+    packed = budgeted[1][0]
+    assert all(m["perf/padding_fraction"] == 0 for m in packed)
+    for shard, metrics in zip(shards, fixed):
+        masks = [collate(processor, part).attention_mask for part in (shard[:4], shard[4:])]
+        padding = sum(int((m == 0).sum()) for m in masks) / sum(m.numel() for m in masks)
+        assert padding > 0 and metrics["perf/padding_fraction"] == pytest.approx(padding)
+
+
 def test_dummy_experiences_contribute_nothing(judge_dir: str, rank_env: None) -> None:
     exps = _experiences(4, seed=5)
     # Dummies in between real rows, and a micro-batch made of dummies only.

@@ -67,7 +67,7 @@ def test_the_rollout_and_sync_packages_stand_below_the_trainer():
     assert not re.search(r"^\s*(from|import) pjray\.(rl|rollout|sync)\b", placement, re.M)
     assert sorted(p.name for p in (PACKAGE / "rl").glob("*.py")) == [
         "__init__.py", "best.py", "checkpoint.py", "collect.py", "ds_ops.py", "ds_setup.py", "grpo.py", "items.py",
-        "layout.py", "learner.py", "logprobs.py", "sft.py", "timer.py", "trainer.py",
+        "layout.py", "learner.py", "logprobs.py", "microbatch.py", "sft.py", "timer.py", "trainer.py",
     ]
 
 
