@@ -58,6 +58,7 @@ __all__ = [
     "ImageOnlyQwen3VLProcessor",
     "TextOnlyProcessor",
     "ban_tokens",
+    "truncate_logits",
     "image_token_count",
     "is_text_only",
     "load_judge",
@@ -208,6 +209,33 @@ def ban_tokens(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     if ids.numel():
         logits.index_fill_(-1, ids.to(logits.device), torch.finfo(logits.dtype).min)
     return logits
+
+
+def truncate_logits(
+    logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`logits` [..., V] (in place) with the entries outside the top `top_k` (0: off), then
+    outside the top-`top_p` nucleus (1.0: off), at the dtype's lowest finite value: the
+    distribution the rollout engines sample from after temperature and the placeholder ban
+    (vLLM's and HF's top-k/top-p, in that order). The nucleus is the fewest largest entries
+    whose probabilities sum to at least top_p, and always the largest. `keep` [...] (long): an
+    id per row that stays in whatever the cut (the learner's label: a token sampled by weights a
+    step older may fall outside the current top-k, and its log-prob must stay finite)."""
+    if not 0 < top_k < logits.shape[-1] and top_p >= 1.0:
+        return logits
+    low = torch.finfo(logits.dtype).min
+    values = logits.detach()
+    cut = torch.zeros_like(values, dtype=torch.bool)
+    if 0 < top_k < logits.shape[-1]:
+        cut |= values < torch.topk(values, top_k, dim=-1).values[..., -1:]
+    if top_p < 1.0:
+        ascending, order = torch.sort(values.masked_fill(cut, low), dim=-1)
+        tail = ascending.float().softmax(-1).cumsum(-1) <= 1 - top_p
+        tail[..., -1] = False
+        cut |= tail.scatter(-1, order, tail)
+    if keep is not None:
+        cut.scatter_(-1, keep.unsqueeze(-1), False)
+    return logits.masked_fill_(cut, low)
 
 
 def _load_pil_image_processor(

@@ -8,7 +8,6 @@ from typing import Any, Sequence
 import numpy as np
 import ray
 import torch
-from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from pjray.config import ModelConfig, RolloutConfig
 from pjray.models.loading import (
@@ -19,6 +18,7 @@ from pjray.models.loading import (
     processor_inputs,
     prompt_positions,
     render_chat,
+    truncate_logits,
 )
 from pjray.rollout.engine import stop_token_ids
 from pjray.sync.buckets import Bucket, state_checksums, unpack
@@ -115,10 +115,6 @@ class HFEngine:
         self._banned = torch.tensor(self.banned_ids, dtype=torch.long, device=self.device)
         # Only RolloutConfig decides how we sample: of the checkpoint's generation_config only
         # the EOS ids are read, never its sampling defaults (e.g. Qwen's top_k=20).
-        self._warpers = [w for w in (
-            TopKLogitsWarper(rollout_cfg.top_k) if rollout_cfg.top_k else None,
-            TopPLogitsWarper(rollout_cfg.top_p) if rollout_cfg.top_p < 1.0 else None,
-        ) if w is not None]  # fmt: skip
         self._params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self._shared = SharedBucketReader()
 
@@ -173,7 +169,8 @@ class HFEngine:
 
     def _sample(self, prompt: dict[str, torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """n samples of each of the U prompts in `prompt` (left-padded model inputs): tokens
-        [U*n, G] (the pad id after a row's EOS) and their log-probs under logits / temperature.
+        [U*n, G] (the pad id after a row's EOS) and their log-probs under the distribution drawn
+        from (logits / temperature, placeholders banned, top-k and top-p).
 
         The prompts are prefilled once; the cache and the last logits are repeated n times.
         """
@@ -188,8 +185,10 @@ class HFEngine:
         tokens: list[torch.Tensor] = []
         logprobs: list[torch.Tensor] = []
         for step in range(cfg.max_new_tokens):
-            scaled = ban_tokens(logits.float() / cfg.temperature, self._banned)
-            token = torch.where(alive, self._draw(scaled), self.pad_id)
+            # The distribution sampled from: temperature, the ban, top-k and top-p. Its log-probs
+            # are what vLLM returns (processed_logprobs) and what the learner computes.
+            scaled = truncate_logits(ban_tokens(logits.float() / cfg.temperature, self._banned), cfg.top_k, cfg.top_p)
+            token = torch.where(alive, torch.multinomial(torch.softmax(scaled, dim=-1), 1)[:, 0], self.pad_id)
             # log softmax at the drawn token only: no [rows, V] log-prob copy a step
             logprobs.append(scaled.gather(-1, token[:, None])[:, 0] - torch.logsumexp(scaled, -1))
             tokens.append(token)
@@ -203,13 +202,6 @@ class HFEngine:
             )  # fmt: skip
             cache, logits, position = out.past_key_values, out.logits[:, -1], position + 1
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
-
-    def _draw(self, scaled: torch.Tensor) -> torch.Tensor:
-        """One token per row from logits already divided by the temperature, placeholder ids
-        banned: top-k and top-p (HF's warpers, in HF's order), then a multinomial draw."""
-        for warper in self._warpers:
-            scaled = warper(None, scaled)
-        return torch.multinomial(torch.softmax(scaled, dim=-1), 1)[:, 0]
 
     def _any_alive(self, alive: torch.Tensor) -> bool:
         """Whether a row is still sampling: on this rank, or with `synced`, on any rank."""
