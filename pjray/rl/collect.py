@@ -173,6 +173,14 @@ class Collector:
         assert batch.step == step, (batch.step, step)
         return batch
 
+    def wait_for_generation(self) -> None:
+        """Block until the batches in flight have finished generating. A weight sync waits for
+        them anyway (a worker takes it after the generations queued before it); waiting here,
+        before the sync starts, keeps learner rank 0 from posting a broadcast that its receivers
+        reach only after k long generations (past NCCL's watchdog)."""
+        for batch in self.in_flight:
+            batch.generation.wait_finished()
+
     def submit_batch(self, step: int) -> Batch:
         """Take a step's items and start generating their groups."""
         state = copy.deepcopy(self.sampler.state)

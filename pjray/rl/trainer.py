@@ -300,7 +300,9 @@ class Trainer:
             actor_metrics = self.update(experiences, timer)
         self.weight_version = self.step
 
-        # Send the new weights to every rollout engine.
+        # Send the new weights to every rollout engine, once the generations ahead are done.
+        with timer("wait_generation"):
+            self.collector.wait_for_generation()
         with timer("sync"):
             self.sync_weights()
 

@@ -56,6 +56,13 @@ class PendingGeneration:
     chunks: list[list[int]]
     started: PendingCall | None  # None: no prompts
 
+    def wait_finished(self) -> None:
+        """Block until every worker has finished its part (or died: `result` retries that one),
+        without fetching the answers."""
+        if self.started is not None:
+            refs = list(self.started.refs.values())
+            ray.wait(refs, num_returns=len(refs), fetch_local=False)
+
     def result(self) -> Timed[list[Completion]]:
         if self.started is None:
             return Timed([], 0.0)

@@ -16,6 +16,7 @@ import dataclasses
 import io
 import os
 import re
+import time
 from pathlib import Path
 
 import PIL.Image
@@ -30,9 +31,10 @@ from pjray.models.tiny import build_tiny_judge
 from pjray.rollout import hf_engine as rollout_module
 from pjray.rollout.engine import RolloutEngine
 from pjray.rollout.hf_engine import HFEngine
-from pjray.rollout.worker import RolloutWorker
+from pjray.placement import RankGroup
+from pjray.rollout.worker import RolloutWorker, submit_generation
 from pjray.sync.buckets import Bucket, BucketEntry, pack, plan_buckets, state_checksums
-from pjray.types import Completion, JudgePrompt
+from pjray.types import Completion, JudgePrompt, Timed
 
 MAX_NEW_TOKENS = 16
 N = 4
@@ -308,3 +310,34 @@ def test_rollout_worker_through_ray(judge_dir, other_judge_dir, rollout_cfg, ray
     ray.get(worker.load_weights.remote(plan, refs))
     assert ray.get(worker.checksums.remote()) == state_checksums(source.named_parameters())
     ray.kill(worker)
+
+
+class _SlowGenerator:
+    """A rollout worker that takes a second to generate nothing and says when it finished."""
+
+    def __init__(self) -> None:
+        self.finished: float | None = None
+
+    def generate_timed(self, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
+        time.sleep(1.0)
+        self.finished = time.time()
+        return Timed([], 1.0)
+
+    def finished_at(self) -> float | None:
+        return self.finished
+
+
+def test_a_sync_starts_only_after_the_generations_in_flight(ray_local):
+    """Async rollouts: before the trainer posts a weight sync it waits for the generations it
+    started ahead (`PendingGeneration.wait_finished`), so learner rank 0's broadcast never waits
+    on a generation queued before the receive (NCCL's watchdog would count that time)."""
+    workers = [ray.remote(num_cpus=0.1)(_SlowGenerator).remote() for _ in range(2)]
+    pending = submit_generation(RankGroup(workers), PROMPTS, n=1, seed=0)
+    started = time.time()
+    pending.wait_finished()
+    waited_until = time.time()
+    finished = ray.get([w.finished_at.remote() for w in workers])
+    assert all(f is not None and f <= waited_until for f in finished) and waited_until - started >= 0.9
+    assert pending.result().value == []
+    for w in workers:
+        ray.kill(w)
