@@ -31,6 +31,7 @@ __all__ = ["PendingGeneration", "RolloutWorker", "generate_with_pool", "submit_g
 
 log = logging.getLogger(__name__)
 ENGINE_WATCH_S = 0.5  # how often a rollout worker checks that its engine is alive
+GPU_RELEASE_WAIT_S = 120.0  # how long a new worker waits for a dead engine's memory to come back
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -88,6 +89,24 @@ def submit_generation(pool: WorkerPool | RankGroup, prompts: list[JudgePrompt], 
     return PendingGeneration(chunks, pool.submit("generate_timed", calls))
 
 
+def wait_for_gpu_memory(
+    wanted: int, timeout_s: float, free: Callable[[], int], pause_s: float = 1.0
+) -> float:
+    """Wait until `free()` bytes of the GPU reach `wanted` (the share a vLLM engine will claim);
+    returns the seconds waited. A worker rebuilt in the bundle of one whose engine died starts
+    while the dead engine's processes may still hold the GPU; vLLM would fail its start-up
+    memory check. Past `timeout_s` it stops waiting and lets the engine fail with its own
+    message."""
+    start = time.monotonic()
+    while free() < wanted:
+        if time.monotonic() - start > timeout_s:
+            log.warning("the GPU still has %.1f GiB free of the %.1f GiB the engine wants after %.0fs",
+                        free() / 2**30, wanted / 2**30, timeout_s)  # fmt: skip
+            break
+        time.sleep(pause_s)
+    return time.monotonic() - start
+
+
 def engine_call(method: F) -> F:
     """A `RolloutWorker` method that calls its engine, and exits the actor when the error it
     raised comes from an engine that died (`RolloutWorker.exit_for_dead_engine`)."""
@@ -141,6 +160,13 @@ class RolloutWorker:
             torch.set_num_threads(num_threads)
         # Ray hides unassigned GPUs, so a GPU is visible here exactly when one was requested.
         device = "cuda" if rollout_cfg.num_gpus_per_worker > 0 and torch.cuda.is_available() else "cpu"
+        if device == "cuda" and rollout_cfg.backend == "vllm" and not rollout_cfg.colocate:
+            total = torch.cuda.get_device_properties(0).total_memory
+            waited = wait_for_gpu_memory(
+                int(rollout_cfg.gpu_memory_utilization * total), GPU_RELEASE_WAIT_S, lambda: torch.cuda.mem_get_info(0)[0]
+            )
+            if waited > 1:
+                log.info("rollout worker %d: waited %.0fs for the GPU's memory to be released", worker_index, waited)
         self.engine: RolloutEngine = build_engine(model_path, model_cfg, rollout_cfg, device=device)
         self.weight_version = 0  # the training step whose weights the engine holds
         threading.Thread(target=self._watch_engine, name="pjray-engine-watch", daemon=True).start()

@@ -3,7 +3,9 @@ a bucket plan crosses it."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+import time
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -14,9 +16,11 @@ from torch import Tensor
 
 from pjray.sync.buckets import Bucket, pack
 
-__all__ = ["WeightSyncGroup", "broadcast_buckets", "dumps", "loads", "nccl_options", "receive_buckets"]
+__all__ = ["SyncStalled", "WeightSyncGroup", "broadcast_buckets", "dumps", "loads", "nccl_options", "receive_buckets"]
 
 _STORE_PREFIX = "pjray/weight-sync"
+# Gloo groups dropped with a collective in flight (`WeightSyncGroup.abort`).
+_ABANDONED: list[Any] = []
 
 
 def dumps(value: Any) -> bytes:
@@ -26,6 +30,11 @@ def dumps(value: Any) -> bytes:
 
 def loads(data: bytes) -> Any:
     return pickle.loads(data)
+
+
+class SyncStalled(RuntimeError):
+    """A collective of the weight-sync group did not complete in time: a member died or never
+    took part. The group has been torn down; the transport forms a new one."""
 
 
 class WeightSyncGroup:
@@ -38,16 +47,20 @@ class WeightSyncGroup:
         host, port: where rank 0 (the learner) listens; every member passes the same pair.
         rank, world_size: this member's rank; 1 + engines x tensor_parallel_size members.
         backend: "nccl" (CUDA tensors) or "gloo" (CPU tensors).
+        timeout_s: the store's and the backend's own timeout.
+        wait_s: how long one broadcast may take on this member before it counts as stalled
+            (`broadcast`); below the driver's patience with a sync that lost a member.
     """
 
     def __init__(
-        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 600.0
+        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 600.0,
+        wait_s: float = 60.0,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
         timeout = timedelta(seconds=timeout_s)
-        self.rank, self.world_size, self.backend = rank, world_size, backend
-        where = f"weight-sync group ({backend}, rank {rank} of {world_size}, store {host}:{port}, timeout {timeout_s:g}s)"
+        self.rank, self.world_size, self.backend, self.wait_s = rank, world_size, backend, wait_s
+        self.where = where = f"weight-sync group ({backend}, rank {rank} of {world_size}, store {host}:{port}, timeout {timeout_s:g}s)"
         try:
             store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
             prefixed = dist.PrefixStore(_STORE_PREFIX, store)
@@ -65,11 +78,41 @@ class WeightSyncGroup:
         self._store = store  # keep the store (rank 0 serves it) alive with the group
 
     def broadcast(self, tensor: Tensor, src: int = 0) -> None:
-        """In-place broadcast of `tensor` from member `src` (a collective on every member)."""
+        """In-place broadcast of `tensor` from member `src` (a collective on every member).
+
+        Bounded: NCCL's `wait()` only orders this stream behind the collective, so a member
+        that died leaves the others "done" with streams that hang until NCCL's watchdog kills
+        the process. The collective's completion is polled instead (a CUDA event query for
+        NCCL); past `wait_s` the group is aborted and `SyncStalled` raised. Gloo's errors
+        surface from `wait()` as before."""
         options = dist.BroadcastOptions()
         options.rootRank = src
         options.rootTensor = 0
-        self.group.broadcast([tensor], options).wait()
+        work = self.group.broadcast([tensor], options)
+        deadline = time.monotonic() + self.wait_s
+        pause = 1e-4
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                self.abort()
+                raise SyncStalled(
+                    f"{self.where}: a broadcast from member {src} did not complete within {self.wait_s:g}s "
+                    "(a member died or is not taking part); the group is torn down"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        work.wait()
+
+    def abort(self) -> None:
+        """Drop the group with a collective still in flight. NCCL's communicator is aborted,
+        which unblocks its stream and frees it; gloo's cannot be (its shutdown waits for the
+        work in flight), so its worker thread is left to fail out at the backend's timeout."""
+        if self.group is not None and self.backend == "nccl":
+            with contextlib.suppress(RuntimeError):  # already broken: nothing left to free
+                self.group.abort()
+        elif self.group is not None:
+            # Its destructor would join the blocked worker thread: keep it referenced.
+            _ABANDONED.append(self.group)
+        self.group = None
 
     def close(self) -> None:
         shutdown = getattr(self.group, "shutdown", None)

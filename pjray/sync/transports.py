@@ -123,8 +123,11 @@ class BroadcastTransport(Transport):
     def send(self, learners: list[Any], workers: WorkerPool) -> None:
         """One broadcast. An engine that died before or during it ends the collective for every
         member (each leaves the group on the failure); the dead workers are rebuilt, which forms
-        a new group and sends again (`refresh`). A collective still running `timeout_s` after a
-        death is an error naming the dead workers, never a hang."""
+        a new group and sends again (`refresh`). Each member's broadcast is bounded
+        (`WeightSyncGroup.wait_s`, below `timeout_s`): under NCCL, whose survivors would
+        otherwise report success with hung streams, they fail out and abort the group as gloo's
+        do. A collective still running `timeout_s` after a death is an error naming the dead
+        workers, never a hang."""
         # Direct calls, not the restartable pool: a retry could not rejoin a collective that the
         # learner is still blocked in.
         sends = [r.broadcast_weights.remote(self.bucket_bytes) for r in learners]

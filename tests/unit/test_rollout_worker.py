@@ -4,10 +4,12 @@ engine's side is tests/integration/test_vllm_cpu.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from pjray.rollout import worker as worker_module
-from pjray.rollout.worker import RolloutWorker
+from pjray.rollout.worker import RolloutWorker, wait_for_gpu_memory
 
 
 class EngineGone(Exception):
@@ -76,3 +78,14 @@ def test_the_watch_exits_once_the_engine_is_no_longer_alive(exits, monkeypatch, 
         worker._watch_engine()  # alive twice, then dead: a call blocked on it would never return
     assert exits == [1] and worker.engine.checks == 3
     assert "found by its watch" in caplog.text
+
+
+def test_a_rebuilt_worker_waits_for_the_dead_engines_memory_then_gives_up():
+    """`wait_for_gpu_memory`: polls until the GPU has the engine's share free (a dead engine's
+    processes releasing it), and past its timeout stops waiting rather than hanging."""
+    readings = iter([2, 5, 9, 12])
+    assert wait_for_gpu_memory(10, timeout_s=60, free=lambda: next(readings), pause_s=0.0) >= 0
+    assert next(readings, None) is None  # read until 12 >= 10, no further
+    start = time.monotonic()
+    waited = wait_for_gpu_memory(10, timeout_s=0.2, free=lambda: 3, pause_s=0.01)
+    assert 0.2 <= waited < 5 and time.monotonic() - start < 5

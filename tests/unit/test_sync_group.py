@@ -10,12 +10,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
 
 from pjray.placement import free_address
-from pjray.sync.collective import WeightSyncGroup
+from pjray.sync.collective import SyncStalled, WeightSyncGroup
 
 
 def test_two_members_form_the_group_and_broadcast():
@@ -77,3 +78,27 @@ def test_a_reserved_port_is_kept_from_other_binds_and_open_to_the_store_it_is_fo
     )
     done = subprocess.run([sys.executable, "-c", store], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "v", done.stderr[-2000:]
+
+
+def test_a_broadcast_whose_sender_never_sends_stalls_out_and_tears_the_group_down():
+    """A receiver waiting on a member that takes no part (an engine or learner that died): the
+    broadcast fails after the group's bounded wait, naming itself, instead of returning "done"
+    (NCCL) or blocking for the backend's 600 s timeout, and the group is gone."""
+    _, port = free_address()
+    groups: dict[int, WeightSyncGroup] = {}
+
+    def join(rank: int) -> None:
+        groups[rank] = WeightSyncGroup("127.0.0.1", port, rank, 2, "gloo", timeout_s=600, wait_s=1.5)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert sorted(groups) == [0, 1]
+    start = time.monotonic()
+    with pytest.raises(SyncStalled, match=r"rank 1 of 2.*did not complete within 1.5s"):
+        groups[1].broadcast(torch.zeros(4), src=0)  # member 0 never sends
+    assert 1.4 < time.monotonic() - start < 30
+    assert groups[1].group is None
+    groups[0].close()
