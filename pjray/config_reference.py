@@ -63,7 +63,7 @@ def _shown(value: Any) -> str:
 
 
 def _type(f: dataclasses.Field) -> str:
-    return str(f.type).replace("typing.", "")
+    return str(f.type).replace("typing.", "").replace("|", "\\|")  # `float | None`: one table cell
 
 
 def rows(cls: type, prefix: str, comments: dict[tuple[str, str], str]) -> list[tuple[str, str, str, str, str]]:

@@ -72,7 +72,9 @@ class RolloutEngine(Protocol):
         ...
 
     def wake_up(self) -> None:
-        """Undo `sleep` before the next sync or generation."""
+        """Undo `sleep` before the next generation. An engine whose sleep discarded its weights
+        (vLLM at sleep level 2) takes them back only through a sync, and refuses a wake-up
+        before one."""
         ...
 
     def alive(self) -> bool:

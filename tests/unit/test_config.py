@@ -97,6 +97,9 @@ def test_round_trip_through_yaml(tmp_path):
         ("rollout.hybrid_gather=half", "rollout.hybrid_gather"),
         ("rollout.num_threads=-1", "rollout.num_threads"),
         ("learner.num_threads=-2", "learner.num_threads"),
+        # Only vLLM compiles, and only colocated engines sleep.
+        ("rollout.enforce_eager=true", "rollout.enforce_eager"),
+        ("rollout.sleep_level=1", "rollout.sleep_level"),
     ],
 )
 def test_bad_configs_name_the_key(override, key):

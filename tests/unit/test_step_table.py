@@ -30,3 +30,26 @@ def test_a_run_without_steps_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text("")
     done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "metrics.jsonl")], capture_output=True, text=True)
     assert done.returncode == 1 and "logs no step" in done.stderr
+
+
+def test_a_gap_over_the_limit_on_an_on_policy_step_fails_the_check(tmp_path: Path) -> None:
+    """Only steps sampled by the learner's own weights count: an async step's gap is the policy's
+    change too. A run that logs no gap at all cannot pass a gap check."""
+    rows = [
+        {"training/global_step": 1, "rollout/staleness_max": 0.0, "rollout/logprob_diff_max": 2e-3},
+        {"training/global_step": 2, "rollout/staleness_max": 1.0, "rollout/logprob_diff_max": 0.4},
+        {"training/global_step": 3, "rollout/staleness_max": 0.0, "rollout/logprob_diff_max": 0.3},
+    ]  # fmt: skip
+    metrics = tmp_path / "metrics.jsonl"
+
+    def run(rows: list[dict], *args: str) -> subprocess.CompletedProcess:
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return subprocess.run([sys.executable, str(SCRIPT), str(metrics), *args], capture_output=True, text=True)
+
+    done = run(rows, "--max-diff-max", "1e-2")
+    assert done.returncode == 1 and "step 3: rollout/logprob_diff_max = 0.3 > 0.01" in done.stderr
+    assert "step 2" not in done.stderr and done.stdout.count("\n") == 4  # the table is printed first
+    assert run(rows[:2], "--max-diff-max", "1e-2").returncode == 0
+    assert run(rows, "--max-diff-max", "0.5").returncode == 0
+    missing = run(rows, "--max-diff-mean", "1e-2")
+    assert missing.returncode == 1 and "no on-policy step logs rollout/logprob_diff_mean" in missing.stderr

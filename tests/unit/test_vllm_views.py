@@ -229,7 +229,8 @@ def test_text_only_judge_rollout_and_learner_views_agree(tmp_path) -> None:
 def test_the_engine_arguments_follow_the_layout(vlm_processor) -> None:
     """What `vllm.LLM` is given: the learner's image budget for the processor everywhere; sleep
     mode and no multimodal processor cache for colocated engines (every sleep clears it); eager
-    mode on CPU, the GPU memory share and TP ranks as processes on GPUs."""
+    mode on CPU, the GPU memory share and TP ranks as processes on GPUs, compiled (CUDA graphs)
+    there unless rollout.enforce_eager says otherwise, on either device."""
     split = load(overrides=SPLIT + ["rollout.tensor_parallel_size=2", "rollout.num_gpus_per_worker=2", "ray.num_gpus=6"])
     colocated = load(overrides=COLOCATED + ["ray.num_gpus=2"])
     cpu = load(overrides=VLLM_CPU)
@@ -241,13 +242,18 @@ def test_the_engine_arguments_follow_the_layout(vlm_processor) -> None:
     assert not on_gpus["enable_sleep_mode"] and "mm_processor_cache_gb" not in on_gpus
     assert on_gpus["distributed_executor_backend"] == "mp" and on_gpus["tensor_parallel_size"] == 2
     assert on_gpus["gpu_memory_utilization"] == split.rollout.gpu_memory_utilization
+    assert on_gpus["enforce_eager"] is False  # torch.compile and CUDA graphs
+    forced = load(overrides=SPLIT + ["rollout.enforce_eager=true"])
+    assert llm_kwargs("judge", forced.model, forced.rollout, vlm_processor)["enforce_eager"] is True
 
     sleeping = llm_kwargs("judge", colocated.model, colocated.rollout, vlm_processor)
     assert sleeping["enable_sleep_mode"] and sleeping["mm_processor_cache_gb"] == 0
     assert "distributed_executor_backend" not in sleeping
 
     eager = llm_kwargs("judge", cpu.model, cpu.rollout, vlm_processor)
-    assert eager["enforce_eager"] and "gpu_memory_utilization" not in eager
+    assert eager["enforce_eager"] is True and "gpu_memory_utilization" not in eager
+    compiled = load(overrides=VLLM_CPU + ["rollout.enforce_eager=false"])
+    assert llm_kwargs("judge", compiled.model, compiled.rollout, vlm_processor)["enforce_eager"] is False
 
 
 # ---------------------------------------------------------------------------------------------
