@@ -353,6 +353,14 @@ class LearnerConfig:
     # GPUs: the optimizer states (zero_stage >= 1), or with `all` the parameters too (zero_stage
     # 3). The optimizer is then DeepSpeed's CPU Adam (a C++ op compiled on first use). GPU ranks only.
     offload: str = opt("none", choices=("none", "optimizer", "all"))
+    # The KL term's reference model partitioned over the ranks as a ZeRO-3 inference engine (its
+    # layers gathered as its forward reaches them) where the policy is not ZeRO-3 (under ZeRO-3
+    # it always is): 2 bytes a parameter / num_ranks on each GPU instead of a full bf16 copy.
+    shard_reference: bool = False
+    # Merged last into the policy's DeepSpeed config (e.g. {zero_optimization:
+    # {reduce_bucket_size: 5e8}}); the batch sizes are pjray's (learner.micro_batch_size and the
+    # step's accumulation) and cannot be set here.
+    ds_config: dict[str, Any] = field(default_factory=dict)
     bf16: bool = False
     master_port: int = 0  # 0: pick a free port
 
@@ -838,6 +846,9 @@ def _check_learner(cfg: Config) -> None:
         raise ConfigError("learner.offload=optimizer: ZeRO-Offload needs learner.zero_stage >= 1")
     if lc.offload == "all" and lc.zero_stage != 3:
         raise ConfigError(f"learner.offload=all: offloading parameters needs learner.zero_stage=3, not {lc.zero_stage}")
+    owned = sorted(set(lc.ds_config) & {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"})
+    if owned:
+        raise ConfigError(f"learner.ds_config: {owned} are set from learner.micro_batch_size and the step's batch")
     _check_resources("learner", cfg.learner.resources)
 
 

@@ -33,7 +33,7 @@ def lr_multiplier(
 
 
 def ds_config(lc: LearnerConfig, grad_accum_steps: int, world_size: int, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The policy engine's DeepSpeed config; `overrides` (learner.ds_config) merged in last."""
+    """The policy engine's DeepSpeed config; learner.ds_config merged in, then `overrides`."""
     zero: dict[str, Any] = {"stage": lc.zero_stage}
     if lc.offload in ("optimizer", "all"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -51,18 +51,19 @@ def ds_config(lc: LearnerConfig, grad_accum_steps: int, world_size: int, overrid
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    return merge(config, overrides)
+    return merge(merge(config, lc.ds_config), overrides)
 
 
 def ref_ds_config(policy: dict[str, Any], lc: LearnerConfig, world_size: int) -> dict[str, Any]:
-    """A ZeRO-3 reference model sharded like the policy: the same partitioning settings, nothing
-    optimizer-related."""
+    """A ZeRO-3 reference model sharded over the policy's ranks (with the policy's partitioning
+    settings where it is ZeRO-3 itself): nothing optimizer-related."""
     return {
         "train_micro_batch_size_per_gpu": lc.micro_batch_size,
         "train_batch_size": lc.micro_batch_size * world_size,
         "bf16": policy["bf16"],
         "zero_optimization": {
-            k: v for k, v in policy["zero_optimization"].items() if not k.startswith("offload_optimizer")
+            **{k: v for k, v in policy["zero_optimization"].items() if not k.startswith("offload_optimizer")},
+            "stage": 3,
         },
         "steps_per_print": policy["steps_per_print"],
     }

@@ -277,8 +277,8 @@ class LearnerRank(WeightSender, RankCheckpoints):
                 model_path, dtype=model_cfg.dtype, device=self.device, trainable=False, attn_implementation=attention,
                 budget=budget,
             )  # fmt: skip
-            if self.zero3:
-                # The reference is sharded like the policy: a ZeRO-3 engine without optimizer.
+            if self.zero3 or learner_cfg.shard_reference:
+                # The reference is sharded over the ranks: a ZeRO-3 engine without optimizer.
                 ref_config = ref_ds_config(config, learner_cfg, world_size)
                 self.ref, _, _, _ = deepspeed.initialize(model=ref_model, config=ref_config, dist_init_required=False)
             else:

@@ -1005,3 +1005,29 @@ def test_lora_trains_only_adapters_and_exports_merged_weights(judge_dir: str, ra
     # The hybrid engine sampled with the adapters on: what the merged export samples.
     exported_engine = HFEngine(str(tmp_path / "hf"), ModelConfig(), rollout_cfg, device=str(DEVICE))
     _same_completions(samples, exported_engine.generate(_judge_prompts(2), n=2, seed=3))
+
+
+def test_a_sharded_reference_gives_the_replicated_ones_logprobs(judge_dir: str, rank_env: None) -> None:
+    """learner.shard_reference under a ZeRO-2 policy: the reference is a ZeRO-3 engine (its
+    parameters partitioned), with the same log-probs as the full copy, before and after a step
+    (the reference does not move with the policy)."""
+    exps = _experiences(6, seed=8)
+    results = []
+    for shard in (False, True):
+        model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=3, kl_coef=0.01)
+        learner_cfg = dataclasses.replace(learner_cfg, shard_reference=shard)
+        rank = LearnerRank(
+            model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
+            master_port=free_address()[1], total_steps=10, grad_accum_steps=2,
+        )  # fmt: skip
+        try:
+            assert hasattr(rank.ref, "zero_optimization_partition_weights") == shard
+            before = rank.compute_logprobs(exps, "ref")
+            with_ref = [dataclasses.replace(e, ref_logprobs=r) for e, r in zip(exps, before)]
+            rank.train_step(with_ref, *_counts(with_ref))
+            results.append((before, rank.compute_logprobs(exps, "ref")))
+        finally:
+            rank.shutdown()
+    (full_before, full_after), (sharded_before, sharded_after) = results
+    for a, b in [*zip(full_before, sharded_before), *zip(sharded_before, sharded_after), *zip(full_after, sharded_after)]:
+        assert a == pytest.approx(b, abs=1e-5)

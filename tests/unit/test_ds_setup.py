@@ -44,3 +44,22 @@ def test_offload_is_checked_against_the_learner(overrides, message):
 def test_offload_loads_where_it_applies():
     assert load(None, [*GPU, "learner.offload=all", "learner.zero_stage=3"]).learner.offload == "all"
     assert load(None, [*GPU, "learner.offload=optimizer", "learner.zero_stage=1"]).learner.offload == "optimizer"
+
+
+def test_learner_ds_config_reaches_deepspeed_and_cannot_set_the_batch():
+    """learner.ds_config is merged into the policy's DeepSpeed config (deep, after pjray's own
+    keys, before a caller's overrides); the batch sizes stay pjray's."""
+    cfg = load(overrides=["learner.ds_config.zero_optimization.reduce_bucket_size=500000000",
+                          "learner.ds_config.gradient_clipping=0.5"])  # fmt: skip
+    merged = ds_config(cfg.learner, grad_accum_steps=2, world_size=1, overrides={})
+    assert merged["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 500000000}
+    assert merged["gradient_clipping"] == 0.5 and merged["train_batch_size"] == cfg.learner.micro_batch_size * 2
+    last = ds_config(cfg.learner, 2, 1, {"gradient_clipping": 2.0})
+    assert last["gradient_clipping"] == 2.0
+    with pytest.raises(ConfigError, match=r"learner.ds_config: \['gradient_accumulation_steps'\] are set from"):
+        load(overrides=["learner.ds_config.gradient_accumulation_steps=4"])
+
+
+def test_a_sharded_reference_is_a_zero3_engine_whatever_the_policys_stage():
+    policy = ds_config(LearnerConfig(micro_batch_size=4, zero_stage=2), 2, 4, {})
+    assert ref_ds_config(policy, LearnerConfig(micro_batch_size=4), world_size=4)["zero_optimization"] == {"stage": 3}
