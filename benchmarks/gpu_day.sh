@@ -2,8 +2,9 @@
 # A GPU day in one command: the checks the vLLM paths still owe a GPU, in order, with one
 # summary at the end (<run_root>/summary.md; each step's log under <run_root>/logs/).
 #
-#   1. install: pjray on its pinned set (torch first, then '.[gpu,test]', which pins vLLM),
-#      `pip check`, and the installed versions against pyproject.toml's pins;
+#   1. install: pjray on its pinned set (torch first, then '.[gpu,test]', which pins vLLM), and
+#      flash-attn (the recipes' packed attention), `pip check`, and the installed versions
+#      against pyproject.toml's pins;
 #   2. the CUDA GPUs torch sees;
 #   3. vLLM with CUDA graphs, parity and GRPO: every step of benchmarks/gpu_smoke.sh (the VL
 #      engine checks on the GPU; bf16 log-prob parity on Model Runner V1 and V2 and at TP=2;
@@ -42,6 +43,9 @@ if [ -n "${SKIP_INSTALL:-}" ]; then
 else
   step "install $TORCH_PIN" 1200 "$PY" -m pip install "$TORCH_PIN"
   step "install pjray[gpu,test]" 1800 "$PY" -m pip install -e '.[gpu,test]'
+  # The recipes pack sequences into flash attention's variable-length kernels
+  # (model.attn_implementation=flash_attention_2); it builds against the installed torch.
+  step "install flash-attn" 3600 "$PY" -m pip install flash-attn --no-build-isolation
 fi
 step "pip check" 120 "$PY" -m pip check
 step "pinned versions" 120 "$PY" - <<'PYEOF'

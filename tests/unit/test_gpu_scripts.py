@@ -106,8 +106,9 @@ def test_gpu_smoke_fails_when_a_step_fails_and_runs_every_step(tmp_path: Path, f
 def test_gpu_day_runs_its_checks_in_order_and_fails_when_the_recipe_fails(tmp_path: Path) -> None:
     done, rows, calls = _run("gpu_day.sh", tmp_path, "configs/qwen3vl_4b.yaml")
     names = [r[1] for r in rows]
-    assert names[:5] == ["install torch==2.13.0", "install pjray[gpu,test]", "pip check", "pinned versions", "CUDA GPUs"]
-    assert names[5:-1] == SMOKE_STEPS
+    assert names[:6] == ["install torch==2.13.0", "install pjray[gpu,test]", "install flash-attn", "pip check",
+                         "pinned versions", "CUDA GPUs"]
+    assert names[6:-1] == SMOKE_STEPS
     assert names[-1] == "recipe qwen3vl_4b, 3 steps (split: 1 learner + 1 engine GPUs, NCCL)"
     assert done.returncode == 1 and [r[1] for r in rows if r[2].startswith("FAIL")] == [names[-1]], done.stdout
     # In order: the install before anything else, the recipe last.
