@@ -163,6 +163,10 @@ class ModelConfig:
     min_pixels: int = opt(0, ge=0, why="0: the checkpoint's own")
     max_pixels: int = opt(1_003_520, ge=0, why="0: the checkpoint's own")
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # A node-local directory: the judge's checkpoint is copied there once per node before the
+    # actors load it, so a node's ranks and engines do not all read shared storage at start-up
+    # (pjray.staging). Empty: they load `path` (or the resolved judge) directly.
+    stage_dir: str = ""
 
     @property
     def image_budget(self) -> ImageBudget:

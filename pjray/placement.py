@@ -189,6 +189,11 @@ class Placement:
         cpus = {n["NodeID"]: n["Resources"].get("CPU", 1.0) for n in ray.nodes() if n["Alive"]}
         return shared_threads([nodes[i] for i in indices], cpus)
 
+    def nodes(self) -> list[str]:
+        """The Ray node id of every bundle, in bundle order."""
+        table = placement_group_table(self.pg)["bundles_to_node_id"]
+        return [table[i] for i in range(len(table))]
+
     def master_address(self, role: str) -> tuple[str, int]:
         """IP and a free port on the node of the role's first bundle (for torch.distributed):
         reserved here when that node is the driver's, else by a task in the bundle (whose pooled

@@ -68,6 +68,7 @@ from pjray.rl.layout import Layout, choose_layout
 from pjray.rl.learner import LearnerRank
 from pjray.rl.timer import Timer
 from pjray.signals import Interrupted, StopRequest
+from pjray.staging import stage_on_nodes
 from pjray.tracking import Tracker
 from pjray.types import Experience, JudgeItem, JudgePrompt, TrainInputs
 
@@ -160,6 +161,8 @@ class Trainer:
             group=self.placement_group, first=self.first_bundle,
         )
         clock.done("placement group")
+        self.model = stage_on_nodes(self.inputs.model, cfg.model.stage_dir, self.placement.nodes())
+        clock.done("checkpoint staged")
         self.learners = self.launch_learners()
         starting = [r.ready.remote() for r in self.learners]
         self.reward = WorkerPool(
@@ -167,7 +170,7 @@ class Trainer:
             max_retries=cfg.trainer.max_step_retries, wait=False,
         )
         starting += self.reward.ready()
-        self.rollout = self.layout.start_rollout(self.placement, self.learners, starting, self.inputs.model, self.sync_worker)
+        self.rollout = self.layout.start_rollout(self.placement, self.learners, starting, self.model, self.sync_worker)
         ray.get(starting)
         clock.done("learners and workers")
         self.layout.connect(self.learners, self.rollout)
@@ -184,7 +187,7 @@ class Trainer:
         threads = self.placement.threads("learner", cfg.learner.num_threads)
         return [
             self.placement.launch(
-                "learner", LearnerRank, r, cfg.model, cfg.learner, cfg.algo, self.inputs.model,
+                "learner", LearnerRank, r, cfg.model, cfg.learner, cfg.algo, self.model,
                 rank=r, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,
                 total_steps=total_updates, grad_accum_steps=max(1, per_rank // cfg.learner.micro_batch_size),
                 norm_len=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,

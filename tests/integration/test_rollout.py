@@ -341,3 +341,18 @@ def test_a_sync_starts_only_after_the_generations_in_flight(ray_local):
     assert pending.result().value == []
     for w in workers:
         ray.kill(w)
+
+
+def test_the_checkpoint_is_staged_once_on_each_node(ray_local, judge_dir, tmp_path):
+    """`model.stage_dir` on a (one-node) Ray cluster: a task on the node copies the judge to
+    local disk, a second staging reuses the copy, and an engine loads the copy."""
+    from pjray.staging import stage_on_nodes
+
+    node = ray.get_runtime_context().get_node_id()
+    staged = stage_on_nodes(judge_dir, str(tmp_path / "local"), [node, node])
+    assert Path(staged).parent == tmp_path / "local" and Path(staged, "config.json").exists()
+    stamp = Path(staged, "config.json").stat().st_mtime_ns
+    assert stage_on_nodes(judge_dir, str(tmp_path / "local"), [node]) == staged
+    assert Path(staged, "config.json").stat().st_mtime_ns == stamp
+    engine = HFEngine(staged, ModelConfig(), RolloutConfig(max_new_tokens=4))
+    assert engine.checksums() == HFEngine(judge_dir, ModelConfig(), RolloutConfig(max_new_tokens=4)).checksums()

@@ -220,8 +220,8 @@ LAYERS = (
     ("pjray.data",),
     # its reward and its weights (loading, LoRA, tiny and base judges)
     ("pjray.reward", "pjray.models"),
-    # Ray: the one connection to the cluster, and where actors are placed
-    ("pjray.cluster", "pjray.placement"),
+    # Ray: the one connection to the cluster, where actors are placed, the checkpoint they load
+    ("pjray.cluster", "pjray.placement", "pjray.staging"),
     # the rollout side: weight sync, the rollout engines and workers
     ("pjray.sync", "pjray.rollout"),
     # the PPJD job (Ray Data; its LLM rewrites run on the rollout engines)
