@@ -357,6 +357,10 @@ class LearnerConfig:
     # GPUs: the optimizer states (zero_stage >= 1), or with `all` the parameters too (zero_stage
     # 3). The optimizer is then DeepSpeed's CPU Adam (a C++ op compiled on first use). GPU ranks only.
     offload: str = opt("none", choices=("none", "optimizer", "all"))
+    # Colocated GPUs: move the optimizer's states (fp32 master weights, Adam moments, gradient
+    # buffers; ~16 bytes a trainable parameter / num_ranks under ZeRO) to pinned CPU memory while
+    # the engines generate, and back before the update (DeepSpeed's offload_states).
+    offload_during_generation: bool = False
     # The KL term's reference model partitioned over the ranks as a ZeRO-3 inference engine (its
     # layers gathered as its forward reaches them) where the policy is not ZeRO-3 (under ZeRO-3
     # it always is): 2 bytes a parameter / num_ranks on each GPU instead of a full bf16 copy.
@@ -850,6 +854,11 @@ def _check_learner(cfg: Config) -> None:
         raise ConfigError("learner.offload=optimizer: ZeRO-Offload needs learner.zero_stage >= 1")
     if lc.offload == "all" and lc.zero_stage != 3:
         raise ConfigError(f"learner.offload=all: offloading parameters needs learner.zero_stage=3, not {lc.zero_stage}")
+    if lc.offload_during_generation and not (cfg.rollout.colocate and lc.num_gpus_per_rank > 0):
+        raise ConfigError("learner.offload_during_generation: only colocated GPU ranks hand their memory to engines "
+                          "(rollout.colocate=true, learner.num_gpus_per_rank > 0)")  # fmt: skip
+    if lc.offload_during_generation and lc.offload != "none":
+        raise ConfigError(f"learner.offload_during_generation: the states live in CPU memory already (learner.offload={lc.offload})")
     owned = sorted(set(lc.ds_config) & {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"})
     if owned:
         raise ConfigError(f"learner.ds_config: {owned} are set from learner.micro_batch_size and the step's batch")

@@ -267,6 +267,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
             dist_init_required=False,
         )
         self.engine.train()
+        self._states_offloaded = False  # learner.offload_during_generation (`release_memory`)
 
         self.ref: torch.nn.Module | None = None
         if algo_cfg.kl_coef > 0 and self.lora:
@@ -405,6 +406,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
             engine, and rollout_is/* metrics.
         """
         self._check_step(experiences)
+        self._states_on_gpu()
         lr = float(self.engine.get_lr()[0])
         sums = StepSums()
         self.engine.train()
@@ -558,6 +560,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
         """
         if not self.learner_cfg.micro_batch_tokens and len(experiences) < self.grad_accum_steps:
             raise ValueError(f"sft_step: {len(experiences)} experiences cannot fill {self.grad_accum_steps} micro-batches")
+        self._states_on_gpu()
         lr = float(self.engine.get_lr()[0])
         sums = torch.zeros(3, dtype=torch.float64)  # [loss, tokens, right]
         self.engine.train()
@@ -595,9 +598,22 @@ class LearnerRank(WeightSender, RankCheckpoints):
 
     def release_memory(self) -> None:
         """Return the CUDA caching allocator's free blocks (activations of the update) to the
-        GPU, for a colocated engine that wakes into it next; a no-op on CPU."""
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        GPU, for a colocated engine that wakes into it next; with
+        `learner.offload_during_generation`, first move the optimizer's states (fp32 master
+        weights, Adam moments, gradient buffers) to pinned CPU memory until the next update
+        (`_states_on_gpu`). A no-op on CPU."""
+        if not torch.cuda.is_available():
+            return
+        if self.learner_cfg.offload_during_generation and not self._states_offloaded:
+            self.engine.offload_states()
+            self._states_offloaded = True
+        torch.cuda.empty_cache()
+
+    def _states_on_gpu(self) -> None:
+        """Bring back what `release_memory` offloaded, before an optimizer step needs it."""
+        if self._states_offloaded:
+            self.engine.reload_states()
+            self._states_offloaded = False
 
     def _grad_norm(self) -> float | None:
         """L2 norm of the trainable parameters' .grad (None when no gradient is held there)."""

@@ -40,6 +40,7 @@ COMMON = [
 COLOCATED = [
     "learner.num_ranks=1", "rollout.num_workers=1", "rollout.colocate=true", "learner.num_gpus_per_rank=0.5",
     "rollout.num_gpus_per_worker=0.4", "rollout.gpu_memory_utilization=0.3", "trainer.sync_backend=ipc",
+    "learner.offload_during_generation=true",
 ]  # fmt: skip
 SPLIT = [
     "learner.num_ranks=1", "rollout.num_workers=1", "learner.num_gpus_per_rank=1",
