@@ -338,6 +338,7 @@ def _project_in_chunks(
     holds more than one chunk's logits."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    head = _frozen_partitioned_head(head)
     pieces = [
         checkpoint(
             _chunk_stats, head, hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens],
@@ -350,6 +351,37 @@ def _project_in_chunks(
         return none, none, labels.new_zeros(0)
     picked, entropy, greedy = zip(*pieces)
     return torch.cat(picked), torch.cat(entropy), torch.cat(greedy)
+
+
+def _frozen_partitioned_head(head: torch.nn.Module) -> torch.nn.Module:
+    """`head`, or where its weight is a frozen ZeRO-3 partition (LoRA under ZeRO-3), a module
+    projecting through one full copy of it, gathered here once. ZeRO-3 gathers a frozen
+    module's weight for its forward but not for the recomputation of a checkpointed chunk in
+    backward, which would then see the empty partition; the copy (vocab x hidden, ~1 GB for a
+    7B judge in bf16) lives until the micro-batch's backward has run."""
+    weight = head.weight
+    if not hasattr(weight, "ds_id") or weight.requires_grad:
+        return head
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([weight]):
+        full = weight.detach().clone()
+    bias = getattr(head, "bias", None)
+    if bias is not None:
+        with deepspeed.zero.GatheredParameters([bias]):
+            bias = bias.detach().clone()
+    return _Projection(full, bias)
+
+
+class _Projection(torch.nn.Module):
+    """hidden @ weight.T (+ bias) with fixed tensors: a gathered copy of an output projection."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return torch.nn.functional.linear(hidden, self.weight, self.bias)
 
 
 def _chunk_stats(
