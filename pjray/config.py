@@ -108,7 +108,8 @@ def opt(
 @dataclass(frozen=True)
 class LoraConfig:
     """LoRA adapters through PEFT (pjray.models.lora): only they train; the reference model is
-    the judge with its adapters disabled; rollout engines and the HF export get merged weights."""
+    the judge with its adapters disabled; the HF export gets merged weights, rollout workers the
+    adapter alone or merged weights (`sync`)."""
 
     rank: int = opt(0, ge=0)  # 0: off (full fine-tuning)
     alpha: float = opt(16.0, ge=0)
@@ -116,6 +117,22 @@ class LoraConfig:
     # PEFT module names (or "all-linear": every linear layer but the output projection).
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     vision: bool = False  # also adapt the vision tower's linear layers
+    # What a weight sync sends to rollout workers of their own (pjray.sync.adapter). adapter: the
+    # adapter alone, through the object store (vLLM serves it as a LoRA adapter, the HF engine
+    # through PEFT, over the base weights they loaded once). merged: the full weights with the
+    # adapter merged in, over trainer.sync_backend. auto: adapter, except for colocated engines
+    # (their weights sleep and come back only with a full sync) or a trainer.sync_backend other
+    # than auto / object_store (full-weight transports).
+    sync: str = opt("auto", choices=("auto", "adapter", "merged"))
+
+    def sync_mode(self, rollout: RolloutConfig, sync_backend: str) -> str:
+        """What a weight sync sends with these settings: "adapter", "merged", or "" where it
+        sends no adapter (no LoRA; the hybrid engine, which has no sync)."""
+        if not self.rank or rollout.backend == "hybrid":
+            return ""
+        if self.sync != "auto":
+            return self.sync
+        return "merged" if rollout.colocate or sync_backend not in ("auto", "object_store") else "adapter"
 
 
 @dataclass(frozen=True)
@@ -657,6 +674,44 @@ def _check_model(cfg: Config) -> None:
         raise ConfigError(f"model.min_pixels={m.min_pixels} > model.max_pixels={m.max_pixels}")
     if m.lora.rank and not m.lora.target_modules:
         raise ConfigError("model.lora.target_modules: empty; name modules or use [all-linear]")
+    _check_lora_sync(cfg)
+
+
+# The LoRA ranks vLLM serves (its max_lora_rank takes one of them, at least the adapter's rank).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The modules vLLM serves a Qwen judge's LoRA adapter on (the language model's projections, in
+# PEFT's names; vLLM maps them onto its packed qkv / gate_up layers): not lm_head, not embeddings.
+VLLM_LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _check_lora_sync(cfg: Config) -> None:
+    """model.lora.sync: an adapter sync needs rollout workers of their own, reached through the
+    object store, and (for vLLM) an adapter vLLM can serve."""
+    lora, ro, sync = cfg.model.lora, cfg.rollout, cfg.model.lora.sync
+    if sync == "auto":
+        pass
+    elif not lora.rank:
+        raise ConfigError(f"model.lora.sync={sync}: there is no adapter without LoRA (model.lora.rank > 0)")
+    elif ro.backend == "hybrid":
+        raise ConfigError(f"model.lora.sync={sync}: rollout.backend=hybrid generates with the module it trains, "
+                          "so nothing is synced (leave it at auto)")  # fmt: skip
+    elif sync == "adapter" and ro.colocate:
+        raise ConfigError("model.lora.sync=adapter: colocated engines discard their weights while they sleep and take "
+                          "them back only with a full sync; use model.lora.sync=merged (or auto)")  # fmt: skip
+    elif sync == "adapter" and cfg.trainer.sync_backend not in ("auto", "object_store"):
+        raise ConfigError(f"model.lora.sync=adapter: the adapter travels through the object store, not "
+                          f"trainer.sync_backend={cfg.trainer.sync_backend}; set one of them to auto")  # fmt: skip
+    if lora.sync_mode(ro, cfg.trainer.sync_backend) != "adapter" or ro.backend != "vllm":
+        return
+    why = "set model.lora.sync=merged to send merged weights instead"
+    if lora.rank > VLLM_LORA_RANKS[-1]:
+        raise ConfigError(f"model.lora.rank={lora.rank}: vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}; {why}")
+    if lora.vision:
+        raise ConfigError(f"model.lora.vision: vLLM serves LoRA adapters on the language model only; {why}")
+    unserved = sorted(set(lora.target_modules) - {"all-linear", *VLLM_LORA_MODULES})
+    if unserved:
+        raise ConfigError(f"model.lora.target_modules: vLLM serves no LoRA adapter on {unserved} (only on "
+                          f"{', '.join(VLLM_LORA_MODULES)} or all-linear); {why}")  # fmt: skip
 
 
 def _check_data(cfg: Config) -> None:

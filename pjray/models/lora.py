@@ -7,10 +7,12 @@ projection, as PEFT's "all-linear" selects them), none in the vision tower unles
 Only the adapters train; the base weights stay frozen, so the reference model of the KL term is
 the same module with its adapters disabled (no second copy).
 
-Everything that leaves the learner (weight sync to the rollout engines, checksums, the HF export)
-sees the judge as a plain HF model: `export_view` lists the base model's own parameter names,
-and each adapted weight is exported merged, W + scaling * (B @ A), computed from the current
-adapters without touching the module (merging in place and back would drift W by rounding).
+Everything that leaves the learner as full weights (a merged weight sync, checksums, the HF
+export) sees the judge as a plain HF model: `export_view` lists the base model's own parameter
+names, and each adapted weight is exported merged, W + scaling * (B @ A), computed from the
+current adapters without touching the module (merging in place and back would drift W by
+rounding). An adapter sync (model.lora.sync=adapter, `pjray.sync.adapter`) sends the adapter
+alone instead: the engines hold the frozen base weights already.
 """
 
 from __future__ import annotations

@@ -9,27 +9,30 @@ report memory as which role (`memory_roles`).
 * `Hybrid` (rollout.backend=hybrid): the learner ranks generate with the weights they train; no
   rollout workers, no transport, no version gap.
 * `Split` (rollout workers of their own): weights travel over the transport `trainer.sync_backend`
-  names (`auto`: `pjray.sync.transports.auto_transport`); every sample is stamped with the version
-  that made it, which lets generation run ahead of training (`trainer.max_staleness`).
+  names (`auto`: `pjray.sync.transports.auto_transport`), or with LoRA the adapter alone through
+  the object store (`model.lora.sync`, `AdapterTransport`); every sample is stamped with the
+  version that made it, which lets generation run ahead of training (`trainer.max_staleness`).
 * `Colocated` (rollout.colocate): rollout worker i shares learner rank i's GPU bundle. Its engine
   starts once the ranks hold their memory (it sizes its KV cache from what is free), sleeps while
-  the learner trains and wakes at the sync.
+  the learner trains and wakes at the sync. With LoRA it takes merged weights (model.lora.sync=auto
+  resolves to merged): a sleeping engine discards its weights, which only a full sync restores.
 
 Adding a layout is one class here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable
 
 import ray
 
-from pjray.config import Config
+from pjray.config import Config, ModelConfig
 from pjray.placement import Placement, RankGroup, RoleResources, WorkerPool
 from pjray.rl.timer import Timer
 from pjray.rollout.worker import RolloutWorker
-from pjray.sync.transports import Transport, auto_transport, make_transport
+from pjray.sync.transports import AdapterTransport, Transport, auto_transport, make_transport
 from pjray.types import Completion
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,16 @@ class Layout:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.transport: Transport | None = None
+        # What a sync sends with LoRA: "adapter", "merged", or "" (no LoRA).
+        self.lora_sync = cfg.model.lora.sync_mode(cfg.rollout, cfg.trainer.sync_backend)
+
+    def worker_model(self) -> ModelConfig:
+        """The model settings the rollout workers start with: model.lora.sync resolved (an engine
+        that takes the adapter alone starts with LoRA serving on)."""
+        model = self.cfg.model
+        if not self.lora_sync:
+            return model
+        return dataclasses.replace(model, lora=dataclasses.replace(model.lora, sync=self.lora_sync))
 
     # ------------------------------------------------------------------ placement and start-up
     def roles(self) -> dict[str, RoleResources]:
@@ -74,8 +87,9 @@ class Layout:
         """The rollout pool, its workers started (their `ready` calls appended to `starting`)."""
         cfg = self.cfg
         threads = placement.threads("rollout", cfg.rollout.num_threads)
+        model_cfg = self.worker_model()
         pool = WorkerPool(
-            placement, "rollout", RolloutWorker, lambda i: (model_path, cfg.model, cfg.rollout, i, threads[i]),
+            placement, "rollout", RolloutWorker, lambda i: (model_path, model_cfg, cfg.rollout, i, threads[i]),
             max_retries=cfg.trainer.max_step_retries, on_restart=on_restart, wait=False,
         )
         starting += pool.ready()
@@ -83,8 +97,14 @@ class Layout:
 
     def connect(self, learners: list, rollout: Rollout) -> None:
         """Choose the weight transport once (`trainer.sync_backend`; `auto` from where the actors
-        landed) and set it up."""
+        landed) and set it up. With LoRA and model.lora.sync resolving to adapter: the adapter
+        transport, whatever trainer.sync_backend (auto or object_store, as validated) says."""
         cfg = self.cfg
+        if self.lora_sync == "adapter":
+            log.info("weight sync: the LoRA adapter alone, through the object store (model.lora.sync=%s)", cfg.model.lora.sync)
+            self.transport = AdapterTransport(cfg.trainer.sync_bucket_mb << 20)
+            self.transport.connect(learners, rollout)
+            return
         name = cfg.trainer.sync_backend
         if name == "auto":
             learner_node = ray.get(learners[0].node_id.remote())

@@ -34,6 +34,9 @@ Semantics every engine keeps, so the driver and the reward never need to know th
 * Weight sync (`load_weights`) takes the learner's bucket plan plus one Ray ObjectRef per
   bucket (a flat tensor from `pjray.sync.buckets.pack`, put once by the learner), fetches the
   buckets one at a time so only one bucket is in flight, and copies them in place.
+* Adapter sync (`load_adapter`, model.lora.sync=adapter): the learner's LoRA adapter alone
+  (`pjray.sync.adapter.AdapterUpdate`); the engine serves the base weights it loaded at start-up
+  with that adapter from then on (vLLM: a new LoRA adapter id per sync; HF: through PEFT).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 from typing import Any, Protocol, runtime_checkable
 
 from pjray.data.prompts import EOS_TOKEN
+from pjray.sync.adapter import AdapterUpdate
 from pjray.sync.buckets import Bucket
 from pjray.types import Completion, JudgePrompt
 
@@ -61,6 +65,10 @@ class RolloutEngine(Protocol):
 
     def load_shared(self, plan: list[Bucket], paths: list[str]) -> None:
         """Same-node sync: copy from learner rank 0's shared-memory buffers (`pjray.sync.shared`)."""
+        ...
+
+    def load_adapter(self, update: AdapterUpdate) -> None:
+        """Adapter sync: serve the base weights with the learner's LoRA adapter `update`."""
         ...
 
     def checksums(self) -> dict[str, str]:

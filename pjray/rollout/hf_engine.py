@@ -20,7 +20,9 @@ from pjray.models.loading import (
     render_chat,
     truncate_logits,
 )
+from pjray.models.lora import export_view
 from pjray.rollout.engine import stop_token_ids
+from pjray.sync.adapter import AdapterUpdate
 from pjray.sync.buckets import Bucket, state_checksums, unpack
 from pjray.sync.shared import SharedBucketReader
 from pjray.types import Completion, JudgePrompt
@@ -47,6 +49,10 @@ class HFEngine:
     Each step samples as HF `generate` does (temperature, then top-k and top-p with HF's own
     warpers, then one multinomial draw per row), with the placeholder ids banned first.
     `max_batch_prompts` bounds memory: one chunk runs at most that many prompts x n sequences.
+
+    An adapter sync (`load_adapter`, model.lora.sync=adapter) wraps the model in PEFT once, with
+    the learner's adapter config, and copies each later adapter into it: the engine then samples
+    from the base weights it loaded plus the learner's adapter, as the learner's policy is.
 
     `sleep()` / `wake_up()` are no-ops: the HF model has no KV cache that outlives a generate
     call, and on CPU there is no device memory to hand to the learner.
@@ -117,6 +123,7 @@ class HFEngine:
         # the EOS ids are read, never its sampling defaults (e.g. Qwen's top_k=20).
         self._params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
         self._shared = SharedBucketReader()
+        self._peft: torch.nn.Module | None = None  # the PEFT wrapper of `model`, after an adapter sync
 
     # -- generation -----------------------------------------------------------------------
 
@@ -221,6 +228,9 @@ class HFEngine:
         the parameters (e.g. a frozen vision tower is not sent). Values are cast to the
         engine's dtype (a float32 learner may feed a bfloat16 rollout); shapes must match.
         """
+        if self._peft is not None:
+            raise RuntimeError("load_weights: this engine serves a LoRA adapter (adapter sync); merged weights "
+                               "loaded into its base layers would carry the adapter twice")  # fmt: skip
         if len(plan) != len(refs):
             raise ValueError(f"load_weights: {len(plan)} buckets in the plan but {len(refs)} refs")
         for bucket in plan:
@@ -249,8 +259,35 @@ class HFEngine:
         """`load_weights` from the learner's shared-memory buffers, mapped once and reused."""
         self.load_weights(plan, self._shared.views(plan, paths))
 
+    def load_adapter(self, update: AdapterUpdate) -> None:
+        """Adapter sync: serve the base weights with `update`'s LoRA adapter.
+
+        The first update wraps the model in PEFT with the adapter's config (in place: the model's
+        linear layers become LoRA layers, under the same module); every update then copies its
+        tensors into the adapter. An update whose config differs from the first is refused.
+        """
+        from peft import get_peft_model, set_peft_model_state_dict
+
+        if self._peft is None:
+            with torch.random.fork_rng(devices=[]):  # PEFT's initial values are overwritten below
+                self._peft = get_peft_model(self.model, update.peft_config())
+            self._peft.eval()
+            self._adapter_config = update.config
+        elif update.config != self._adapter_config:
+            raise ValueError("load_adapter: the adapter's config (rank, alpha, target modules) differs from the "
+                             "one this engine was wrapped with")  # fmt: skip
+        loaded = set_peft_model_state_dict(self._peft, update.tensors)
+        if loaded.unexpected_keys:
+            raise ValueError(f"load_adapter: {len(loaded.unexpected_keys)} adapter tensors match no LoRA layer of "
+                             f"the rollout model, e.g. {loaded.unexpected_keys[0]!r}")  # fmt: skip
+
     def checksums(self) -> dict[str, str]:
-        return state_checksums(self.model.named_parameters())
+        """`state_checksums` of the served parameters by the HF model's names; with an adapter,
+        of the merged weights (`pjray.models.lora.export_view`), as the learner reports them."""
+        if self._peft is None:
+            return state_checksums(self.model.named_parameters())
+        with torch.no_grad():
+            return state_checksums((p.name, p.value()) for p in export_view(self._peft))
 
     def sleep(self) -> None:
         """No-op: nothing outlives a generate call (see the class docstring)."""

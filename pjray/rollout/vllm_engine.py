@@ -33,6 +33,14 @@ Weights, one call per sync from the driver, in one of four transports (trainer.s
   called by the colocated learner rank itself, which streams its buckets through two CUDA
   buffers that every vLLM worker maps (`pjray.sync.ipc`).
 
+With model.lora.sync=adapter (LoRA, rollout workers of their own) the engine starts with vLLM's
+LoRA support on (`enable_lora`, one adapter slot, `max_lora_rank` the smallest vLLM offers at
+least model.lora.rank) and takes the adapter alone: `load_adapter(update)` writes it into a fresh
+directory in PEFT's format and serves it as a new `LoRARequest` (a new adapter id per sync, so
+vLLM never serves a cached older adapter under the same id) for every later generation, the
+previous adapter removed from the engine and its directory deleted. The base weights stay those
+loaded at start-up: with LoRA they never train.
+
 Each vLLM worker loads buckets with the model's own `load_weights` (HF names in, vLLM's fused
 layout out) inside vLLM's layerwise in-place reload (`pjray_begin_update` /
 `pjray_finish_update`), which re-runs the post-load processing of every layer (e.g. repacked CPU
@@ -65,6 +73,8 @@ learner through logprobs (the tests do).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
@@ -72,10 +82,11 @@ import numpy as np
 import ray
 import torch
 
-from pjray.config import ModelConfig, RolloutConfig
+from pjray.config import VLLM_LORA_RANKS, ModelConfig, RolloutConfig
 from pjray.data.images import decode_image
 from pjray.models.loading import is_text_only, load_processor, placeholder_ids, render_chat
 from pjray.rollout.engine import checkpoint_eos_ids, stop_token_ids
+from pjray.sync.adapter import AdapterUpdate
 from pjray.sync.buckets import Bucket, flat_bytes, from_bytes, state_checksums, unpack
 from pjray.sync.collective import WeightSyncGroup, dumps, loads, receive_buckets
 from pjray.sync.ipc import open_ipc_handle, slot_view
@@ -291,6 +302,11 @@ def llm_kwargs(model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConf
         # TP ranks as processes of this actor, on the GPUs Ray gave it (one node).
         if rollout_cfg.tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "mp"
+    if model_cfg.lora.sync == "adapter":
+        # Adapter sync: vLLM applies the learner's adapter; one at a time (each sync replaces it).
+        kwargs["enable_lora"] = True
+        kwargs["max_loras"] = 1
+        kwargs["max_lora_rank"] = min(r for r in VLLM_LORA_RANKS if r >= model_cfg.lora.rank)
     if not is_text_only(processor):
         kwargs["limit_mm_per_prompt"] = {"image": 1, "video": 0}
         # The learner's image budget (`ModelConfig.image_budget`, `load_processor`), so
@@ -309,7 +325,9 @@ class VllmEngine:
     """Rollouts with `vllm.LLM` (GPU, or vLLM's CPU build).
 
     The engine lives inside a `RolloutWorker` actor, which holds rollout.tensor_parallel_size
-    GPUs (split mode) or a share of one learner GPU (colocated, with sleep mode).
+    GPUs (split mode) or a share of one learner GPU (colocated, with sleep mode). It serves LoRA
+    adapters (`load_adapter`) when `model_cfg.lora.sync` is "adapter" (the layout resolves auto
+    before it starts the workers).
     """
 
     def __init__(self, model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig) -> None:
@@ -329,6 +347,9 @@ class VllmEngine:
 
         kwargs = llm_kwargs(model_path, model_cfg, rollout_cfg, self.processor)
         self.llm = LLM(**kwargs)
+        self.lora_enabled = bool(kwargs.get("enable_lora"))
+        self.lora: Any = None  # the LoRARequest every request carries, after an adapter sync
+        self._adapters = 0  # adapter syncs so far: the next adapter's id
 
     # -- generation -----------------------------------------------------------------------
 
@@ -357,7 +378,7 @@ class VllmEngine:
             self.wake_up()
         requests = [vllm_request(self.processor, p, self.model_cfg.think_prefix) for p in prompts]
         params = [self.sampling_params(n, _prompt_seed(seed, i)) for i in range(len(prompts))]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self.lora)
         decode = self.processor.tokenizer.decode
         completions: list[Completion] = []
         for prompt_index, request_output in enumerate(outputs):
@@ -396,7 +417,7 @@ class VllmEngine:
         prompt_ids = self.processor.tokenizer(request.pop("prompt"), add_special_tokens=False)["input_ids"]
         request["prompt_token_ids"] = list(prompt_ids) + list(continuation)
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, seed=0)
-        out = self.llm.generate([request], params, use_tqdm=False)[0]
+        out = self.llm.generate([request], params, use_tqdm=False, lora_request=self.lora)[0]
         steps = out.prompt_logprobs[-len(continuation) :]
         return [float(step[tok].logprob) for step, tok in zip(steps, continuation)]
 
@@ -421,6 +442,26 @@ class VllmEngine:
             raise ValueError(f"load_shared: {len(plan)} buckets in the plan but {len(paths)} buffers")
         self._before_load()
         self.llm.collective_rpc("pjray_load_shared", args=(dumps(plan), list(paths)))
+        self._after_load()
+
+    def load_adapter(self, update: AdapterUpdate) -> None:
+        """Adapter sync: serve the base weights with the learner's LoRA adapter `update`, under a
+        new adapter id, from now on. The previous adapter leaves the engine (and its directory
+        the disk) first: the engine holds one adapter slot."""
+        from vllm.lora.request import LoRARequest
+
+        if not self.lora_enabled:
+            raise RuntimeError("load_adapter: this engine was started without LoRA (model.lora.sync is not adapter)")
+        self._adapters += 1
+        directory = update.write(tempfile.mkdtemp(prefix=f"pjray-adapter-{self._adapters}-"))
+        request = LoRARequest(f"policy-{self._adapters}", self._adapters, str(directory))
+        old, self.lora = self.lora, None
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"load_adapter: vLLM did not load the adapter written to {directory}")
+        self.lora = request
         self._after_load()
 
     def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
@@ -506,6 +547,8 @@ class VllmEngine:
         """Stop vLLM's engine core (its process, when it runs in one) now, not at garbage
         collection (through the engine-core client: `vllm.LLM` has no public shutdown)."""
         self.llm.llm_engine.engine_core.shutdown()
+        if self.lora is not None:
+            shutil.rmtree(self.lora.lora_path, ignore_errors=True)
 
     def sleep(self) -> None:
         """Release weights and KV cache (colocated engines); a no-op without sleep mode. At

@@ -21,6 +21,7 @@ from pjray.config import ConfigError, ModelConfig, RolloutConfig
 from pjray.memory import peak_memory_mib
 from pjray.placement import split_evenly
 from pjray.rollout.engine import RolloutEngine
+from pjray.sync.adapter import AdapterUpdate
 from pjray.sync.buckets import Bucket
 from pjray.types import Completion, JudgePrompt, Timed
 
@@ -215,6 +216,12 @@ class RolloutWorker:
         """Same-node sync: the engine copies from learner rank 0's shared-memory buffers
         (`pjray.sync.shared`), mapped once and reused at every sync."""
         self.engine.load_shared(plan, paths)
+
+    @engine_call
+    def load_adapter(self, update: AdapterUpdate) -> None:
+        """Adapter sync (model.lora.sync=adapter): the learner's LoRA adapter, which Ray fetched
+        from the object store (rank 0 put it there once) before the call."""
+        self.engine.load_adapter(update)
 
     def node_id(self) -> str:
         """The Ray node this worker runs on."""

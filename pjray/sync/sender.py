@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from pjray.models.lora import ExportedParam, export_view
+from pjray.sync.adapter import AdapterUpdate, adapter_update
 from pjray.sync.buckets import Bucket, pack, plan_buckets, state_checksums
 from pjray.sync.collective import WeightSyncGroup, broadcast_buckets
 from pjray.sync.ipc import stream_buckets
@@ -105,6 +106,26 @@ class WeightSender:
                 plan.append(bucket)
                 refs.append(ray.put(pack(bucket, tensors).cpu()))
         return (plan, refs) if self.rank == 0 else None
+
+    # -- the adapter alone (LoRA) --------------------------------------------------------------
+
+    def adapter(self) -> AdapterUpdate | None:
+        """LoRA: the adapter alone (`pjray.sync.adapter.AdapterUpdate`: PEFT's config and state
+        dict, on CPU) on rank 0, None on other ranks. Under ZeRO-3 the adapter's partitions are
+        gathered for the copy (a collective: call on all ranks)."""
+        module = self.engine.module
+        adapters = [p for n, p in module.named_parameters() if ".lora_" in n]
+        gathered = self._ds.zero.GatheredParameters(adapters, modifier_rank=None) if self.zero3 else contextlib.nullcontext()
+        with gathered:
+            return adapter_update(module) if self.rank == 0 else None
+
+    def export_adapter(self) -> tuple[ray.ObjectRef, int] | None:
+        """model.lora.sync=adapter: `adapter()` put in the Ray object store once by rank 0, which
+        returns (its ref, the adapter's bytes); other ranks None. Call on all ranks."""
+        import ray
+
+        update = self.adapter()
+        return None if update is None else (ray.put(update), update.nbytes)
 
     # -- shared memory ------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ Each class drives the learner ranks' side (`pjray.sync.sender.WeightSender`, eve
 part: ZeRO-3 gathers are collective) and the rollout workers' side (`RolloutWorker`) through
 their actor methods: `connect` at set-up, `send` at every sync, `refresh` for one rebuilt worker,
 `close` at shutdown. The trainer only calls these; it holds no branch on the transport's name.
+With LoRA and model.lora.sync=adapter the layout uses `AdapterTransport` (the adapter alone,
+through the object store) whatever trainer.sync_backend resolves to.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pjray.placement import WORKER_FAILURES
 if TYPE_CHECKING:
     from pjray.placement import WorkerPool
 
-__all__ = ["TRANSPORTS", "Transport", "auto_transport", "make_transport"]
+__all__ = ["TRANSPORTS", "AdapterTransport", "Transport", "auto_transport", "make_transport"]
 
 
 def auto_transport(rollout: RolloutConfig, learner_gpus: bool, learner_node: str, worker_nodes: list[str]) -> str:
@@ -175,6 +177,25 @@ class CudaIpcTransport(Transport):
         dead = [i for i, ok in enumerate(streamed) if not ok]
         if dead:
             workers.restart(*dead)
+
+
+class AdapterTransport(Transport):
+    """LoRA with model.lora.sync=adapter: the adapter alone travels. Rank 0 puts it in the object
+    store once (`WeightSender.export_adapter`); Ray fetches it for every worker, whose engine
+    serves the base weights it loaded at start-up with it (`RolloutEngine.load_adapter`). The
+    base weights never train, so the adapter also brings a rebuilt worker up to date.
+    `sent_bytes`: the adapter's bytes at the last sync (what each engine received)."""
+
+    name = "adapter"
+    sent_bytes = 0
+
+    def send(self, learners: list[Any], workers: WorkerPool) -> None:
+        ref, self.sent_bytes = ray.get([r.export_adapter.remote() for r in learners])[0]
+        workers.broadcast("load_adapter", ref)
+
+    def refresh(self, learners: list[Any], workers: WorkerPool, worker: Any) -> None:
+        ref, self.sent_bytes = ray.get([r.export_adapter.remote() for r in learners])[0]
+        ray.get(worker.load_adapter.remote(ref))
 
 
 TRANSPORTS: dict[str, type[Transport]] = {

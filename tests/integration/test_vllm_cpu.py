@@ -17,7 +17,10 @@ an environment of its own. Everything is real: vLLM's engine and sampler, Ray, D
    learner's, and differ from the previous weights'. Both transports the CPU can run go through
    Trainer.sync_weights: the gloo broadcast group (the NCCL path's code with CPU tensors) and
    the object store.
-4. The PPJD job's `VllmTextEngine` continues prefilled JSON replies exactly as `HFTextEngine`
+4. With LoRA (model.lora.sync=adapter) the engine takes the learner's adapter alone and serves
+   it with vLLM's LoRA support: after each adapter sync its logprobs equal the PEFT learner's
+   (the full-weight tolerance), a new adapter id per sync; the message is the adapter's bytes.
+5. The PPJD job's `VllmTextEngine` continues prefilled JSON replies exactly as `HFTextEngine`
    does (same greedy text), and `LlmStage` runs its roles on it.
 """
 
@@ -48,6 +51,7 @@ import torch  # noqa: E402
 
 from pjray.config import PPJDConfig, load  # noqa: E402
 from pjray.models.loading import load_judge, processor_inputs, render_chat  # noqa: E402
+from pjray.models.lora import apply_lora  # noqa: E402
 from pjray.models.tiny import build_tiny_judge  # noqa: E402
 from pjray.ppjd import llm as ppjd_llm  # noqa: E402
 from pjray.ppjd.pipeline import LlmStage, _frame  # noqa: E402
@@ -56,6 +60,7 @@ from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
 from pjray.recipes.training import training_inputs  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.rollout.vllm_engine import VllmEngine  # noqa: E402
+from pjray.sync.adapter import adapter_update  # noqa: E402
 from pjray.sync.buckets import pack, plan_buckets  # noqa: E402
 from pjray.sync.shared import SharedBuckets  # noqa: E402
 from pjray.sync.transports import make_transport  # noqa: E402
@@ -221,6 +226,73 @@ def test_a_compiled_engine_serves_the_learners_weights_after_a_sync(judge_dir: s
         torch.testing.assert_close(served(), after, atol=2e-3, rtol=0)
     finally:
         buffers.close()
+
+
+def test_adapter_sync_serves_the_learners_lora_policy(judge_dir: str) -> None:
+    """LoRA, adapter sync: a learner (the PEFT judge, trained with the learner's log-prob
+    function) takes optimizer steps; after each adapter sync the eager engine (vLLM's LoRA on
+    its CPU build) serves its log-probs, sampled and teacher-forced, within the tolerance the
+    full-weight path meets above (2e-3), under a new adapter id; before any sync it serves the
+    base judge. The message is the adapter's tensors alone."""
+    cfg = load(overrides=VLLM_CPU + ["rollout.max_new_tokens=8", "model.lora.rank=8", "model.lora.alpha=16",
+                                     "model.lora.sync=adapter"])  # fmt: skip
+    engine = VllmEngine(judge_dir, cfg.model, cfg.rollout)
+    try:
+        model, processor = load_judge(judge_dir, trainable=True)
+        learner = apply_lora(model, cfg.model.lora)
+        prompt = PROMPTS[0]
+        continuation = engine.generate([prompt], n=1, seed=11)[0].token_ids
+        text = render_chat(processor, prompt, think_prefix=cfg.model.think_prefix)
+        batch = collate(processor, [Experience(prompt_text=text, image=None, response_ids=continuation, advantage=1.0)])
+        mask = batch.response_mask[:, 1:].bool()
+        optimizer = torch.optim.Adam([p for p in learner.parameters() if p.requires_grad], lr=5e-2)
+
+        def served() -> torch.Tensor:
+            return torch.tensor(engine.continuation_logprobs(prompt, continuation))
+
+        def learner_logprobs() -> torch.Tensor:
+            with torch.no_grad():
+                return forward_logprobs(learner, processor, batch)[0][mask]
+
+        def update() -> torch.Tensor:
+            """Two GRPO-like steps (advantage 1) on the adapters; the learner's new log-probs."""
+            for _ in range(2):
+                optimizer.zero_grad()
+                (-forward_logprobs(learner, processor, batch)[0][mask].sum()).backward()
+                optimizer.step()
+            return learner_logprobs()
+
+        base = learner_logprobs()  # fresh adapters (B = 0): the base judge
+        torch.testing.assert_close(served(), base, atol=2e-3, rtol=0)
+        versions = []
+        for sync in range(2):
+            before = learner_logprobs()
+            after = update()
+            assert float((after - before).abs().max()) > 5e-2  # the steps moved them
+            torch.testing.assert_close(served(), before, atol=2e-3, rtol=0)  # not synced yet
+
+            message = adapter_update(learner)
+            adapters = [p for n, p in learner.named_parameters() if ".lora_" in n]
+            assert message.nbytes == sum(p.numel() * p.element_size() for p in adapters)
+            engine.load_adapter(message)
+            versions.append(engine.lora.lora_int_id)
+            torch.testing.assert_close(served(), after, atol=2e-3, rtol=0)
+
+            # Sampled tokens' logprobs (processed: temperature 1 here) are the learner's too.
+            out = engine.generate(PROMPTS, n=2, seed=3 + sync)
+            experiences = [Experience(prompt_text=render_chat(processor, PROMPTS[c.prompt_index]), image=None,
+                                      response_ids=c.token_ids, advantage=0.0) for c in out]  # fmt: skip
+            sampled = collate(processor, experiences)
+            with torch.no_grad():
+                logp = forward_logprobs(learner, processor, sampled, banned=engine.banned_ids)[0]
+            sampled_mask = sampled.response_mask[:, 1:].bool()
+            for i, c in enumerate(out):
+                torch.testing.assert_close(torch.tensor(c.logprobs), logp[i][sampled_mask[i]], atol=2e-3, rtol=0)
+        assert versions == [1, 2] and list(engine.llm.llm_engine.list_loras()) == [2]
+        merged_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad is False)
+        print(f"adapter sync: {message.nbytes} bytes; merged weights: {merged_bytes} bytes")
+    finally:
+        engine.close()
 
 
 def with_trainer_keys(trainer, **keys) -> None:
