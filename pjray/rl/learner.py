@@ -334,7 +334,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
                     logp, _ = forward_logprobs(
                         model, self.processor, batch, self.device, self.temperature, self.learner_cfg.shared_prefix, self.banned,
                         chunk_tokens=self.learner_cfg.logit_chunk_tokens, packed=self.learner_cfg.packing,
-                        top_k=self.top_k, top_p=self.top_p,
+                        top_k=self.top_k, top_p=self.top_p, min_chunks=self._chunks_in_step(batch),
                     )
                     logp = logp.float().cpu()
                     mask = batch.response_mask[:, 1:].bool()
@@ -460,6 +460,15 @@ class LearnerRank(WeightSender, RankCheckpoints):
         batches += [([], take_rows(whole, [shortest], trained=False))] * (wanted - len(batches))
         return batches
 
+    def _chunks_in_step(self, batch: TrainBatch) -> int:
+        """How many chunks every rank's output projection runs for this micro-batch: under
+        ZeRO-3 with several ranks the most any rank needs (each projection gathers the head's
+        weight, a collective), else 0 (as many as its own tokens need)."""
+        if not self.zero3 or self.world_size == 1:
+            return 0
+        trained = int((batch.response_mask[:, 1:] > 0).sum())
+        return self._most_over_ranks(math.ceil(trained / self.learner_cfg.logit_chunk_tokens))
+
     def _most_over_ranks(self, count: int) -> int:
         """The largest `count` any rank passed (all ranks call this together)."""
         if self.world_size == 1:
@@ -496,6 +505,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
         logp, stats = forward_logprobs(
             self.engine, self.processor, batch, self.device, self.temperature, shared, self.banned,
             chunk_tokens=lc.logit_chunk_tokens, packed=lc.packing, top_k=self.top_k, top_p=self.top_p,
+            min_chunks=self._chunks_in_step(batch),
         )
         mask = batch.response_mask[:, 1:].to(self.device)
         on_mask = mask > 0
@@ -572,6 +582,7 @@ class LearnerRank(WeightSender, RankCheckpoints):
             logp, stats = forward_logprobs(
                 self.engine, self.processor, batch, self.device, shared_prefix=self.learner_cfg.shared_prefix,
                 chunk_tokens=self.learner_cfg.logit_chunk_tokens, packed=self.learner_cfg.packing,
+                min_chunks=self._chunks_in_step(batch),
             )
             mask = batch.response_mask[:, 1:].to(self.device)
             loss = sft_loss(logp, mask, float(global_tokens), self.world_size)

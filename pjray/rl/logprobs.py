@@ -251,6 +251,7 @@ def forward_logprobs(
     packed: bool = False,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_chunks: int = 0,
 ) -> tuple[Tensor, TokenStats]:
     """Log-prob of each next response token under logits / temperature, and the entropy and
     argmax of each of those distributions.
@@ -278,6 +279,11 @@ def forward_logprobs(
         top_k, top_p: the rollout's truncation (`truncate_logits`; 0 and 1.0: none), applied
             after the temperature and the ban, so the log-probs are those the engines return
             and the entropy that of the distribution they drew from.
+        min_chunks: project at least this many chunks, the extra ones a row of zeros that adds
+            0 to the log-probs. Under ZeRO-3 each call of the output projection gathers its
+            weight and each backward through it reduces the weight's gradient, collectives:
+            ranks whose micro-batches hold different numbers of trained tokens must still call
+            it as often as each other (the learner passes the most any rank needs).
         packed: where no prompt is shared, forward the rows' real tokens end to end as one
             sequence, each row attending only to itself (`_packed_hidden`), instead of B rows
             padded to T.
@@ -300,12 +306,14 @@ def forward_logprobs(
         hidden, empty = seen[0][:, :-1][predicts], out.logits.sum()
     labels = batch.input_ids[:, 1:].to(device)[predicts]
     ban = torch.tensor(list(banned), dtype=torch.long)
-    picked, entropy, greedy = _project_in_chunks(head, hidden, labels, temperature, ban, chunk_tokens, top_k, top_p)
+    picked, entropy, greedy, nothing = _project_in_chunks(
+        head, hidden, labels, temperature, ban, chunk_tokens, top_k, top_p, min_chunks
+    )
     logp = torch.zeros(predicts.shape, dtype=picked.dtype, device=device).masked_scatter(predicts, picked)
     # `empty` is 0 (the sum of the model's empty logits) but makes the loss reach the model's own
     # output, ahead of the output projection's weight: a DeepSpeed engine starts its backward
     # (ZeRO's accumulation boundary and hook counts) from hooks on what its forward returned.
-    return logp + empty, TokenStats(entropy, greedy)
+    return logp + empty + nothing, TokenStats(entropy, greedy)
 
 
 @contextlib.contextmanager
@@ -328,10 +336,11 @@ def _projection_inputs(head: torch.nn.Module) -> Iterator[list[Tensor]]:
 
 def _project_in_chunks(
     head: torch.nn.Module, hidden: Tensor, labels: Tensor, temperature: float, ban: Tensor, chunk_tokens: int,
-    top_k: int = 0, top_p: float = 1.0,
+    top_k: int = 0, top_p: float = 1.0, min_chunks: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(log-prob of each label [N] float32, entropy [N], argmax [N]) under head(hidden) /
-    temperature with `ban` out and top-k / top-p applied, for hidden [N, H] and labels [N].
+    """(log-prob of each label [N] float32, entropy [N], argmax [N], and a 0 that carries the
+    filler chunks up to `min_chunks` into the loss) under head(hidden) / temperature with `ban`
+    out and top-k / top-p applied, for hidden [N, H] and labels [N].
 
     Each chunk of `chunk_tokens` rows runs under non-reentrant checkpointing, so its logits are
     freed once its three [chunk] results exist and recomputed in its backward: neither pass
@@ -346,11 +355,21 @@ def _project_in_chunks(
         )  # fmt: skip
         for start in range(0, hidden.shape[0], chunk_tokens)
     ]
+    # Up to `min_chunks`: one-row chunks of zeros whose log-probs enter the loss times 0, so their
+    # projection runs in the forward, in the recomputation and in the weight's backward alike.
+    fillers = [
+        checkpoint(
+            _chunk_stats, head, hidden.new_zeros(1, hidden.shape[1]), labels.new_zeros(1), temperature, ban, top_k,
+            top_p, use_reentrant=False,
+        )[0].sum() * 0.0  # fmt: skip
+        for _ in range(min_chunks - len(pieces))
+    ]
+    nothing = sum(fillers, hidden.new_zeros((), dtype=torch.float32))
     if not pieces:
         none = hidden.new_zeros(0, dtype=torch.float32)
-        return none, none, labels.new_zeros(0)
+        return none, none, labels.new_zeros(0), nothing
     picked, entropy, greedy = zip(*pieces)
-    return torch.cat(picked), torch.cat(entropy), torch.cat(greedy)
+    return torch.cat(picked), torch.cat(entropy), torch.cat(greedy), nothing
 
 
 def _frozen_partitioned_head(head: torch.nn.Module) -> torch.nn.Module:

@@ -724,6 +724,9 @@ def _launch(judge_dir: str, zero_stage: int, world_size: int, grad_accum_steps: 
     import ray
 
     model_cfg, learner_cfg, algo_cfg = _configs(zero_stage=zero_stage, micro_batch_size=2, kl_coef=0.01)
+    # Chunks of 4 positions: the ranks' micro-batches need different numbers of them, and under
+    # ZeRO-3 each projection gathers the head's weight (the ranks must call it as often).
+    learner_cfg = dataclasses.replace(learner_cfg, logit_chunk_tokens=4)
     # Tiny parameters fall under ZeRO-3's persistence threshold and would never be partitioned;
     # 0 makes every parameter a real shard, so the gathers are exercised.
     overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero_stage == 3 else None
