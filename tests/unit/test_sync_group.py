@@ -102,3 +102,35 @@ def test_a_broadcast_whose_sender_never_sends_stalls_out_and_tears_the_group_dow
     assert 1.4 < time.monotonic() - start < 30
     assert groups[1].group is None
     groups[0].close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_an_nccl_receive_whose_sender_never_sends_stalls_out_instead_of_reporting_done():
+    """The NCCL case the bounded wait is for: `wait()` on a receive whose sender never sends
+    returns at once (it only orders the stream), so without the poll the member would report a
+    finished sync with a hung stream. The receiver raises `SyncStalled` and aborts its
+    communicator; the sender's side then forms nothing more."""
+    _, port = free_address()
+    groups: dict[int, WeightSyncGroup] = {}
+    errors: list[BaseException] = []
+
+    def join(rank: int) -> None:
+        try:
+            torch.cuda.set_device(rank)
+            groups[rank] = WeightSyncGroup("127.0.0.1", port, rank, 2, "nccl", timeout_s=120, wait_s=3.0)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and sorted(groups) == [0, 1]
+    torch.cuda.set_device(1)
+    start = time.monotonic()
+    with pytest.raises(SyncStalled, match=r"nccl, rank 1 of 2.*did not complete within 3s"):
+        groups[1].broadcast(torch.zeros(1024, device="cuda:1"), src=0)
+    assert time.monotonic() - start < 60 and groups[1].group is None
+    groups[0].abort()
