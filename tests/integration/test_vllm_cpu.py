@@ -164,6 +164,33 @@ def test_logprobs_are_of_the_sampling_temperature(judge_dir: str, engine: VllmEn
     assert raw_diff > 1e-2, raw_diff
 
 
+def test_logprobs_under_top_k_and_top_p_are_the_learners(judge_dir: str, engine: VllmEngine) -> None:
+    """Sampled at T=0.8 with top-k 8 and top-p 0.9, vLLM's log-probs are of the truncated
+    distribution it drew from, and the learner's forward with the same cut computes them
+    (`truncate_logits`): logprob_diff ~0 at any sampling setting, while the untruncated
+    log-probs are far off (a mismatch would show instead of hiding in the cut's gap)."""
+    saved = engine.rollout_cfg
+    engine.rollout_cfg = dataclasses.replace(saved, temperature=0.8, top_k=8, top_p=0.9)  # read per request
+    try:
+        out = engine.generate(PROMPTS, n=2, seed=6)
+    finally:
+        engine.rollout_cfg = saved
+    model, processor = load_judge(judge_dir, trainable=False)
+    experiences = [Experience(prompt_text=render_chat(processor, PROMPTS[c.prompt_index]), image=None,
+                              response_ids=c.token_ids, advantage=0.0) for c in out]  # fmt: skip
+    batch = collate(processor, experiences)
+    mask = batch.response_mask[:, 1:].bool()
+    banned = list(engine.banned_ids)
+    with torch.no_grad():
+        cut, _ = forward_logprobs(model, processor, batch, temperature=0.8, banned=banned, top_k=8, top_p=0.9)
+        full, _ = forward_logprobs(model, processor, batch, temperature=0.8, banned=banned)
+    full_diff = 0.0
+    for i, c in enumerate(out):
+        torch.testing.assert_close(torch.tensor(c.logprobs), cut[i][mask[i]], atol=2e-3, rtol=0)
+        full_diff = max(full_diff, float((torch.tensor(c.logprobs) - full[i][mask[i]]).abs().max()))
+    assert full_diff > 0.1, full_diff
+
+
 def test_load_weights_in_buckets(engine: VllmEngine, tmp_path: Path) -> None:
     """Other weights (another seed) in small buckets: the engine then serves exactly them, and
     its prefix cache does not serve KV blocks of the old weights."""
