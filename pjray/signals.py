@@ -58,6 +58,9 @@ class StopRequest:
 
     def handle(self, signum: int, frame: Any) -> None:
         if self.requested or not self.deferring:
+            # Kept, so that `check` raises it again if something swallows it on its way (Python
+            # drops an exception raised while it runs a `__del__`).
+            self.signum = signum
             raise Interrupted(signum)
         self.signum = signum
         log.warning(
@@ -65,8 +68,16 @@ class StopRequest:
             signal.Signals(signum).name,
         )
 
+    def check(self) -> None:
+        """Raise a signal that was raised outside `deferred()` and did not stop the caller."""
+        if self.signum is not None and not self.deferring:
+            raise Interrupted(self.signum)
+
     @contextmanager
     def deferred(self) -> Iterator[None]:
+        """Signals inside only request a stop. A signal raised before it that did not stop the
+        caller (set-up's, lost on its way) is raised on entry."""
+        self.check()
         self.deferring = True
         try:
             yield

@@ -37,3 +37,21 @@ def test_the_previous_handlers_come_back():
     with StopRequest():
         assert signal.getsignal(signal.SIGTERM) != before[signal.SIGTERM]
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_signal_swallowed_on_its_way_is_raised_again_before_the_loop():
+    """Python drops an exception raised while it runs a `__del__`: a Ctrl-C during set-up that
+    lands there would be lost. The request is kept and raised on entering `deferred()`."""
+
+    class Swallows:
+        def __del__(self) -> None:
+            send(signal.SIGINT)  # the handler raises here, and Python ignores it
+
+    with StopRequest() as stop:
+        holder = Swallows()
+        del holder  # "Exception ignored in ... Interrupted": set-up goes on
+        assert stop.requested
+        with pytest.raises(Interrupted) as err:
+            with stop.deferred():
+                raise AssertionError("the loop must not start")
+    assert err.value.exit_code == 130
