@@ -436,17 +436,18 @@ def _packed_hidden(
     Qwen-VL judge gets each row's M-RoPE positions (from the padded batch, so identical to the
     unpacked forward's), led by the plain per-row positions that mark the boundaries ([4, 1, N]);
     its images keep their order, the order of their placeholders in the packed sequence."""
-    inputs = model_inputs(processor, batch, device)
+    # Laid out on the CPU, where the batch is, and moved to `device` once, packed.
+    inputs = model_inputs(processor, batch, torch.device("cpu"))
     real = batch.attention_mask.bool()
     text = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: 0, 1, ... per row
-    packed: dict[str, Any] = {"input_ids": inputs["input_ids"].cpu()[real][None]}
+    packed: dict[str, Any] = {"input_ids": inputs["input_ids"][real][None]}
     if processor.image_token_id is not None:
-        rope_inputs = {k: inputs[k].cpu() for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
+        rope_inputs = {k: inputs[k] for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
         if inputs["image_grid_thw"] is not None:
-            rope_inputs["image_grid_thw"] = inputs["image_grid_thw"].cpu()
+            rope_inputs["image_grid_thw"] = inputs["image_grid_thw"]
         rope, _ = prompt_positions(model, rope_inputs)  # [3, B, T]
         packed["position_ids"] = torch.cat([text[real][None, None], rope[:, real][:, None]])
-        packed["mm_token_type_ids"] = inputs["mm_token_type_ids"].cpu()[real][None]
+        packed["mm_token_type_ids"] = inputs["mm_token_type_ids"][real][None]
         packed["pixel_values"], packed["image_grid_thw"] = inputs["pixel_values"], inputs["image_grid_thw"]
     else:
         packed["position_ids"] = text[real][None]
