@@ -19,14 +19,18 @@ from pjray.placement import free_address
 from pjray.sync.collective import SyncStalled, WeightSyncGroup
 
 
-def test_two_members_form_the_group_and_broadcast():
+def _form(backend: str, **kw) -> dict[int, WeightSyncGroup]:
+    """Two members joining at once (each in a thread; with NCCL on GPU `rank`), as the learner
+    and an engine do; the groups by rank."""
     _, port = free_address()
     groups: dict[int, WeightSyncGroup] = {}
     errors: list[BaseException] = []
 
     def join(rank: int) -> None:
         try:
-            groups[rank] = WeightSyncGroup("127.0.0.1", port, rank, 2, "gloo", timeout_s=60)
+            if backend == "nccl":
+                torch.cuda.set_device(rank)
+            groups[rank] = WeightSyncGroup("127.0.0.1", port, rank, 2, backend, **kw)
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
 
@@ -34,8 +38,13 @@ def test_two_members_form_the_group_and_broadcast():
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=90)
+        t.join(timeout=120)
     assert not errors and sorted(groups) == [0, 1]
+    return groups
+
+
+def test_two_members_form_the_group_and_broadcast():
+    groups = _form("gloo", timeout_s=60)
     sent, received = torch.arange(5.0), torch.zeros(5)
     threads = [threading.Thread(target=groups[0].broadcast, args=(sent,)),
                threading.Thread(target=groups[1].broadcast, args=(received,))]  # fmt: skip
@@ -84,18 +93,7 @@ def test_a_broadcast_whose_sender_never_sends_stalls_out_and_tears_the_group_dow
     """A receiver waiting on a member that takes no part (an engine or learner that died): the
     broadcast fails after the group's bounded wait, naming itself, instead of returning "done"
     (NCCL) or blocking for the backend's 600 s timeout, and the group is gone."""
-    _, port = free_address()
-    groups: dict[int, WeightSyncGroup] = {}
-
-    def join(rank: int) -> None:
-        groups[rank] = WeightSyncGroup("127.0.0.1", port, rank, 2, "gloo", timeout_s=600, wait_s=1.5)
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=90)
-    assert sorted(groups) == [0, 1]
+    groups = _form("gloo", timeout_s=600, wait_s=1.5)
     start = time.monotonic()
     with pytest.raises(SyncStalled, match=r"rank 1 of 2.*did not complete within 1.5s"):
         groups[1].broadcast(torch.zeros(4), src=0)  # member 0 never sends
@@ -111,23 +109,7 @@ def test_an_nccl_receive_whose_sender_never_sends_stalls_out_instead_of_reportin
     returns at once (it only orders the stream), so without the poll the member would report a
     finished sync with a hung stream. The receiver raises `SyncStalled` and aborts its
     communicator; the sender's side then forms nothing more."""
-    _, port = free_address()
-    groups: dict[int, WeightSyncGroup] = {}
-    errors: list[BaseException] = []
-
-    def join(rank: int) -> None:
-        try:
-            torch.cuda.set_device(rank)
-            groups[rank] = WeightSyncGroup("127.0.0.1", port, rank, 2, "nccl", timeout_s=120, wait_s=3.0)
-        except BaseException as err:  # noqa: BLE001 - reported below
-            errors.append(err)
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors and sorted(groups) == [0, 1]
+    groups = _form("nccl", timeout_s=120, wait_s=3.0)
     torch.cuda.set_device(1)
     start = time.monotonic()
     with pytest.raises(SyncStalled, match=r"nccl, rank 1 of 2.*did not complete within 3s"):
