@@ -140,13 +140,14 @@ def test_generate_n_samples_with_logprobs(judge_dir: str, engine: VllmEngine) ->
         )
 
 
-def test_logprobs_are_of_the_sampling_temperature(judge_dir: str, engine: VllmEngine) -> None:
-    """Sampled at T=0.7, vLLM's logprobs (its processed mode) equal the learner's log-probs of the
-    same tokens (`forward_logprobs` at T=0.7 on the HF model), not the raw logits' ones."""
+def _served_against_learner(judge_dir: str, engine: VllmEngine, seed: int, sampling: dict, same: dict, other: dict) -> float:
+    """Samples drawn with `sampling` (RolloutConfig fields, read per request): their served
+    log-probs equal the learner's `forward_logprobs(**same)` (2e-3); returns their largest
+    difference from `forward_logprobs(**other)`."""
     saved = engine.rollout_cfg
-    engine.rollout_cfg = dataclasses.replace(saved, temperature=0.7)  # read per request
+    engine.rollout_cfg = dataclasses.replace(saved, **sampling)
     try:
-        out = engine.generate(PROMPTS, n=2, seed=5)
+        out = engine.generate(PROMPTS, n=2, seed=seed)
     finally:
         engine.rollout_cfg = saved
     model, processor = load_judge(judge_dir, trainable=False)
@@ -155,12 +156,19 @@ def test_logprobs_are_of_the_sampling_temperature(judge_dir: str, engine: VllmEn
     batch = collate(processor, experiences)
     mask = batch.response_mask[:, 1:].bool()
     with torch.no_grad():
-        tempered, _ = forward_logprobs(model, processor, batch, temperature=0.7)
-        raw, _ = forward_logprobs(model, processor, batch, temperature=1.0)
-    raw_diff = 0.0
+        matching, _ = forward_logprobs(model, processor, batch, **same)
+        differing, _ = forward_logprobs(model, processor, batch, **other)
+    diff = 0.0
     for i, c in enumerate(out):
-        torch.testing.assert_close(torch.tensor(c.logprobs), tempered[i][mask[i]], atol=2e-3, rtol=0)
-        raw_diff = max(raw_diff, float((torch.tensor(c.logprobs) - raw[i][mask[i]]).abs().max()))
+        torch.testing.assert_close(torch.tensor(c.logprobs), matching[i][mask[i]], atol=2e-3, rtol=0)
+        diff = max(diff, float((torch.tensor(c.logprobs) - differing[i][mask[i]]).abs().max()))
+    return diff
+
+
+def test_logprobs_are_of_the_sampling_temperature(judge_dir: str, engine: VllmEngine) -> None:
+    """Sampled at T=0.7, vLLM's logprobs (its processed mode) equal the learner's log-probs of the
+    same tokens (`forward_logprobs` at T=0.7 on the HF model), not the raw logits' ones."""
+    raw_diff = _served_against_learner(judge_dir, engine, 5, {"temperature": 0.7}, {"temperature": 0.7}, {"temperature": 1.0})
     assert raw_diff > 1e-2, raw_diff
 
 
@@ -169,25 +177,9 @@ def test_logprobs_under_top_k_and_top_p_are_the_learners(judge_dir: str, engine:
     distribution it drew from, and the learner's forward with the same cut computes them
     (`truncate_logits`): logprob_diff ~0 at any sampling setting, while the untruncated
     log-probs are far off (a mismatch would show instead of hiding in the cut's gap)."""
-    saved = engine.rollout_cfg
-    engine.rollout_cfg = dataclasses.replace(saved, temperature=0.8, top_k=8, top_p=0.9)  # read per request
-    try:
-        out = engine.generate(PROMPTS, n=2, seed=6)
-    finally:
-        engine.rollout_cfg = saved
-    model, processor = load_judge(judge_dir, trainable=False)
-    experiences = [Experience(prompt_text=render_chat(processor, PROMPTS[c.prompt_index]), image=None,
-                              response_ids=c.token_ids, advantage=0.0) for c in out]  # fmt: skip
-    batch = collate(processor, experiences)
-    mask = batch.response_mask[:, 1:].bool()
-    banned = list(engine.banned_ids)
-    with torch.no_grad():
-        cut, _ = forward_logprobs(model, processor, batch, temperature=0.8, banned=banned, top_k=8, top_p=0.9)
-        full, _ = forward_logprobs(model, processor, batch, temperature=0.8, banned=banned)
-    full_diff = 0.0
-    for i, c in enumerate(out):
-        torch.testing.assert_close(torch.tensor(c.logprobs), cut[i][mask[i]], atol=2e-3, rtol=0)
-        full_diff = max(full_diff, float((torch.tensor(c.logprobs) - full[i][mask[i]]).abs().max()))
+    learner = {"temperature": 0.8, "banned": list(engine.banned_ids)}
+    cut = {"top_k": 8, "top_p": 0.9}
+    full_diff = _served_against_learner(judge_dir, engine, 6, {"temperature": 0.8, **cut}, {**learner, **cut}, learner)
     assert full_diff > 0.1, full_diff
 
 
