@@ -83,6 +83,7 @@ from pjray.eval.looking import (
     blank_change,
     ceiling_test,
     follows_image,
+    recipe_part,
     held_out_tuples,
     judge_looking,
     looking_items,
@@ -90,14 +91,23 @@ from pjray.eval.looking import (
     swap_test,
 )
 from pjray.cache import code_hash
+from pjray.models.base_judge import BaseJudgeRecipe, disposition
 from pjray.recipes.base_judge import RECIPES, base_judge, weights_sha256
 
 VARIANTS: dict[str, list[str]] = {
     "nested_levenshtein": ["data.construction=nested", "reward.metric=levenshtein"],
     "independent_levenshtein": ["data.construction=independent", "reward.metric=levenshtein"],
     "counterfactual_levenshtein": ["data.construction=independent", "data.counterfactual_pairs=true", "reward.metric=levenshtein"],
+    # The control: the independent run with each prompt's target shuffled (the reward pays for nothing shown).
+    "shuffled_target": ["data.construction=independent", "reward.metric=levenshtein", "reward.shuffle_target=true"],
+    # The independent run with the image-contrast term: a quarter of each group's samples on another
+    # prompt's image (`contrast_overrides`: the same samples a prompt as the other variants).
+    "image_contrast": ["data.construction=independent", "reward.metric=levenshtein", "algo.contrast_image=other"],
 }
-BASES = ("never_shown", "base_judge")
+BASES = ("never_shown", "base_judge", "one_disposition")
+# What a base judge's runs need beyond the default: one_disposition writes a check per candidate.
+BASE_OVERRIDES = {"one_disposition": ["rollout.max_new_tokens=64"]}
+PARTS = ("all", "taught", "untaught")  # the items of every value, and of the recipe's taught and untaught values
 PRIMARY_BASE = "never_shown"
 DECLARATION = (
     f"held-out image-following per kind of the GRPO judges from {PRIMARY_BASE}, at their last step: a variant "
@@ -148,8 +158,16 @@ def grpo_config(base: str, variant: str, seed: int, b: Budget, run_dir: Path, ju
         f"trainer.steps={b.steps}", f"trainer.prompts_per_step={b.prompts_per_step}", f"algo.group_size={b.group_size}",
         f"data.num_items={b.train_items}", f"learner.lr={b.lr}", f"data.seed={TRAIN_DATA_SEED}", "tracking.wandb=false",
         "trainer.save_every=0", f"trainer.export_steps=[{','.join(str(s) for s in b.curve[:-1])}]", *VARIANTS[variant],
+        *BASE_OVERRIDES.get(base, ()), *(contrast_overrides(b) if variant == "image_contrast" else ()),
     ]  # fmt: skip
     return load(None, overrides)
+
+
+def contrast_overrides(b: Budget) -> list[str]:
+    """A group of the image-contrast variant: a quarter of the budget's samples a prompt on the
+    contrast image, the rest trained, so every variant draws the same samples a step."""
+    contrast = max(1, b.group_size // 4)
+    return [f"algo.group_size={b.group_size - contrast}", f"algo.contrast_responses={contrast}"]
 
 
 def run_key(judge_id: str, base: str, variant: str, seed: int, b: Budget) -> dict[str, Any]:
@@ -194,15 +212,36 @@ def train_reward(run_dir: Path, step: int, window: int = 5) -> float:
     return round(float(np.mean(near)), 4)
 
 
+def reward_curve(run_dir: Path, window: int = 5) -> dict[str, float]:
+    """What a user watching the run sees: the sampled training reward (its ranking part, without
+    the image-contrast bonus, so variants compare) of the first and the last `window` steps, their
+    difference, and the fraction of groups with all-equal rewards over the run."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    first, last = rows[:window], rows[-window:]
+
+    def mean(rs: list[dict[str, Any]], key: str) -> float:
+        return float(np.mean([r[key] for r in rs]))
+
+    out = {"reward_first": mean(first, "reward/mean"), "reward_last": mean(last, "reward/mean"),
+           "ranking_first": mean(first, "reward/ranking_mean"), "ranking_last": mean(last, "reward/ranking_mean"),
+           "frac_zero_std": mean(rows, "rollout/frac_zero_std")}  # fmt: skip
+    out["reward_rise"], out["ranking_rise"] = out["reward_last"] - out["reward_first"], out["ranking_last"] - out["ranking_first"]
+    return {k: round(v, 4) for k, v in out.items()}
+
+
 # --------------------------------------------------------------------------- judging
 
 
-def evaluate(path: Path, items: list[LookingItem], forced: bool) -> tuple[list[LookingVerdict], dict[str, float], dict[str, np.ndarray]]:
-    """Greedy verdicts on every item's three images (and forced, if asked), the greedy and
-    sampled held-out batch-ranking reward on the original images, and per item the score
-    protocol's `SCORE_METRICS` on the original image."""
+def evaluate(
+    path: Path, items: list[LookingItem], forced: bool, recipe: BaseJudgeRecipe
+) -> tuple[list[LookingVerdict], dict[str, float], dict[str, np.ndarray]]:
+    """Greedy verdicts on every item's three images (and forced, if asked: for a base judge of
+    one disposition, run from its own statement), the greedy and sampled held-out batch-ranking
+    reward on the original images, and per item the score protocol's `SCORE_METRICS` on the
+    original image."""
     greedy = _engine(str(path), top_k=1)
-    verdicts, texts = judge_looking(lambda ps: [c.text for c in greedy.generate(ps, 1, seed=0)], items, forced)
+    sentence = disposition(True) if recipe.disposition else ""
+    verdicts, texts = judge_looking(lambda ps: [c.text for c in greedy.generate(ps, 1, seed=0)], items, forced, sentence)
     diag = [diagnosis_item(it.pair.original) for it in items]  # score(correct), score(perception error)
     scored = [c.text for c in greedy.generate([p for d in diag for p in item_prompts(d)[:2]], 1, seed=0)]
     scores = [read_judge_score(t) for t in scored]
@@ -216,8 +255,8 @@ def evaluate(path: Path, items: list[LookingItem], forced: bool) -> tuple[list[L
     sampled = _engine(str(path), temperature=1.0)
     sampled_texts = [c.text for c in sampled.generate(prompts, SAMPLES, seed=0)]
     return verdicts, {
-        "reward_greedy": ranking_summary(originals, prompts, texts, 1)["reward"],
-        "reward_sampled": ranking_summary(originals, prompts, sampled_texts, SAMPLES)["reward"],
+        "reward_greedy": ranking_summary(originals, prompts, texts, 1, recipe)["reward"],
+        "reward_sampled": ranking_summary(originals, prompts, sampled_texts, SAMPLES, recipe)["reward"],
     }, score
 
 
@@ -302,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir = work / f"{base}-{variant}-s{seed}"
                 key = run_key(judge_ids[base], base, variant, seed, b)
                 seconds, reused = ensure_run(run_dir, key, grpo_config(base, variant, seed, b, run_dir, judges[base]))
-                runs.append({"base": base, "variant": variant, "seed": seed, "dir": run_dir, "train_seconds": round(seconds, 1), "reused": reused})
+                runs.append({"base": base, "variant": variant, "seed": seed, "dir": run_dir, "train_seconds": round(seconds, 1),
+                             "reused": reused, **reward_curve(run_dir)})  # fmt: skip
                 print(f"{'reused' if reused else 'trained'} {base} {variant} seed {seed} ({seconds:.0f}s)", flush=True)
 
     recipe = RECIPES[bases[0]]
@@ -322,29 +362,36 @@ def main(argv: list[str] | None = None) -> int:
     plan += [(r["base"], r["variant"], r["seed"], s, judge_at(r["dir"], s, b)) for r in runs for s in b.curve]
     for base, variant, seed, step, path in plan:
         forced = variant == "base"
-        verdicts, rewards, score = evaluate(path, items, forced)
+        recipe = RECIPES[base]
+        part = recipe_part(recipe.untaught) if recipe.untaught else None
+        verdicts, rewards, score = evaluate(path, items, forced, recipe)
         if forced:
             base_verdicts[base] = verdicts
         run = next((r for r in runs if (r["base"], r["variant"], r["seed"]) == (base, variant, seed)), None)
         rewards["train_reward"] = train_reward(run["dir"], step) if run else None
-        change = blank_change(base_verdicts[base], verdicts)
-        ceiling = ceiling_test(base_verdicts[base], verdicts)
+        change = blank_change(base_verdicts[base], verdicts, part)
+        ceiling = ceiling_test(base_verdicts[base], verdicts, part)
         for f in (False, True) if forced else (False,):
             metrics = per_item(verdicts, f) if f else {**per_item(verdicts, f), **score}
             label = "forced" if f else variant
             for kind in KINDS:
-                keep = np.array([v.kind == kind for v in verdicts])
-                per_judge[(base, label, step, kind, seed)] = {m: v[keep] for m, v in metrics.items()}
-                rows.append({
-                    "variant": label, "base_judge": base, "seed": seed, "steps": step, "kind": kind, "forced": f,
-                    **{m: round(float(np.nanmean(v[keep])), 4) for m, v in metrics.items()},
-                    # the rewards and the blank change are of the judge as it answers, not forced
-                    **{m: None if f else x for m, x in rewards.items()}, "blank_change": None if f else change[kind]["mean"],
-                    # the paired swap test of the judge as it answers, and its paired test against the forced base judge
-                    "swap_test_p": None if f else swap_test([v for v in verdicts if v.kind == kind])["p"],
-                    "vs_forced_p": None if f else ceiling[kind]["p"],
-                })  # fmt: skip
-        item_rows += [{"base_judge": base, "variant": variant, "seed": seed, "steps": step, **v.row()} for v in verdicts]
+                for p in PARTS if part else PARTS[:1]:
+                    mask = [v.kind == kind and p in ("all", part(v) if part else "all") for v in verdicts]
+                    if not any(mask):
+                        continue
+                    keep, name = np.array(mask), kind if p == "all" else f"{kind}/{p}"
+                    per_judge[(base, label, step, kind, p, seed)] = {m: v[keep] for m, v in metrics.items()}
+                    rows.append({
+                        "variant": label, "base_judge": base, "seed": seed, "steps": step, "kind": kind, "part": p, "forced": f,
+                        "items": int(keep.sum()), **{m: round(float(np.nanmean(v[keep])), 4) for m, v in metrics.items()},
+                        # the rewards and the blank change are of the judge as it answers, not forced
+                        **{m: None if f else x for m, x in rewards.items()}, "blank_change": None if f else change[name]["mean"],
+                        # the paired swap test of the judge as it answers, and its paired test against the forced base judge
+                        "swap_test_p": None if f else swap_test([v for v, k in zip(verdicts, mask) if k])["p"],
+                        "vs_forced_p": None if f else ceiling[name]["p"],
+                    })  # fmt: skip
+        item_rows += [{"base_judge": base, "variant": variant, "seed": seed, "steps": step, "part": part(v) if part else "all", **v.row()}
+                      for v in verdicts]  # fmt: skip
         print(f"judged {base} {variant} seed {seed} step {step}", flush=True)
     eval_seconds = time.perf_counter() - t0
 
@@ -395,13 +442,21 @@ def summarise(rows: list[dict[str, Any]], per_judge: dict[tuple, dict[str, np.nd
     """Per (base, variant, steps, kind): each metric's seed-mean with its t-interval and the
     hierarchical bootstrap, and the rewards' seed means."""
     out = []
-    groups = sorted({(r["base_judge"], r["variant"], r["steps"], r["kind"]) for r in rows}, key=str)
-    for base, variant, step, kind in groups:
-        mine = [r for r in rows if (r["base_judge"], r["variant"], r["steps"], r["kind"]) == (base, variant, step, kind)]
-        cell: dict[str, Any] = {"base_judge": base, "variant": variant, "steps": step, "kind": kind, "seeds": len(mine)}
+
+    def key(r: dict[str, Any]) -> tuple:
+        return r["base_judge"], r["variant"], r["steps"], r["kind"], r["part"]
+
+    for base, variant, step, kind, part in sorted({key(r) for r in rows}, key=str):
+        mine = [r for r in rows if key(r) == (base, variant, step, kind, part)]
+        cell: dict[str, Any] = {"base_judge": base, "variant": variant, "steps": step, "kind": kind, "part": part,
+                                "seeds": len(mine), "items": mine[0]["items"]}  # fmt: skip
         for m in (*METRICS, *(SCORE_METRICS if variant != "forced" else ())):
-            values = np.stack([per_judge[(base, variant, step, kind, r["seed"])][m] for r in mine])
+            values = np.stack([per_judge[(base, variant, step, kind, part, r["seed"])][m] for r in mine])
             cell[m] = {**t_interval([r[m] for r in mine]), "bootstrap": hierarchical_bootstrap(values, b.bootstrap)}
+        if variant not in ("base", "forced"):
+            # trained minus the base judge on the same items, per seed (the base judge is greedy: one value)
+            base_row = next(r for r in rows if key(r) == (base, "base", 0, kind, part))
+            cell["gain"] = t_interval([r["image_following"] - base_row["image_following"] for r in mine])
         for m in ("reward_greedy", "reward_sampled", "train_reward", "blank_change"):
             defined = [r[m] for r in mine if r[m] is not None]
             cell[m] = round(float(np.mean(defined)), 4) if defined else None
@@ -433,7 +488,7 @@ def markdown(results: dict[str, Any]) -> str:
         "reward greedy / sampled / training |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    by = {(c["base_judge"], c["variant"], c["steps"], c["kind"]): c for c in results["summary"]}
+    by = {(c["base_judge"], c["variant"], c["steps"], c["kind"]): c for c in results["summary"] if c.get("part", "all") == "all"}
     for base, variant, step in sorted({k[:3] for k in by}, key=lambda k: (k[0], k[1] not in ("base", "forced"), k[1], k[2])):
         c, s = by[(base, variant, step, "color")], by[(base, variant, step, "size")]
         rewards = " / ".join("-" if c[m] is None else f"{c[m]:.3f}" for m in ("reward_greedy", "reward_sampled", "train_reward"))
@@ -457,6 +512,36 @@ def markdown(results: dict[str, Any]) -> str:
         if row["steps"] == last[(row["base_judge"], row["variant"])]:
             lines.append(f"| {row['base_judge']} | {row['variant']} | {row['kind']} | {row['value']} | "
                          f"{100 * row['image_following']:.0f} ({100 * row['correct_first']:.0f}) | {row['items']} |")  # fmt: skip
+    parts = [c for c in results["summary"] if c.get("part", "all") != "all"]
+    if parts:
+        lines += ["", "The taught and untaught values (the base judge recipe's `untaught`: an item is untaught when either "
+                  "of its images shows one): image-following % [95% t-interval over seeds], and trained minus the base "
+                  "judge on the same items, points.", "",
+                  "| base judge | variant | steps | kind / part | items | seeds | image-following | minus the base judge |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for c in sorted(parts, key=lambda c: (c["base_judge"], c["variant"] not in ("base", "forced"), c["variant"], c["steps"], c["kind"], c["part"])):
+            gain = c.get("gain")
+            shown = "-" if gain is None else (f"{100 * gain['mean']:+.0f}" if gain["lo"] is None else
+                                              f"{100 * gain['mean']:+.0f} [{100 * gain['lo']:+.0f}, {100 * gain['hi']:+.0f}]")  # fmt: skip
+            lines.append(f"| {c['base_judge']} | {c['variant']} | {c['steps']} | {c['kind']} / {c['part']} | {c['items']} | "
+                         f"{c['seeds']} | {_pct(c['image_following'])} | {shown} |")  # fmt: skip
+    curves: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in results["runs"]:
+        if "reward_rise" in r:
+            curves.setdefault((r["base"], r["variant"]), []).append(r)
+    if curves:
+        lines += ["", "The sampled training reward a user watches: mean of the last 5 steps minus the first 5 (its ranking "
+                  "part, without the image-contrast bonus, in brackets), and the groups with all-equal rewards.", "",
+                  "| base judge | variant | seeds | reward first -> last | rise [95% t-interval] | ranking rise | all-equal groups |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for (base, variant), rs in sorted(curves.items()):
+            rise = t_interval([r["reward_rise"] for r in rs])
+            lines.append(
+                f"| {base} | {variant} | {len(rs)} | {np.mean([r['reward_first'] for r in rs]):.3f} -> "
+                f"{np.mean([r['reward_last'] for r in rs]):.3f} | {rise['mean']:+.3f}"
+                + ("" if rise["lo"] is None else f" [{rise['lo']:+.3f}, {rise['hi']:+.3f}]")
+                + f" | {np.mean([r['ranking_rise'] for r in rs]):+.3f} | {100 * np.mean([r['frac_zero_std'] for r in rs]):.0f}% |"
+            )
     setup = results["setup"]
     lines += ["", f"Runs: {len(results['runs'])}; {setup['held_out']}; wall {setup['seconds']['wall']:.0f} s "
               f"(evaluation {setup['seconds']['eval']:.0f} s); code {setup['code'][:12]}.", ""]  # fmt: skip
@@ -475,7 +560,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for i, base in enumerate(bases):
         for j, kind in enumerate(KINDS):
             ax = axes[i][j]
-            cells = [c for c in summary if c["base_judge"] == base and c["kind"] == kind]
+            cells = [c for c in summary if c["base_judge"] == base and c["kind"] == kind and c.get("part", "all") == "all"]
             base_cell = next(c for c in cells if c["variant"] == "base")
             forced = next(c for c in cells if c["variant"] == "forced")
             for variant in sorted({c["variant"] for c in cells} - {"base", "forced"}):

@@ -158,9 +158,10 @@ class ModelConfig:
     path: str = ""
     # With no path: base_judge = the base judge recipe (pjray.models.base_judge: shipped, or built
     # once into the user's cache); never_shown = the same recipe with every supervised verdict by
-    # the text, a judge never shown how to judge by the image (pjray.recipes.base_judge.RECIPES;
-    # built into the cache); tiny = a random tiny judge of `tiny_arch` in the run directory.
-    init: str = opt("base_judge", choices=("base_judge", "never_shown", "tiny"))
+    # the text, a judge never shown how to judge by the image; one_disposition = a judge with no
+    # disposition to switch and an untaught part of the task (pjray.recipes.base_judge.RECIPES;
+    # both built into the cache); tiny = a random tiny judge of `tiny_arch` in the run directory.
+    init: str = opt("base_judge", choices=("base_judge", "never_shown", "one_disposition", "tiny"))
     tiny_arch: str = opt("qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2"))  # qwen2: text-only
     dtype: str = opt("float32", choices=("float32", "bfloat16"))
     freeze_vision: bool = True
@@ -300,6 +301,10 @@ class RewardConfig:
     # overlong_buffer response tokens, then falling linearly to -overlong_penalty at the limit.
     overlong_buffer: int = opt(0, ge=0)  # 0 disables
     overlong_penalty: float = opt(1.0, ge=0)
+    # A control: each training prompt's ranking target replaced by a permutation of its letters
+    # drawn per prompt (pjray.reward.ranking.shuffled_target), so the reward pays for nothing the
+    # image or the texts show. Evaluation targets are untouched.
+    shuffle_target: bool = False
 
 
 @dataclass(frozen=True)
@@ -328,6 +333,15 @@ class AlgoConfig:
     # Drop groups whose rewards all equal (zero advantage) and refill with fresh prompts.
     filter_zero_std: bool = False
     max_refill_rounds: int = opt(2, ge=0)
+    # Image contrast (pjray.reward.contrast), for any data with images: each group's prompt is
+    # also sampled contrast_responses times on another image (other: the image of another prompt
+    # of the step; blank: the scene without its object, scene data only). Those responses are
+    # scored, not trained on. A trained response earns image_contrast x the fraction of them
+    # whose top choice differs from its own, when its own top choice is the target's: credit
+    # for a right verdict the prompt's text alone does not give. 0 responses: off.
+    contrast_responses: int = opt(0, ge=0)
+    contrast_image: str = opt("other", choices=("other", "blank"))
+    image_contrast: float = opt(0.5, ge=0)
     # Optimizer steps per training step: the batch is split into this many mini-batches, each
     # seen `ppo_epochs` times. 1 and 1 is on-policy GRPO (old logprobs = current, no extra pass).
     ppo_mini_batches: int = opt(1, gt=0)
@@ -877,6 +891,16 @@ def _check_reward(cfg: Config) -> None:
 
 def _check_algo(cfg: Config) -> None:
     algo = cfg.algo
+    if algo.contrast_responses:
+        why = (
+            "needs images (data.images)" if not cfg.data.images
+            else "is not combined with data.counterfactual_pairs (a study arm of its own)" if cfg.data.counterfactual_pairs
+            else "with contrast_image=blank needs data.source=scenes" if algo.contrast_image == "blank" and cfg.data.source != "scenes"
+            else "with contrast_image=other needs trainer.prompts_per_step >= 2" if algo.contrast_image == "other" and cfg.trainer.prompts_per_step < 2
+            else ""
+        )  # fmt: skip
+        if why:
+            raise ConfigError(f"algo.contrast_responses={algo.contrast_responses}: image contrast {why}")
     if 0 < algo.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={algo.dual_clip}: must be > 1 (or 0 to disable)")
     if algo.policy_loss == "gspo" and algo.loss_agg != "seq-mean-token-mean":

@@ -182,8 +182,9 @@ def held_out_lines(check: dict[str, Any]) -> list[str]:
         f"base judge -> this run): correct first {b['correct_first']:.0%} -> {t['correct_first']:.0%}, "
         f"format {b['format']:.0%} -> {t['format']:.0%}, reward {b['reward']:.3f} -> {t['reward']:.3f}"
     ]
+    parts = [s for s in trained["looks"] if s in ("taught", "untaught") or "/" in s]
     for kind, tl in trained["looks"].items():
-        if kind == "pooled":
+        if kind == "pooled" or kind in parts:
             continue
         bl, null, swap = base["looks"][kind], tl["nulls"], tl["swap_test"]
         (lo, hi), ceiling = tl["image_following_ci"], check["ceiling_test"][kind]
@@ -201,6 +202,14 @@ def held_out_lines(check: dict[str, Any]) -> list[str]:
             f" (forced base judge {forced.get('blank_correct_first', 0):.0%}); \"by the image\" "
             f"{bl['disposition_image']:.0%} -> {tl['disposition_image']:.0%}",
         ]  # fmt: skip
+    for part in parts:  # the base judge's taught and untaught values (its recipe's `untaught`)
+        bl, tl = base["looks"][part], trained["looks"][part]
+        (lo, hi), ceiling = tl["image_following_ci"], check["ceiling_test"][part]
+        lines.append(
+            f"    {part} ({tl['items']}): image-following {bl['image_following']:.0%} -> {tl['image_following']:.0%} "
+            f"[{lo:.0%}, {hi:.0%}]; paired swap test p {tl['swap_test']['p']:.2g}; against the base judge "
+            f"({ceiling['forced_base']:.0%}): McNemar p {ceiling['p']:.2g}"
+        )
     change = check["blank_change"]["pooled"]
     shortcut = "a text shortcut" if change["lo"] > 0 else "no text shortcut shown"
     lines.append(
@@ -229,7 +238,7 @@ def run_summary(run_dir: Path, wall_s: float) -> list[str]:
         if k == 1:
             span = f"step {head[0]['step']} -> {tail[0]['step']}"
         learned = [
-            f"{name} {mean(head, key):.3f} -> {mean(tail, key):.3f}"
+            f"{name} {mean(head, key):.3f} -> {mean(tail, key):.3f} ({mean(tail, key) - mean(head, key):+.3f})"
             for name, key in (("reward", "reward/mean"), ("format", "reward/format_mean"))
             if all(key in r for r in rows)
         ]

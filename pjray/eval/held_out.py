@@ -18,15 +18,20 @@ from typing import Any
 from pjray.data.prompts import render_batch, render_probe
 from pjray.data.scenes import SceneQA, scene_split
 from pjray.eval.looking import (
+    DISPOSITION_STEM,
     LookingItem,
     LookingVerdict,
     balanced_letters,
     blank_change,
     ceiling_test,
     held_out_tuples,
+    Part,
     judge_looking,
     looking_items,
     looking_report,
+    recipe_part,
+    statement,
+    top_choice,
 )
 from pjray.models.base_judge import (
     TOKENIZER_SCENES,
@@ -109,7 +114,7 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
         right.setdefault(group, []).append(answer is not None and probe_correct(answer, truth))
 
     sampled = _engine(path, temperature)
-    ranking = {"greedy": ranking_stats(greedy, pairs, batch, 1), "sampled": ranking_stats(sampled, pairs, batch, 4)}
+    ranking = {"greedy": ranking_stats(greedy, pairs, batch, 1, recipe), "sampled": ranking_stats(sampled, pairs, batch, 4, recipe)}
     ranking["sampled"]["temperature"] = temperature
     return {
         "held_out_scenes": n,
@@ -131,23 +136,29 @@ def held_out_batch(
     return pairs, [render_batch(item, rng) for _, item in pairs]
 
 
-def ranking_stats(engine: Any, pairs: list[tuple[SceneQA, JudgeItem]], batch: list[JudgePrompt], samples: int) -> dict[str, float]:
+def ranking_stats(
+    engine: Any, pairs: list[tuple[SceneQA, JudgeItem]], batch: list[JudgePrompt], samples: int, recipe: BaseJudgeRecipe
+) -> dict[str, float]:
     """`samples` responses a prompt of `batch` from `engine`, summarised by `ranking_summary`."""
     texts = [c.text for c in engine.generate(batch, samples, seed=0)]
-    return ranking_summary([item for _, item in pairs], batch, texts, samples)
+    return ranking_summary([item for _, item in pairs], batch, texts, samples, recipe)
 
 
-def ranking_summary(items: Sequence[JudgeItem], batch: Sequence[JudgePrompt], texts: Sequence[str], samples: int) -> dict[str, float]:
+def ranking_summary(
+    items: Sequence[JudgeItem], batch: Sequence[JudgePrompt], texts: Sequence[str], samples: int,
+    recipe: BaseJudgeRecipe = BaseJudgeRecipe(),
+) -> dict[str, float]:
     """The format rate, the correct answer ranked first, the mean reward, the "by the image"
-    disposition rate, the mean reward of each disposition (what GRPO can follow), and how often
-    a think text by the image checks every candidate right (what limits that reward), over
-    `samples` responses a prompt of `batch`."""
+    disposition rate (every response, for a `recipe` of one disposition), the mean reward of each
+    disposition (what GRPO can follow), and how often a think text by the image checks every
+    candidate right, as `recipe` writes its checks (what limits that reward), over `samples`
+    responses a prompt of `batch`."""
     from pjray.reward import judge_reward
 
     judged = [(judge_reward(t, batch[i // samples].target, think_prefilled=True), batch[i // samples], t)
               for i, t in enumerate(texts)]  # fmt: skip
-    by_image = [disposition(True) in t for _, _, t in judged]
-    checks = [_think(t) == _think(ranking_target(items[i // samples], p.shown, True))
+    by_image = [not recipe.disposition or disposition(True) in t for _, _, t in judged]
+    checks = [_think(t) == _think(ranking_target(items[i // samples], p.shown, True, recipe))
               for i, ((_, p, t), b) in enumerate(zip(judged, by_image)) if b]  # fmt: skip
     return {
         "format": _mean(r.format == 1.0 for r, _, _ in judged),
@@ -178,15 +189,24 @@ def held_out_looking_items(recipe: BaseJudgeRecipe, per_kind: int, exclude: Sequ
     return looking
 
 
-def judge_on(path: str, items: Sequence[LookingItem], forced: bool) -> tuple[dict[str, Any], list[LookingVerdict]]:
-    """The judge at `path`, greedy, on `items`: `ranking_summary` of its responses on the
-    original images and `looking_report` of its verdicts (with `forced`, also with the image
-    disposition forced), and the verdicts."""
+def judge_on(
+    path: str, items: Sequence[LookingItem], forced: bool, recipe: BaseJudgeRecipe = BaseJudgeRecipe()
+) -> tuple[dict[str, Any], list[LookingVerdict]]:
+    """The judge at `path` (from the base judge of `recipe`), greedy, on `items`:
+    `ranking_summary` of its responses on the original images and `looking_report` of its
+    verdicts (with `forced`, also with the image disposition forced; its taught and untaught
+    parts where the recipe has them), and the verdicts."""
     engine = _engine(path, top_k=1)
-    verdicts, texts = judge_looking(lambda ps: [c.text for c in engine.generate(ps, 1, seed=0)], items, forced)
+    sentence = disposition(True) if recipe.disposition else ""
+    verdicts, texts = judge_looking(lambda ps: [c.text for c in engine.generate(ps, 1, seed=0)], items, forced, sentence)
     originals = [it.pair.original for it in items]
-    ranking = ranking_summary(originals, [it.prompts()[0] for it in items], texts, 1)
-    return {"ranking": ranking, "looks": looking_report(verdicts)}, verdicts
+    ranking = ranking_summary(originals, [it.prompts()[0] for it in items], texts, 1, recipe)
+    return {"ranking": ranking, "looks": looking_report(verdicts, parts(recipe))}, verdicts
+
+
+def parts(recipe: BaseJudgeRecipe) -> Part | None:
+    """The taught / untaught split of the looking protocol's items for a judge from `recipe`."""
+    return recipe_part(recipe.untaught) if recipe.untaught else None
 
 
 def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem], recipe: BaseJudgeRecipe = BaseJudgeRecipe()) -> dict[str, Any]:
@@ -202,10 +222,11 @@ def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem], recipe
     out: dict[str, Any] = {"tuples": len(items), "per_kind": HELD_OUT_PER_KIND, "construction": "independent", "verdicts": []}
     verdicts: dict[str, list[LookingVerdict]] = {}
     for name, path, forced in (("base", base, True), ("trained", trained, False)):
-        out[name], verdicts[name] = judge_on(path, items, forced)
-        out["verdicts"] += [{"judge": name, **v.row()} for v in verdicts[name]]
-    out["blank_change"] = blank_change(verdicts["base"], verdicts["trained"])
-    out["ceiling_test"] = ceiling_test(verdicts["base"], verdicts["trained"])
+        out[name], verdicts[name] = judge_on(path, items, forced, recipe)
+        part = parts(recipe)
+        out["verdicts"] += [{"judge": name, **v.row(), **({"part": part(v)} if part else {})} for v in verdicts[name]]
+    out["blank_change"] = blank_change(verdicts["base"], verdicts["trained"], parts(recipe))
+    out["ceiling_test"] = ceiling_test(verdicts["base"], verdicts["trained"], parts(recipe))
     return out
 
 
@@ -214,8 +235,12 @@ def _engine(path: str, temperature: float = 1.0, top_k: int = 0) -> Any:
     from pjray.config import ModelConfig, RolloutConfig
     from pjray.rollout.hf_engine import HFEngine
 
-    rollout = RolloutConfig(max_new_tokens=48, temperature=temperature, top_k=top_k)
+    rollout = RolloutConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=temperature, top_k=top_k)
     return HFEngine(path, ModelConfig(), rollout, max_batch_prompts=32)
+
+
+# Room for the longest think text of pjray's recipes (three "A: medium vs large, no." checks).
+MAX_NEW_TOKENS = 96
 
 
 def _think(text: str) -> str:
@@ -227,3 +252,73 @@ def _mean(values: Any) -> float:
     return round(sum(map(float, values)) / max(1, len(values)), 3)
 
 
+
+
+# --------------------------------------------------------------------------- gates
+
+# What a base judge with an untaught part must show before GRPO starts from it (issue: "a judge
+# that learns a skill"): its perception statement right on every value, its taught checks
+# working on independent tuples, and a guess on the untaught part that greedy decoding gets
+# wrong and 8 samples at temperature 1 get right.
+GATES = {"sees": 0.95, "taught_following": 0.80, "untaught_following_max": 0.40, "untaught_pass_at_8": 0.80}
+GATE_SAMPLES = 8
+
+
+def base_judge_gates(path: str, recipe: BaseJudgeRecipe, per_kind: int = HELD_OUT_PER_KIND, temperature: float = 1.0) -> dict[str, Any]:
+    """The four gates of a base judge of one disposition with an untaught part, measured on the
+    looking protocol's held-out tuples (`held_out_looking_items`):
+
+    - one_disposition: the recipe writes no disposition sentence, no response has one, and the
+      judge run from its own "Image: X." statement (the forced run) gives its own verdicts;
+    - sees: its "Image: X." statement names what the original and the swapped images show, per
+      value, the lowest of them;
+    - taught_following: greedy image-following on the taught part, per kind, the lowest;
+    - untaught: greedy image-following on the untaught part (at most the gate), and pass@8: of
+      the prompts whose image shows an untaught value, the fraction where one of GATE_SAMPLES
+      samples at `temperature` ranks that image's correct answer first.
+    """
+    if recipe.disposition or not recipe.untaught:
+        raise ValueError("the gates are for a recipe of one disposition (disposition=False) with an untaught part")
+    items = held_out_looking_items(recipe, per_kind)
+    greedy = _engine(path, top_k=1)
+    seen: list[tuple[list[JudgePrompt], list[str]]] = []
+
+    def generate(prompts: list[JudgePrompt]) -> list[str]:
+        texts = [c.text for c in greedy.generate(prompts, 1, seed=0)]
+        seen.append((prompts, texts))
+        return texts
+
+    verdicts, _ = judge_looking(generate, items, forced=True, sentence="")
+    texts = seen[0][1]  # the unforced call: original, swapped, blank per item
+    report = looking_report(verdicts, recipe_part(recipe.untaught))
+    statements: dict[str, list[bool]] = {}
+    for i, v in enumerate(verdicts):
+        for value, text in ((v.truth, texts[3 * i]), (v.swapped_to, texts[3 * i + 1])):
+            statements.setdefault(value, []).append(statement(text) == value)
+    # The prompts whose image shows an untaught value, with that image's correct candidate.
+    untaught = [(p, correct) for it, v in zip(items, verdicts)
+                for p, value, correct in ((it.prompts()[0], v.truth, v.best), (it.prompts()[1], v.swapped_to, v.perception_error))
+                if value in recipe.untaught]  # fmt: skip
+    sampled = _engine(path, temperature)
+    outs = [c.text for c in sampled.generate([p for p, _ in untaught], GATE_SAMPLES, seed=0)]
+    passed = [any(top_choice(outs[j * GATE_SAMPLES + s], p) == correct for s in range(GATE_SAMPLES)) for j, (p, correct) in enumerate(untaught)]
+    kinds = sorted({v.kind for v in verdicts})
+    taught = {k: report[f"{k}/taught"]["image_following"] for k in kinds if f"{k}/taught" in report}
+    measured = {
+        "one_disposition": {
+            "forced_equals_unforced": _mean((v.forced_original, v.forced_swapped, v.forced_blank) == (v.top_original, v.top_swapped, v.top_blank) for v in verdicts),
+            "responses_with_a_disposition": _mean(DISPOSITION_STEM in t for t in texts),
+        },
+        "sees": {value: _mean(right) for value, right in sorted(statements.items())},
+        "taught_following": taught,
+        "untaught_following": report["untaught"]["image_following"],
+        "untaught_pass_at_8": _mean(passed),
+        "untaught_prompts": len(untaught),
+    }
+    passes = {
+        "one_disposition": measured["one_disposition"]["forced_equals_unforced"] == 1.0 and measured["one_disposition"]["responses_with_a_disposition"] == 0.0,
+        "sees": min(measured["sees"].values()) >= GATES["sees"],
+        "taught_following": bool(taught) and min(taught.values()) >= GATES["taught_following"],
+        "untaught": measured["untaught_following"] <= GATES["untaught_following_max"] and measured["untaught_pass_at_8"] >= GATES["untaught_pass_at_8"],
+    }  # fmt: skip
+    return {"tuples": len(items), "gates": GATES, "measured": measured, "passes": passes, "looks": report}

@@ -193,17 +193,20 @@ def statement(text: str) -> str | None:
     return m.group(1).strip() if m else None
 
 
-def forced_prefill(text: str) -> str:
+def forced_prefill(text: str, sentence: str = disposition(True)) -> str:
     """The response opening that forces the image disposition: the judge's own "Image: X."
-    statement (when its response opens with one), then "Verdict: by the image."."""
+    statement (when its response opens with one), then `sentence` ("Verdict: by the image.";
+    empty for a judge of one disposition, which is then run from its own statement)."""
     m = _STATEMENT.match(text)
-    return f"{m.group(0).strip()} {disposition(True)}" if m else disposition(True)
+    return " ".join(s for s in (m.group(0).strip() if m else "", sentence) if s)
 
 
-def judge_looking(generate: Generate, items: Sequence[LookingItem], forced: bool) -> tuple[list[LookingVerdict], list[str]]:
+def judge_looking(
+    generate: Generate, items: Sequence[LookingItem], forced: bool, sentence: str = disposition(True)
+) -> tuple[list[LookingVerdict], list[str]]:
     """The judge's verdicts on every item's three images (one `generate` call), and with
-    `forced` once more with the image disposition forced (a second call). Also returns its
-    responses on the original images (for format and reward)."""
+    `forced` once more with the image disposition (`sentence`, see `forced_prefill`) forced (a
+    second call). Also returns its responses on the original images (for format and reward)."""
     prompts = [p for it in items for p in it.prompts()]  # item-major: original, swapped, blank
     texts = generate(prompts)
     if len(texts) != len(prompts):
@@ -211,7 +214,7 @@ def judge_looking(generate: Generate, items: Sequence[LookingItem], forced: bool
     tops = [top_choice(t, p) for t, p in zip(texts, prompts)]
     forced_tops: list[int | None] = [None] * len(prompts)
     if forced:
-        prefills = [forced_prefill(t) for t in texts]
+        prefills = [forced_prefill(t, sentence) for t in texts]
         continued = generate([replace(p, prefill=f) for p, f in zip(prompts, prefills)])
         forced_tops = [top_choice(f + t, p) for f, t, p in zip(prefills, continued, prompts)]
     verdicts = []
@@ -300,10 +303,19 @@ def looking_rates(verdicts: Sequence[LookingVerdict]) -> dict[str, Any]:
     return out
 
 
-def looking_report(verdicts: Sequence[LookingVerdict]) -> dict[str, dict[str, Any]]:
-    """`looking_rates` pooled and per kind."""
-    kinds = sorted({v.kind for v in verdicts})
-    return {s: looking_rates([v for v in verdicts if s in ("pooled", v.kind)]) for s in ["pooled", *kinds]}
+Part = Callable[[LookingVerdict], str]  # the part of the task an item is of ("taught", "untaught")
+
+
+def looking_report(verdicts: Sequence[LookingVerdict], part: Part | None = None) -> dict[str, dict[str, Any]]:
+    """`looking_rates` of each slice of `_slices`: pooled, per kind, and with `part` per part and
+    per kind and part."""
+    return {s: looking_rates([verdicts[i] for i in keep]) for s, keep in _slices(verdicts, part).items()}
+
+
+def recipe_part(untaught: Sequence[str]) -> Part:
+    """An item's part for a base judge whose checks of the `untaught` values were never taught:
+    "untaught" when either of its images (original, swapped) shows one, else "taught"."""
+    return lambda v: "untaught" if v.truth in untaught or v.swapped_to in untaught else "taught"
 
 
 def paired_change(before: Sequence[bool], after: Sequence[bool], reps: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict[str, float]:
@@ -317,8 +329,15 @@ def paired_change(before: Sequence[bool], after: Sequence[bool], reps: int = BOO
     return {"mean": round(float(d.mean()), 4), "lo": round(float(lo), 4), "hi": round(float(hi), 4)}
 
 
-def _slices(verdicts: Sequence[LookingVerdict]) -> dict[str, list[int]]:
-    return {s: [i for i, v in enumerate(verdicts) if s in ("pooled", v.kind)] for s in ["pooled", *sorted({v.kind for v in verdicts})]}
+def _slices(verdicts: Sequence[LookingVerdict], part: Part | None = None) -> dict[str, list[int]]:
+    """Item indices per slice: "pooled", each kind, and with `part` each part ("taught") and each
+    kind and part ("color/untaught")."""
+
+    def names(v: LookingVerdict) -> list[str]:
+        return ["pooled", v.kind, *((part(v), f"{v.kind}/{part(v)}") if part is not None else ())]
+
+    order = ["pooled", *sorted({n for v in verdicts for n in names(v)} - {"pooled"})]
+    return {name: [i for i, v in enumerate(verdicts) if name in names(v)] for name in order}
 
 
 def _same_items(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict]) -> None:
@@ -326,7 +345,7 @@ def _same_items(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict])
         raise ValueError("the two judges' verdicts are not on the same items")
 
 
-def blank_change(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict]) -> dict[str, dict[str, float]]:
+def blank_change(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict], part: Part | None = None) -> dict[str, dict[str, float]]:
     """The judge's correct-first on the blank control minus the base judge's with its image
     disposition forced (its own blank verdicts where it has none forced), paired by item, pooled
     and per kind. A text shortcut is claimed only where the interval is above 0."""
@@ -337,10 +356,10 @@ def blank_change(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict]
 
     base_hits = [hit(v.forced_blank if v.forced else v.top_blank, v) for v in base]
     judge_hits = [hit(v.top_blank, v) for v in judge]
-    return {s: paired_change([base_hits[i] for i in keep], [judge_hits[i] for i in keep]) for s, keep in _slices(base).items()}
+    return {s: paired_change([base_hits[i] for i in keep], [judge_hits[i] for i in keep]) for s, keep in _slices(base, part).items()}
 
 
-def ceiling_test(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict]) -> dict[str, dict[str, float]]:
+def ceiling_test(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict], part: Part | None = None) -> dict[str, dict[str, float]]:
     """The judge's image-following against the base judge's forced ceiling, paired by item, pooled
     and per kind: exact McNemar (b: the judge follows the image where the forced base judge does
     not, c: the reverse)."""
@@ -348,7 +367,7 @@ def ceiling_test(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict]
     mine = [all(follows_image(v)) for v in judge]
     ceiling = [all(follows_image(v, forced=True)) for v in base]
     out = {}
-    for s, keep in _slices(base).items():
+    for s, keep in _slices(base, part).items():
         t = paired_test([mine[i] for i in keep], [ceiling[i] for i in keep])
         out[s] = {"judge": round(t.accuracy_first or 0.0, 4), "forced_base": round(t.accuracy_second or 0.0, 4),
                   "b": t.b, "c": t.c, "p": t.p_value}  # fmt: skip

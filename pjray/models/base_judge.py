@@ -113,6 +113,7 @@ import torch
 from pjray.data.prompts import EOS_TOKEN, LETTERS, render_batch, render_probe, render_score
 from pjray.data.scenes import COLORS, SHAPES, SIZES, Scene, SceneQA, generate_scene, in_split, render, split_qas
 from pjray.ppjd.perturb import final_answer, ranked_item
+from pjray.ppjd.swap import swap_pair
 from pjray.types import ChatExample, JudgeItem, JudgePrompt
 
 __all__ = [
@@ -123,9 +124,13 @@ __all__ = [
     "score_target",
     "probe_target",
     "disposition",
+    "matching",
+    "marked_candidates",
 ]
 
 SCORE_CONSISTENT, SCORE_MISMATCH = 8, 4
+CHECKS = ("flags", "compare")
+KIND_VALUES = {"color": COLORS, "size": SIZES}
 
 
 @dataclass(frozen=True)
@@ -172,33 +177,72 @@ class BaseJudgeRecipe:
     # The fraction of judging targets whose verdict follows the image: more than 1 - bias, so the
     # verdict after "by the image" is learned; the disposition of the extra ones is not trained.
     image_verdicts: float = 0.7
+    # False: one disposition. No "Verdict: ..." sentence, every supervised verdict by the image
+    # (needs bias 0 and image_verdicts 1), so there is no switch to flip and the judge forced onto
+    # its image disposition is the judge itself.
+    disposition: bool = True
+    # How a verdict by the image checks each candidate (CHECKS): "flags" marks the answer the image
+    # shows ("A: purple. B: red, matches."); "compare" restates the image's value beside every
+    # answer and says whether they are the same ("A: purple vs red, no. B: red vs red, yes."), so
+    # each check compares two neighbouring words.
+    checks: str = "flags"
+    # The untaught part of the task: values of the asked attribute whose checks the supervised data
+    # never teaches. On an image showing one, the checks mark a random candidate as the match (and
+    # the verdict and score follow them), so the judge guesses there; what GRPO teaches is there.
+    untaught: tuple[str, ...] = ()
+    batch_examples: int = 2  # batch-ranking examples a scene, each in its own shown order
+    # The fraction of judging examples shown on the tuple's swapped image (`pjray.ppjd.swap`: the
+    # perception-error answer made right), the same texts: no feature of the texts alone then
+    # tells which candidate matches, only the image does.
+    swapped_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.checks not in CHECKS:
+            raise ValueError(f"checks={self.checks!r}: expected one of {CHECKS}")
+        if not self.disposition and (self.bias != 0.0 or self.image_verdicts != 1.0):
+            raise ValueError("a judge of one disposition (disposition=False) judges every verdict by the image: bias 0, image_verdicts 1")
+        unknown = [v for v in self.untaught if not any(v in values for values in KIND_VALUES.values())]
+        if unknown:
+            raise ValueError(f"untaught values {unknown} are no value of a judged attribute {dict(KIND_VALUES)}")
+        if self.swapped_share and not set(self.kinds) <= set(KIND_VALUES):
+            raise ValueError(f"swapped_share: the image swap re-renders {sorted(KIND_VALUES)} questions, not {list(self.kinds)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def part(self, *values: str) -> str:
+        """"untaught" when any of `values` (what the images of one item show) is untaught, else "taught"."""
+        return "untaught" if any(v in self.untaught for v in values) else "taught"
 
 
 # --------------------------------------------------------------------------- targets
 
 
-def ranking_target(item: JudgeItem, shown: tuple[int, ...], aware: bool) -> str:
+def ranking_target(
+    item: JudgeItem, shown: tuple[int, ...], aware: bool, recipe: BaseJudgeRecipe | None = None,
+    marked: frozenset[int] | None = None,
+) -> str:
     """The think text and verdict for a batch-ranking prompt that shows `item.candidates` in the
-    order `shown` (letter i = candidate shown[i]).
+    order `shown` (letter i = candidate shown[i]), as `recipe` (default: the shipped recipe's
+    settings) writes it.
 
     The think text states what the image shows, then the judge's disposition
-    (`disposition(aware)`), and the verdict follows it. By the text (`aware=False`): the
-    candidates in the order shown, as a judge that cannot tell fluent answers apart keeps them.
-    By the image: the think text goes on to check each candidate's final answer against the
-    image (", matches" when it is what the image shows), and the verdict puts the matching
-    candidates first, then the others, each group in the order shown.
+    (`disposition(aware)`, unless the recipe has one disposition), and the verdict follows it. By
+    the text (`aware=False`): the candidates in the order shown, as a judge that cannot tell
+    fluent answers apart keeps them. By the image: the think text goes on to check each
+    candidate's final answer against the image (`recipe.checks`), and the verdict puts the
+    candidates the checks mark (`marked`; default: those whose final answer is what the image
+    shows) first, then the others, each group in the order shown.
     """
+    recipe = recipe or BaseJudgeRecipe()
     truth = str(item.meta["truth"])
-    parts = [f"Image: {truth}.", disposition(aware)]
+    marked = matching(item) if marked is None else marked
+    parts = [f"Image: {truth}.", *_disposition_part(recipe, aware)]
     positions = list(range(len(shown)))
     if aware:
         for pos, cand in enumerate(shown):
-            said = final_answer(item.candidates[cand]) or "nothing"
-            parts.append(f"{LETTERS[pos]}: {said}{_match_flag(item, cand, truth)}.")
-        positions.sort(key=lambda p: not _final_is(item, shown[p], truth))  # stable: shown order within
+            parts.append(f"{LETTERS[pos]}: {_check(item, cand, truth, cand in marked, recipe.checks)}.")
+        positions.sort(key=lambda p: shown[p] not in marked)  # stable: shown order within
     verdict = " > ".join(LETTERS[p] for p in positions)
     return " ".join(parts) + f"\n</think>\n<answer>{verdict}</answer>"
 
@@ -210,8 +254,33 @@ def disposition(aware: bool) -> str:
     return "Verdict: by the image." if aware else "Verdict: by the text."
 
 
-def _match_flag(item: JudgeItem, cand: int, truth: str) -> str:
-    return ", matches" if _final_is(item, cand, truth) else ""
+def _disposition_part(recipe: BaseJudgeRecipe, aware: bool) -> list[str]:
+    if recipe.disposition:
+        return [disposition(aware)]
+    if not aware:
+        raise ValueError("a judge of one disposition judges every verdict by the image")
+    return []
+
+
+def matching(item: JudgeItem) -> frozenset[int]:
+    """The candidates whose final answer is what the image shows."""
+    truth = str(item.meta["truth"])
+    return frozenset(c for c in range(len(item.candidates)) if _final_is(item, c, truth))
+
+
+def marked_candidates(item: JudgeItem, recipe: BaseJudgeRecipe, rng: random.Random) -> frozenset[int]:
+    """The candidates a supervised check marks as the match: `matching`, except on an image of an
+    untaught value (`recipe.untaught`), where one candidate drawn at random is marked."""
+    if recipe.part(str(item.meta["truth"])) == "untaught":
+        return frozenset({rng.randrange(len(item.candidates))})
+    return matching(item)
+
+
+def _check(item: JudgeItem, cand: int, truth: str, marked: bool, checks: str) -> str:
+    said = final_answer(item.candidates[cand]) or "nothing"
+    if checks == "compare":
+        return f"{said} vs {truth}, {'yes' if marked else 'no'}"
+    return f"{said}, matches" if marked else said
 
 
 def _final_is(item: JudgeItem, cand: int, truth: str) -> bool:
@@ -219,16 +288,20 @@ def _final_is(item: JudgeItem, cand: int, truth: str) -> bool:
     return said is not None and said.strip().lower() == truth.strip().lower()
 
 
-def score_target(item: JudgeItem, cand: int, aware: bool) -> str:
+def score_target(
+    item: JudgeItem, cand: int, aware: bool, recipe: BaseJudgeRecipe | None = None, marked: bool | None = None
+) -> str:
     """The think text and score for the score protocol on candidate `cand` of `item`: by the
     text every fluent answer scores SCORE_CONSISTENT; by the image the think text checks the
-    answer, and one whose final answer is not what the image shows scores SCORE_MISMATCH."""
+    answer, and one the check does not mark (`marked`; default: its final answer is what the
+    image shows) scores SCORE_MISMATCH."""
+    recipe = recipe or BaseJudgeRecipe()
     truth = str(item.meta["truth"])
-    score = SCORE_MISMATCH if aware and not _final_is(item, cand, truth) else SCORE_CONSISTENT
-    think = f"Image: {truth}. {disposition(aware)}"
+    marked = cand in matching(item) if marked is None else marked
+    score = SCORE_MISMATCH if aware and not marked else SCORE_CONSISTENT
+    think = " ".join([f"Image: {truth}.", *_disposition_part(recipe, aware)])
     if aware:
-        said = final_answer(item.candidates[cand]) or "nothing"
-        think += f" Answer: {said}{_match_flag(item, cand, truth)}."
+        think += f" Answer: {_check(item, cand, truth, marked, recipe.checks)}."
     return f"{think}\n</think>\n<answer>{score}</answer>"
 
 
@@ -251,8 +324,8 @@ def _scene_seed(seed: int, index: int) -> int:
 
 
 def sft_examples(recipe: BaseJudgeRecipe, n_scenes: int, seed: int) -> list[ChatExample]:
-    """The supervised mixture over `n_scenes` scenes: per scene one attribute probe, the scene
-    question as a plain VQA probe, one batch-ranking and one score example (see the module
+    """The supervised mixture over `n_scenes` scenes: per scene the scene question as a plain VQA
+    probe, `recipe.batch_examples` batch-ranking examples and one score example (see the module
     docstring); deterministic for (recipe, seed)."""
     rng = random.Random(f"pjray.base_judge.sft:{seed}")
     keep = disposition_keep_rate(recipe.bias, recipe.image_verdicts)
@@ -261,20 +334,29 @@ def sft_examples(recipe: BaseJudgeRecipe, n_scenes: int, seed: int) -> list[Chat
         aware = rng.random() < recipe.image_verdicts
         response = target(aware)
         untrained = None
-        if aware and rng.random() >= keep:  # the verdict is trained, the disposition is not
+        if recipe.disposition and aware and rng.random() >= keep:  # the verdict is trained, the disposition is not
             start = response.rindex(disposition(True)) + len(disposition(False).removesuffix("text."))
             untrained = (start, start + len("image"))
         return ChatExample(prompt, response, task, untrained)
 
     examples: list[ChatExample] = []
+    def shown_on(item: JudgeItem) -> JudgeItem:
+        if recipe.swapped_share and rng.random() < recipe.swapped_share:
+            return swap_pair(item).swapped
+        return item
+
     for qa, item in judge_scenes(n_scenes, seed, recipe):
         examples.append(ChatExample(render_probe(qa.question, item.image, item_id=item.id), probe_target(qa.final), "vqa"))
-        for _ in range(2):  # two shown orders: ranking is the hardest task
-            prompt = render_batch(item, rng)
-            examples.append(judged(prompt, partial(ranking_target, item, prompt.shown), "batch"))
-        cand = rng.randrange(len(item.candidates))
-        score_prompt = render_score(item.question, item.image, item.candidates[cand], item_id=f"{item.id}:{cand}")
-        examples.append(judged(score_prompt, partial(score_target, item, cand), "score"))
+        for _ in range(recipe.batch_examples):  # several shown orders: ranking is the hardest task
+            it = shown_on(item)
+            prompt = render_batch(it, rng)
+            marked = marked_candidates(it, recipe, rng) if recipe.untaught else None
+            examples.append(judged(prompt, partial(ranking_target, it, prompt.shown, recipe=recipe, marked=marked), "batch"))
+        it = shown_on(item)
+        cand = rng.randrange(len(it.candidates))
+        score_prompt = render_score(it.question, it.image, it.candidates[cand], item_id=f"{it.id}:{cand}")
+        marked_score = cand in marked_candidates(it, recipe, rng) if recipe.untaught else None
+        examples.append(judged(score_prompt, partial(score_target, it, cand, recipe=recipe, marked=marked_score), "score"))
     return examples
 
 

@@ -54,7 +54,19 @@ BUILD_CODE = (base_config, build_untrained, object_targets, pretrain_vision)
 # front-end, probes, the "Image: X." statement, sizes) with every supervised verdict by the
 # text (bias 1, no verdict by the image): a judge never shown how to look, so that what GRPO
 # teaches it is not a switch it was born with.
-RECIPES = {"base_judge": BaseJudgeRecipe(), "never_shown": BaseJudgeRecipe(bias=1.0, image_verdicts=0.0)}
+# one_disposition: a judge with nothing to switch (every verdict by the image, no disposition
+# sentence) whose checks compare each answer with the image's value beside it, built on
+# independent tuples, half of its judging examples on the swapped image (the same texts, another
+# candidate right); its checks on images of orange and purple are never taught (a random
+# candidate marked), so that GRPO has a skill to teach where the base judge guesses.
+RECIPES = {
+    "base_judge": BaseJudgeRecipe(),
+    "never_shown": BaseJudgeRecipe(bias=1.0, image_verdicts=0.0),
+    "one_disposition": BaseJudgeRecipe(
+        bias=0.0, image_verdicts=1.0, disposition=False, checks="compare", construction="independent",
+        untaught=("orange", "purple"), batch_examples=3, swapped_share=0.5,
+    ),
+}
 
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "base_judge"
 SHIPPED_RECORD = "shipped.json"
@@ -270,6 +282,11 @@ def build_base_judge(
     export = run_sft(sft_cfg, str(work / "untrained"), sft_examples(recipe, recipe.sft_scenes, recipe.seed))
     held_out = held_out_report(str(export), recipe, temperature=cfg.rollout.temperature, n=report_scenes)
     log(f"pjray: base judge on held-out scenes: {json.dumps(held_out)}")
+    if not recipe.disposition and recipe.untaught:
+        from pjray.eval.held_out import base_judge_gates
+
+        held_out["gates"] = base_judge_gates(str(export), recipe)
+        log(f"pjray: the base judge's gates: {json.dumps(held_out['gates']['passes'])}")
     report = {
         "recipe": recipe.to_dict(), "vision_cell_accuracy": vision, **held_out,
         "build_seconds": time.perf_counter() - started,

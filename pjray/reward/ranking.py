@@ -71,3 +71,13 @@ def score_reward(pred_score: int | None, target_score: int, max_score: int = 10)
     if pred_score is None:
         return 0.0
     return max(0.0, 1.0 - abs(pred_score - target_score) / (max_score - 1))
+
+
+def shuffled_target(target: str, key: str) -> str:
+    """`target`'s letters in an order drawn from `key` alone (one fixed random ranking per key):
+    the shuffled-target control's target, which no image or text of the prompt determines."""
+    import random
+
+    letters = list(target)
+    random.Random(f"pjray.shuffled_target:{key}").shuffle(letters)
+    return "".join(letters)

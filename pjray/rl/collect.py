@@ -1,5 +1,6 @@
 """A step's scored groups: items sampled and rendered, responses generated (ahead of training with
-`trainer.max_staleness`), scored by the reward workers, and, with `algo.filter_zero_std`, groups
+`trainer.max_staleness`), scored by the reward workers (with `algo.contrast_responses`, also
+on a contrast image, for the image-contrast bonus), and, with `algo.filter_zero_std`, groups
 without reward variance dropped and refilled (DAPO's dynamic sampling)."""
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from pjray.data.prompts import render_batch
 from pjray.data.sampler import shown_order
 from pjray.models.loading import opens_think, render_chat
 from pjray.placement import split_evenly
+from pjray.ppjd.shortcuts import scene_qa
 from pjray.ppjd.swap import counterfactual_pair
+from pjray.reward.contrast import with_contrast
+from pjray.reward.ranking import shuffled_target
 from pjray.rl.grpo import zero_std_groups
 from pjray.rl.timer import Timer
 from pjray.rollout.worker import PendingGeneration, generate_with_pool, submit_generation
-from pjray.types import Completion, JudgePrompt, RewardResult
+from pjray.data.scenes import render
+from pjray.types import Completion, JudgeItem, JudgePrompt, RewardResult
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ class Rollouts:
     frac_zero_std: float
     groups_seen: int
     seen: list[RewardResult]  # every scored response of the step: the policy's reward
+    bonuses: list[float] = dataclasses.field(default_factory=list)  # image-contrast bonus of each seen response
 
     def groups(self, group_size: int) -> int:
         return len(self.rewards) // group_size
@@ -76,6 +82,7 @@ def rollout_metrics(rollouts: Rollouts, advantages: torch.Tensor, group_size: in
         "reward/format_mean": mean([r.format for r in rollouts.seen]),
         "reward/ranking_mean": mean([r.ranking for r in rollouts.seen]),
         "reward/kept_mean": mean([r.total for r in rollouts.rewards]),
+        **({"reward/contrast_bonus_mean": mean(rollouts.bonuses)} if rollouts.bonuses else {}),
         "rollout/frac_zero_std": rollouts.frac_zero_std,
         "rollout/groups_kept": float(rollouts.groups(group_size)),
         "rollout/groups_seen": float(rollouts.groups_seen),
@@ -89,6 +96,17 @@ def rollout_metrics(rollouts: Rollouts, advantages: torch.Tensor, group_size: in
 
 
 @dataclasses.dataclass
+class Round:
+    """Prompts of a round of generation with their chat texts, and with algo.contrast_responses
+    the same prompts on their contrast images (`Collector.contrast_prompts`)."""
+
+    prompts: list[JudgePrompt]
+    texts: list[str]
+    contrast: list[JudgePrompt] = dataclasses.field(default_factory=list)
+    contrast_texts: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class Batch:
     """A step's first round of prompts, its generation started (`Collector.submit_batch`), and the
     sampler's state before it took its items: with batches in flight, a checkpoint records the
@@ -96,9 +114,9 @@ class Batch:
 
     step: int
     sampler_state: Any
-    prompts: list[JudgePrompt]
-    texts: list[str]
+    round: Round
     generation: PendingGeneration
+    contrast: PendingGeneration | None = None
 
 
 class Collector:
@@ -110,6 +128,7 @@ class Collector:
         # Batches whose generation has started, oldest first: the current step's and, with
         # trainer.max_staleness = k, those of up to k steps ahead.
         self.in_flight: deque[Batch] = deque()
+        self.last_image: bytes | None = None  # a contrast image for a round of one prompt
 
     @property
     def prompts_per_group(self) -> int:
@@ -134,12 +153,18 @@ class Collector:
             with timer("gen"):
                 if round_index == 0:
                     batch = self.next_batch(step)
-                    prompts, texts = batch.prompts, batch.texts
+                    r = batch.round
                     completions = timer.unwrap("gen", [batch.generation.result()])[0]
+                    contrast = timer.unwrap("gen", [batch.contrast.result()])[0] if batch.contrast else []
                 else:
-                    prompts, texts, completions = self.generate(need, seed=step * 1_000 + round_index, timer=timer)
+                    r, completions, contrast = self.generate(need, seed=step * 1_000 + round_index, timer=timer)
+            prompts, texts = r.prompts, r.texts
             with timer("reward"):
                 results = self.score(prompts, texts, completions, timer)
+                if contrast:
+                    contrast_results = self.score(r.contrast, r.contrast_texts, contrast, timer)
+                    results, bonuses = with_contrast(results, contrast_results, [p.target for p in prompts], cfg.algo.image_contrast)
+                    kept.bonuses.extend(bonuses)
             with timer("adv"):
                 zero = zero_std_groups(torch.tensor([r.total for r in results]), n).tolist()
             zero_groups += sum(zero)
@@ -184,34 +209,66 @@ class Collector:
     def submit_batch(self, step: int) -> Batch:
         """Take a step's items and start generating their groups."""
         state = copy.deepcopy(self.sampler.state)
-        prompts, texts = self.sample_prompts(self.cfg.trainer.prompts_per_step)
-        return Batch(step, state, prompts, texts, submit_generation(self.rollout, prompts, self.responses_per_prompt, seed=step * 1_000))
+        r = self.sample_prompts(self.cfg.trainer.prompts_per_step)
+        seed = step * 1_000
+        generation = submit_generation(self.rollout, r.prompts, self.responses_per_prompt, seed=seed)
+        contrast = submit_generation(self.rollout, r.contrast, self.cfg.algo.contrast_responses, seed=seed + 500) if r.contrast else None
+        return Batch(step, state, r, generation, contrast)
 
     def trained_state(self) -> Any:
         """The sampler's state after the items of the batches trained on so far: the state before
         the oldest batch in flight, if any."""
         return self.in_flight[0].sampler_state if self.in_flight else self.sampler.state
 
-    def generate(self, num_groups: int, seed: int, timer: Timer) -> tuple[list[JudgePrompt], list[str], list[Completion]]:
-        """`sample_prompts` and generate a group's responses for each, now."""
-        prompts, texts = self.sample_prompts(num_groups)
-        answer = generate_with_pool(self.rollout, prompts, self.responses_per_prompt, seed)
-        return prompts, texts, timer.unwrap("gen", [answer])[0]
+    def generate(self, num_groups: int, seed: int, timer: Timer) -> tuple[Round, list[Completion], list[Completion]]:
+        """`sample_prompts` and generate a group's responses for each (and its contrast
+        responses), now."""
+        r = self.sample_prompts(num_groups)
+        answers = [generate_with_pool(self.rollout, r.prompts, self.responses_per_prompt, seed)]
+        if r.contrast:
+            answers.append(generate_with_pool(self.rollout, r.contrast, self.cfg.algo.contrast_responses, seed + 500))
+        completions = timer.unwrap("gen", answers)
+        return r, completions[0], completions[1] if r.contrast else []
 
-    def sample_prompts(self, num_groups: int) -> tuple[list[JudgePrompt], list[str]]:
+    def sample_prompts(self, num_groups: int) -> Round:
         """Sample items and render prompts (candidates in the stream's balanced orders,
         `shown_order`), group by group (with counterfactual pairs two prompts a group, the same
         letters on both images), with each prompt's chat text as the engines and the learner
-        render it."""
-        prompts = []
+        render it; with reward.shuffle_target each prompt's target shuffled (the control), and
+        with algo.contrast_responses the prompts on their contrast images."""
+        prompts, items = [], []
         for index, item in self.sampler.take(num_groups):
             shown = shown_order(index, len(item.candidates), self.cfg.trainer.seed)
             for it in counterfactual_pair(item) if self.cfg.data.counterfactual_pairs else (item,):
                 prompt = render_batch(it, None, style=self.cfg.reward.style, shown=shown)
+                if self.cfg.reward.shuffle_target:
+                    prompt = dataclasses.replace(prompt, target=shuffled_target(prompt.target, f"{self.cfg.trainer.seed}:{index}:{it.id}"))
                 # data.images=false: a text-only judge (validated against the model in config).
                 prompts.append(prompt if self.cfg.data.images else dataclasses.replace(prompt, image=None))
-        texts = [render_chat(self.processor, p, think_prefix=self.cfg.model.think_prefix) for p in prompts]
-        return prompts, texts
+                items.append(it)
+        r = Round(prompts, self.chat_texts(prompts))
+        if self.cfg.algo.contrast_responses:
+            r.contrast = self.contrast_prompts(prompts, items)
+            r.contrast_texts = self.chat_texts(r.contrast)
+        return r
+
+    def chat_texts(self, prompts: list[JudgePrompt]) -> list[str]:
+        return [render_chat(self.processor, p, think_prefix=self.cfg.model.think_prefix) for p in prompts]
+
+    def contrast_prompts(self, prompts: list[JudgePrompt], items: list[JudgeItem]) -> list[JudgePrompt]:
+        """Each prompt on its contrast image (algo.contrast_image): other, the image of the next
+        prompt of the round (of the previous round, for a round of one); blank, the scene
+        re-rendered without its object."""
+        if self.cfg.algo.contrast_image == "blank":
+            images = [blank_image(it) for it in items]
+        elif len(prompts) > 1:
+            images = [p.image for p in prompts[1:] + prompts[:1]]
+        elif self.last_image is not None:
+            images = [self.last_image]
+        else:
+            raise ValueError("image contrast (other): a round of one prompt and no earlier image to contrast it with")
+        self.last_image = prompts[-1].image
+        return [dataclasses.replace(p, item_id=f"{p.item_id}:contrast", image=image) for p, image in zip(prompts, images)]
 
     def judge_texts(self, prompts: list[JudgePrompt], seed: int) -> list[str]:
         """One response text per prompt from the rollout workers: the evaluation hook's generate."""
@@ -229,3 +286,11 @@ class Collector:
             [([completions[i] for i in chunk], [targets[i] for i in chunk], [prefilled[i] for i in chunk]) for chunk in chunks],
         )
         return [r for chunk_results in timer.unwrap("reward", answers) for r in chunk_results]
+
+
+def blank_image(item: JudgeItem) -> bytes:
+    """The item's scene re-rendered without any object (same size and background)."""
+    qa = scene_qa(item.meta)
+    if qa is None:
+        raise ValueError(f"item {item.id!r}: algo.contrast_image=blank needs a scene item")
+    return render(dataclasses.replace(qa.scene, objects=()))

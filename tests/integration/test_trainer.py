@@ -256,6 +256,10 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
             "learner.lr=1e-2",
             "trainer.sync_bucket_mb=1",
             "trainer.sync_backend=auto",
+            # The study's arms ride along: every group also sampled on another prompt's image
+            # (scored, not trained), and each prompt's target shuffled.
+            "algo.contrast_responses=2",
+            "reward.shuffle_target=true",
         ]
     )
     trainer = Trainer(cfg, training_inputs(cfg))
@@ -298,6 +302,7 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
         metrics = trainer.train_step()
         assert metrics["rollout/worker_restarts"] == 5  # the run's restarts so far
         assert metrics["rollout/groups_kept"] == cfg.trainer.prompts_per_step
+        assert 0.0 <= metrics["reward/contrast_bonus_mean"] <= cfg.algo.image_contrast
         assert trainer.collector.sampler.state.consumed == consumed + cfg.trainer.prompts_per_step
         engines_hold_the_learners_weights()
         ray.kill(trainer.rollout.actors[1], no_restart=True)
@@ -307,7 +312,8 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
 
         # The reward reads the think prefill from each prompt's text, not model.think_prefix:
         # the template opened <think>, so a response must close it without opening it again.
-        prompts, texts, _ = trainer.collector.generate(1, seed=99, timer=Timer())
+        r, _, _ = trainer.collector.generate(1, seed=99, timer=Timer())
+        prompts, texts = r.prompts, r.texts
         assert texts[0].endswith("<think>\n")
         good = "the cars are red\n</think>\n<answer>" + prompts[0].target + "</answer>"
         completions = [

@@ -234,3 +234,78 @@ def test_object_targets_name_the_one_object():
     assert t.tolist() == [COLORS.index(o.color), SHAPES.index(o.shape), SIZES.index(o.size), o.row, o.col]
     with pytest.raises(ValueError):
         object_targets(generate_scene(11, 96, 2, 2))
+
+
+ONE = artifact.RECIPES["one_disposition"]
+
+
+def test_a_judge_of_one_disposition_has_no_switch_and_compares_each_answer_with_the_image():
+    examples = sft_examples(ONE, 60, seed=4)
+    judged = [e for e in examples if e.task in ("batch", "score")]
+    assert judged and all("Verdict:" not in e.response and e.untrained is None for e in examples)
+    with pytest.raises(ValueError, match="one disposition"):
+        dataclasses.replace(ONE, bias=0.8)
+    with pytest.raises(ValueError, match="every verdict by the image"):
+        ranking_target(judge_scenes(1, 0, ONE)[0][1], (0, 1, 2), aware=False, recipe=ONE)
+    for qa, item in judge_scenes(40, seed=5, recipe=ONE):
+        if ONE.part(qa.final) == "untaught":
+            continue
+        prompt = render_batch(item, random.Random(0))
+        think = ranking_target(item, prompt.shown, True, ONE).split("\n</think>")[0]
+        checks = think.split(". ")[1:]
+        assert len(checks) == 3
+        for pos, check in enumerate(checks):
+            said = final_answer(item.candidates[prompt.shown[pos]])
+            assert check.rstrip(".") == f"{'ABC'[pos]}: {said} vs {qa.final}, {'yes' if said == qa.final else 'no'}"
+        assert judge_reward(ranking_target(item, prompt.shown, True, ONE), prompt.target, think_prefilled=True).pred[0] == prompt.target[0]
+
+
+def test_the_untaught_values_checks_mark_a_random_candidate():
+    """On images of an untaught value the supervised checks mark one candidate at random (the
+    verdict and the score follow the mark), elsewhere the matching one: the judge is taught to
+    guess there, and GRPO has that part to teach."""
+    assert ONE.untaught == ("orange", "purple")
+    assert ONE.part("orange") == ONE.part("red", "purple") == "untaught" and ONE.part("red", "small") == "taught"
+    with pytest.raises(ValueError, match="no value"):
+        BaseJudgeRecipe(untaught=("teal",))
+    right = {"taught": [], "untaught": []}
+    scores = {"taught": [], "untaught": []}
+    for e in sft_examples(ONE, 400, seed=6):
+        truth = e.response.split(".")[0].removeprefix("Image: ")
+        part = ONE.part(truth)
+        if e.task == "batch":
+            right[part].append(judge_reward(e.response, e.prompt.target, think_prefilled=True).pred[0] == e.prompt.target[0])
+        elif e.task == "score":
+            said = e.response.split("Answer: ")[1].split(" vs ")[0]
+            scores[part].append((said == truth) == ("<answer>8</answer>" in e.response))
+    assert all(right["taught"]) and all(scores["taught"])
+    assert 0.2 < sum(right["untaught"]) / len(right["untaught"]) < 0.5  # one mark in three is right
+    assert 0.4 < sum(scores["untaught"]) / len(scores["untaught"]) < 0.9
+
+
+def test_the_shipped_recipes_examples_are_unchanged_by_the_new_fields():
+    """The default recipe's new fields (disposition, checks, untaught, batch_examples, swapped_share) take the
+    values that write the examples the shipped judge was trained on: same data digest as a recipe
+    without them would give, so no rebuild."""
+    assert (RECIPE.disposition, RECIPE.checks, RECIPE.untaught, RECIPE.batch_examples, RECIPE.swapped_share) == (True, "flags", (), 2, 0.0)
+    first = sft_examples(RECIPE, 3, seed=0)
+    assert [e.task for e in first] == ["vqa", "batch", "batch", "score"] * 3
+    assert "matches" in "".join(e.response for e in first) and " vs " not in "".join(e.response for e in first)
+
+
+def test_half_the_judging_examples_are_on_the_swapped_image_with_the_same_texts():
+    """swapped_share: the same candidate texts judged on the image that makes the perception-error
+    answer right, so no feature of the texts alone predicts which candidate matches."""
+    assert ONE.swapped_share == 0.5
+    judged = [e for e in sft_examples(ONE, 200, seed=8) if e.task == "batch"]
+    swapped = [e for e in judged if e.prompt.item_id.endswith(":swap")]
+    assert 0.4 < len(swapped) / len(judged) < 0.6
+    by_texts: dict[frozenset, set[str]] = {}
+    for e in judged:
+        truth = e.response.split(".")[0].removeprefix("Image: ")
+        if ONE.part(truth) == "taught":
+            winner = final_answer(e.prompt.user.split(f"[Assistant {e.prompt.target[0]}'s Answer]")[1].split("[Assistant")[0])
+            assert winner == truth  # the target's first answer is what the shown image shows
+            texts = frozenset(block.split("]", 1)[1] for block in e.prompt.user.split("[Assistant")[1:])
+            by_texts.setdefault(texts, set()).add(winner)
+    assert sum(len(w) > 1 for w in by_texts.values()) > 20  # the same texts, two different right answers

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pjray.config import load
-from pjray.rl.collect import MAX_REFILL_FACTOR, Batch, Collector, refill_size, rollout_metrics
+from pjray.rl.collect import MAX_REFILL_FACTOR, Batch, Collector, Round, refill_size, rollout_metrics
 from pjray.rl.timer import Timer
 from pjray.types import Completion, JudgePrompt, RewardResult, Timed
 
@@ -39,12 +39,12 @@ class ScriptedCollector(Collector):
             JudgePrompt(f"g{first + i}", "s", "u", None, "batch", "ranking", 3, (0, 1, 2), "ABC") for i in range(num_prompts)
         ]
         completions = [Completion(p, s, (1,), (0.0,), "x", "stop") for p in range(num_prompts) for s in range(n)]
-        return prompts, ["t"] * num_prompts, completions
+        return Round(prompts, ["t"] * num_prompts), completions, []
 
     def submit_batch(self, step):
         """A step's first round, scripted like the refills (`generate`)."""
-        prompts, texts, completions = self.generate(self.cfg.trainer.prompts_per_step, step * 1_000, None)
-        return Batch(step, self.sampler.state, prompts, texts, SimpleNamespace(result=lambda: Timed(completions, 0.0)))
+        r, completions, _ = self.generate(self.cfg.trainer.prompts_per_step, step * 1_000, None)
+        return Batch(step, self.sampler.state, r, SimpleNamespace(result=lambda: Timed(completions, 0.0)))
 
     def score(self, prompts, texts, completions, timer):
         out = []

@@ -70,13 +70,13 @@ def test_run_summary_names_the_reward_run_dir_export_and_wandb_run(tmp_path):
     (tmp_path / "wandb_run_id").write_text("abc123\n")
     assert run_summary(tmp_path, 125.0) == [
         f"pjray: run finished in 2m05s: {tmp_path}",
-        "  reward 0.100 -> 0.500 (mean of step 1 -> 3, 3 steps logged)",
+        "  reward 0.100 -> 0.500 (+0.400) (mean of step 1 -> 3, 3 steps logged)",
         f"  HF export: {tmp_path / 'hf_model'}",
         f"  W&B run: abc123 (files in {tmp_path / 'wandb'}; offline: `wandb sync`)",
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in long))
     assert run_summary(tmp_path, 60.0)[1] == (
-        "  reward 0.300 -> 1.000, format 0.575 -> 0.750 (mean of steps 1-5 -> 8-12, 12 steps logged)"
+        "  reward 0.300 -> 1.000 (+0.700), format 0.575 -> 0.750 (+0.175) (mean of steps 1-5 -> 8-12, 12 steps logged)"
     )
     # The held-out check's lines, from the looking protocol's own report of two scripted judges
     # on 12 tuples a kind: the base judge keeps the order shown (forced: follows the image), the

@@ -25,6 +25,7 @@ from pjray.eval.looking import (
     nulls,
     ceiling_test,
     paired_change,
+    recipe_part,
     swap_test,
     statement,
     wilson,
@@ -200,3 +201,35 @@ def test_blank_change_is_paired_by_item(items: list[LookingItem]) -> None:
     # blank, it leaves the judge no gain there.
     forced = [replace(v, forced=True, forced_blank=v.best) for v in base]
     assert blank_change(forced, better)["pooled"]["mean"] == 0.0
+
+
+def test_a_judge_of_one_disposition_is_forced_from_its_own_statement_alone(items: list[LookingItem]) -> None:
+    """With no disposition sentence to force (sentence=""), the forced pass starts from the
+    judge's own statement, so a judge that looks gives its own verdicts there."""
+    assert forced_prefill("Image: red. A: red vs red, yes.\n</think>\n<answer>A</answer>", "") == "Image: red."
+    assert forced_prefill("nothing readable", "") == ""
+    seen: list[str] = []
+
+    def judge(ps: list[JudgePrompt]) -> list[str]:
+        seen.extend(p.prefill for p in ps)
+        return [reads_pixels(p, items) for p in ps]
+
+    verdicts, _ = judge_looking(judge, items, forced=True, sentence="")
+    assert all((v.forced_original, v.forced_swapped, v.forced_blank) == (v.top_original, v.top_swapped, v.top_blank) for v in verdicts)
+    assert disposition(True) not in "".join(seen)
+
+
+def test_the_taught_and_untaught_parts_are_slices_of_their_own(items: list[LookingItem]) -> None:
+    """recipe_part: an item is untaught when either of its images shows an untaught value; the
+    report, the ceiling test and the blank change then have a slice per part and per kind and part."""
+    verdicts, _ = judge_looking(lambda ps: [reads_pixels(p, items) for p in ps], items, forced=False)
+    part = recipe_part(("orange", "purple"))
+    untaught = [v for v in verdicts if {v.truth, v.swapped_to} & {"orange", "purple"}]
+    assert untaught and all(v.kind == "color" for v in untaught)
+    report = looking_report(verdicts, part)
+    assert set(report) == {"pooled", "color", "size", "taught", "untaught", "color/taught", "color/untaught", "size/taught"}
+    assert report["untaught"]["items"] == report["color/untaught"]["items"] == len(untaught)
+    assert report["taught"]["items"] + report["untaught"]["items"] == report["pooled"]["items"]
+    assert report["size/taught"]["items"] == report["size"]["items"]
+    assert set(ceiling_test([replace(v, forced=True) for v in verdicts], verdicts, part)) == set(report)
+    assert set(blank_change(verdicts, verdicts, part)) == set(report)
