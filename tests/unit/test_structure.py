@@ -211,9 +211,10 @@ def test_no_import_circles_even_through_lazy_imports():
 LAYERS = (
     # helpers, and the typed messages that cross actor boundaries (the root holds the version)
     ("pjray", "pjray.types", "pjray.errors", "pjray.signals", "pjray.console", "pjray.memory", "pjray.cache"),
-    # the scene world and its perturbed answers: pure definitions that the config checks its
-    # values against and that data, models and evaluation read
-    ("pjray.data.scenes", "pjray.ppjd.perturb"),
+    # the scene world and its perturbed answers, their shortcuts and swapped images: pure
+    # definitions that the config checks its values against and that data, models and evaluation read
+    ("pjray.data.scenes", "pjray.ppjd.perturb", "pjray.ppjd.rejects", "pjray.ppjd.lexicon", "pjray.ppjd.shortcuts",
+     "pjray.ppjd.swap"),
     # the config schema, and what reads it before a job: the inputs it names, experiment tracking
     ("pjray.config", "pjray.inputs", "pjray.tracking"),
     # the judge's data: items, prompts, images, samplers (no torch, no transformers)
