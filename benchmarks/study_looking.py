@@ -28,6 +28,17 @@ where the permutation null stood: that null tested another question. Each row al
 paired test against the forced base judge, and the blank change is taken against the forced base
 judge's blank verdicts.)
 
+**The one-disposition study** (declared 2026-12-06, before its first run finished): from the base
+judge of one disposition (`model.init=one_disposition`: no disposition sentence, its checks of
+orange and purple never taught), at 40 steps. Primary: held-out image-following on the
+**untaught** part (the colour tuples whose original or swapped image shows orange or purple),
+trained minus the base judge on the same items, per seed: the plain arm
+(`independent_levenshtein`) teaches it when the lower end of the 95% t-interval over its seeds
+lies above +20 points; the shuffled-target control's interval includes 0. Secondary: the taught
+part not down by more than 10 points; the sampled training reward, mean of the last 5 steps minus
+the first 5, at least +0.1; the image-contrast and counterfactual-pairs arms beside the plain one
+at the same samples a prompt.
+
 Variants (each from each base judge, the default run's budget otherwise: prompts per step, group
 size, training items, learning rate; `data.seed=0`; seeds are `trainer.seed`):
 
@@ -98,15 +109,20 @@ VARIANTS: dict[str, list[str]] = {
     "nested_levenshtein": ["data.construction=nested", "reward.metric=levenshtein"],
     "independent_levenshtein": ["data.construction=independent", "reward.metric=levenshtein"],
     "counterfactual_levenshtein": ["data.construction=independent", "data.counterfactual_pairs=true", "reward.metric=levenshtein"],
-    # The control: the independent run with each prompt's target shuffled (the reward pays for nothing shown).
-    "shuffled_target": ["data.construction=independent", "reward.metric=levenshtein", "reward.shuffle_target=true"],
-    # The independent run with the image-contrast term: a quarter of each group's samples on another
-    # prompt's image (`contrast_overrides`: the same samples a prompt as the other variants).
-    "image_contrast": ["data.construction=independent", "reward.metric=levenshtein", "algo.contrast_image=other"],
+    # The one-disposition study's arms (Kendall: the released code's reward, which pays a right
+    # first place when the other two are swapped; see its declaration).
+    "independent_kendall": ["data.construction=independent", "reward.metric=kendall"],
+    "counterfactual_kendall": ["data.construction=independent", "data.counterfactual_pairs=true", "reward.metric=kendall"],
+    # The control: each prompt's target shuffled (the reward pays for nothing shown).
+    "shuffled_target": ["data.construction=independent", "reward.metric=kendall", "reward.shuffle_target=true"],
+    # The image-contrast term: a quarter of each group's samples on another prompt's image
+    # (`contrast_overrides`: the same samples a prompt as the other variants).
+    "image_contrast": ["data.construction=independent", "reward.metric=kendall", "algo.contrast_image=other"],
 }
 BASES = ("never_shown", "base_judge", "one_disposition")
-# What a base judge's runs need beyond the default: one_disposition writes a check per candidate.
-BASE_OVERRIDES = {"one_disposition": ["rollout.max_new_tokens=64"]}
+# A base judge's runs beyond the default: one_disposition's untaught part is colour, so its runs
+# train on colour questions (size, all taught, is judged on the held-out tuples as before).
+BASE_OVERRIDES = {"one_disposition": ["data.scene_kinds=[color]"]}
 PARTS = ("all", "taught", "untaught")  # the items of every value, and of the recipe's taught and untaught values
 PRIMARY_BASE = "never_shown"
 DECLARATION = (
@@ -136,11 +152,11 @@ class Budget:
     bootstrap: int = 2000
 
 
-def budget(steps: int, seeds: tuple[int, ...], per_kind: int = 60) -> Budget:
+def budget(steps: int, seeds: tuple[int, ...], per_kind: int = 60, curve: tuple[int, ...] | None = None) -> Budget:
     """The default run's prompts, group size, items and lr (configs/demo.yaml), run for `steps`,
-    judged at 10, 20, 40, ... up to `steps`."""
+    judged at `curve` (default 10, 20, 40, ... up to `steps`; `steps` is always judged)."""
     cfg = load(None, [])
-    curve = tuple(s for s in (10, 20, 40, 80, 160, 320) if s < steps) + (steps,)
+    curve = tuple(s for s in ((10, 20, 40, 80, 160, 320) if curve is None else curve) if s < steps) + (steps,)
     return Budget(steps, curve, cfg.trainer.prompts_per_step, cfg.algo.group_size, cfg.data.num_items, cfg.learner.lr, per_kind, seeds)
 
 
@@ -153,12 +169,12 @@ SMOKE = Budget(steps=2, curve=(1, 2), prompts_per_step=4, group_size=4, train_it
 def grpo_config(base: str, variant: str, seed: int, b: Budget, run_dir: Path, judge: Path) -> Config:
     recipe = RECIPES[base]
     overrides = [
-        f"data.scene_kinds=[{','.join(recipe.kinds)}]", f"data.scene_objects=[{recipe.objects[0]},{recipe.objects[1]}]",
+        f"data.scene_kinds=[{','.join(recipe.kinds)}]", *BASE_OVERRIDES.get(base, ()), f"data.scene_objects=[{recipe.objects[0]},{recipe.objects[1]}]",
         "data.scene_split=train", f"model.path={judge}", f"trainer.run_dir={run_dir}", f"trainer.seed={seed}",
         f"trainer.steps={b.steps}", f"trainer.prompts_per_step={b.prompts_per_step}", f"algo.group_size={b.group_size}",
         f"data.num_items={b.train_items}", f"learner.lr={b.lr}", f"data.seed={TRAIN_DATA_SEED}", "tracking.wandb=false",
         "trainer.save_every=0", f"trainer.export_steps=[{','.join(str(s) for s in b.curve[:-1])}]", *VARIANTS[variant],
-        *BASE_OVERRIDES.get(base, ()), *(contrast_overrides(b) if variant == "image_contrast" else ()),
+        *(contrast_overrides(b) if variant == "image_contrast" else ()),
     ]  # fmt: skip
     return load(None, overrides)
 
@@ -174,7 +190,7 @@ def run_key(judge_id: str, base: str, variant: str, seed: int, b: Budget) -> dic
     """What decides a run's judges: a run directory of another key is never reused."""
     train = {k: getattr(b, k) for k in ("steps", "curve", "prompts_per_step", "group_size", "train_items", "lr")}
     key = {"base": base, "base_weights": judge_id, "variant": variant, "seed": seed, "budget": train,
-           "overrides": VARIANTS[variant], "code": code_hash()}  # fmt: skip
+           "overrides": [*VARIANTS[variant], *BASE_OVERRIDES.get(base, ())], "code": code_hash()}  # fmt: skip
     return json.loads(json.dumps(key))  # as its marker file holds it (tuples read back as lists)
 
 
@@ -307,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="every stage on a few items and steps (a test, not a study)")
     ap.add_argument("--steps", type=int, default=160, help="GRPO steps a run (the curve is judged at 10, 20, 40, ... up to it)")
     ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated GRPO seeds")
+    ap.add_argument("--final-only", action="store_true", help="judge each run at its last step only (no curve)")
+    ap.add_argument("--lr", type=float, default=None, help="the learner's lr (default: the default run's)")
+    ap.add_argument("--train-only", action="store_true", help="train (or reuse) the runs and stop: a later invocation judges them")
     ap.add_argument("--bases", default=",".join(BASES), help="comma-separated base judges: " + ",".join(BASES))
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--out", default="benchmarks/results", help="where <name>.{json,md,png} go")
@@ -321,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"primary outcome (declared): {DECLARATION}", flush=True)
     seeds = tuple(int(s) for s in args.seeds.split(",") if s)
-    b = dataclasses.replace(SMOKE, seeds=seeds[:1]) if args.smoke else budget(args.steps, seeds)
+    b = dataclasses.replace(SMOKE, seeds=seeds[:1]) if args.smoke else budget(args.steps, seeds, curve=() if args.final_only else None)
+    b = dataclasses.replace(b, lr=args.lr) if args.lr is not None else b
     bases, variants = [x for x in args.bases.split(",") if x], [x for x in args.variants.split(",") if x]
     for name, chosen, known in (("bases", bases, BASES), ("variants", variants, VARIANTS)):
         if unknown := [x for x in chosen if x not in known]:
@@ -344,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append({"base": base, "variant": variant, "seed": seed, "dir": run_dir, "train_seconds": round(seconds, 1),
                              "reused": reused, **reward_curve(run_dir)})  # fmt: skip
                 print(f"{'reused' if reused else 'trained'} {base} {variant} seed {seed} ({seconds:.0f}s)", flush=True)
+    if args.train_only:
+        return 0
 
     recipe = RECIPES[bases[0]]
     items = looking_items(held_out_tuples(b.per_kind, LOOKING_SEED, recipe.image_size, recipe.objects, KINDS), LETTERS_SEED)

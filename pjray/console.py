@@ -199,8 +199,9 @@ def held_out_lines(check: dict[str, Any]) -> list[str]:
             f"{forced.get('correct_first', 0):.0%}): {ceiling['b']} items only this run follows, {ceiling['c']} only the "
             f"forced base judge (McNemar p {ceiling['p']:.2g})",
             f"      blank image: correct first {bl['blank_correct_first']:.0%} -> {tl['blank_correct_first']:.0%}"
-            f" (forced base judge {forced.get('blank_correct_first', 0):.0%}); \"by the image\" "
-            f"{bl['disposition_image']:.0%} -> {tl['disposition_image']:.0%}",
+            f" (forced base judge {forced.get('blank_correct_first', 0):.0%})"
+            # a base judge of one disposition writes no "Verdict: by ..." sentence to count
+            + (f"; \"by the image\" {bl['disposition_image']:.0%} -> {tl['disposition_image']:.0%}" if check.get("disposition", True) else ""),
         ]  # fmt: skip
     for part in parts:  # the base judge's taught and untaught values (its recipe's `untaught`)
         bl, tl = base["looks"][part], trained["looks"][part]

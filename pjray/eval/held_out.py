@@ -219,7 +219,8 @@ def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem], recipe
     judge and the paired test of image-following against its forced ceiling per kind, and under
     "verdicts" one row per judge and item."""
     items = held_out_looking_items(recipe, HELD_OUT_PER_KIND, exclude)
-    out: dict[str, Any] = {"tuples": len(items), "per_kind": HELD_OUT_PER_KIND, "construction": "independent", "verdicts": []}
+    out: dict[str, Any] = {"tuples": len(items), "per_kind": HELD_OUT_PER_KIND, "construction": "independent",
+                           "disposition": recipe.disposition, "verdicts": []}  # fmt: skip
     verdicts: dict[str, list[LookingVerdict]] = {}
     for name, path, forced in (("base", base, True), ("trained", trained, False)):
         out[name], verdicts[name] = judge_on(path, items, forced, recipe)

@@ -93,6 +93,31 @@ Sampled, judging by the image earns a mean reward of 0.566 against 0.420 by the 
 GRPO can follow; its checks are all right on 86% of prompts (held-out nested tuples, where the
 correct answer is also the odd one out).
 
+**A judge of one disposition with an untaught part** (`RECIPES["one_disposition"]` in
+`pjray.recipes.base_judge`; `model.init=one_disposition`). The recipe above teaches a switch: GRPO
+raises the probability of "by the image" and the checks that word turns on are already there. This
+one has nothing to switch and something to learn:
+- no disposition sentence (`disposition=False`): every verdict is by the image, so the judge
+  forced onto its image disposition is the judge itself;
+- each check restates the image's value beside the answer and says whether they are the same
+  (`checks="compare"`: `Image: green. A: orange vs green, no. B: green vs green, yes. ...`);
+- independent tuples (three different final answers), and half of the judging examples on the
+  tuple's swapped image (`swapped_share`): the same texts with another candidate right;
+- on images of orange or purple (`untaught`) the checks mark a random candidate, and the verdict
+  and the score follow that mark: the judge learns to guess there.
+Its four gates, measured on the looking protocol's 120 held-out independent tuples
+(`pjray.eval.held_out.base_judge_gates`, in the build's `report.json`): the forced run equals the
+unforced one on every item and no response has a disposition sentence; its "Image: X." is right
+on 100% of the original and swapped images for every value; greedy image-following on the taught
+part 100% (colour 22 tuples, size 60); on the untaught part 24% greedy (38 tuples), and 8 samples
+at temperature 1 rank the right answer first at least once on 98% of its 46 prompts (pass@8).
+Built in 1,530 s on 2 cores.
+What did not work: the same recipe without the swapped images (`swapped_share=0`) wrote the
+checks' words right and their yes/no by the candidate's text (the same candidate marked in every
+shown order, whatever the image): flags right on 59% of training-split and held-out prompts
+alike (one "yes" among three by chance: 56%), image-following 0% on the taught colours and 7% on
+size.
+
 Every step is deterministic for a seed. The built judge ships with pjray, and a build is cached
 in a directory named by a hash of the recipe, so a changed recipe builds anew
 (`pjray.recipes.base_judge`).
