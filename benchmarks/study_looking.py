@@ -217,6 +217,12 @@ def ensure_run(run_dir: Path, key: dict[str, Any], cfg: Config, held_out: Any = 
     return seconds, False
 
 
+def finished(run_dir: Path, key: dict[str, Any]) -> bool:
+    """Whether `run_dir` holds a finished run of `key` (what `ensure_run` reuses)."""
+    marker = run_dir / "study_run.json"
+    return marker.exists() and json.loads(marker.read_text())["key"] == key and (run_dir / "hf_model" / "COMPLETE").exists()
+
+
 def judge_at(run_dir: Path, step: int, b: Budget) -> Path:
     return run_dir / ("hf_model" if step == b.steps else f"hf_model_step_{step}")
 
@@ -325,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated GRPO seeds")
     ap.add_argument("--final-only", action="store_true", help="judge each run at its last step only (no curve)")
     ap.add_argument("--lr", type=float, default=None, help="the learner's lr (default: the default run's)")
+    ap.add_argument("--finished-only", action="store_true", help="judge only the runs already finished with their key, train none")
     ap.add_argument("--train-only", action="store_true", help="train (or reuse) the runs and stop: a later invocation judges them")
     ap.add_argument("--bases", default=",".join(BASES), help="comma-separated base judges: " + ",".join(BASES))
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
@@ -360,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             for seed in b.seeds:
                 run_dir = work / f"{base}-{variant}-s{seed}"
                 key = run_key(judge_ids[base], base, variant, seed, b)
+                if args.finished_only and not finished(run_dir, key):
+                    continue
                 seconds, reused = ensure_run(run_dir, key, grpo_config(base, variant, seed, b, run_dir, judges[base]))
                 runs.append({"base": base, "variant": variant, "seed": seed, "dir": run_dir, "train_seconds": round(seconds, 1),
                              "reused": reused, **reward_curve(run_dir)})  # fmt: skip
