@@ -84,7 +84,7 @@ from scipy import stats
 from pjray.config import Config, load
 from pjray.data.sources import read_items
 from pjray.eval.bias import diagnosis_item, item_prompts, read_judge_score
-from pjray.eval.held_out import LETTERS_SEED, LOOKING_SEED, _engine, assert_held_out, ranking_summary, training_items
+from pjray.eval.held_out import LETTERS_SEED, LOOKING_SEED, _engine, assert_held_out, parts, ranking_summary, training_items
 from pjray.eval.looking import (
     DISPOSITION_STEM,
     K,
@@ -94,7 +94,6 @@ from pjray.eval.looking import (
     blank_change,
     ceiling_test,
     follows_image,
-    recipe_part,
     held_out_tuples,
     judge_looking,
     looking_items,
@@ -394,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     for base, variant, seed, step, path in plan:
         forced = variant == "base"
         recipe = RECIPES[base]
-        part = recipe_part(recipe.untaught) if recipe.untaught else None
+        part = parts(recipe)
         verdicts, rewards, score = evaluate(path, items, forced, recipe)
         if forced:
             base_verdicts[base] = verdicts

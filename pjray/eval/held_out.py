@@ -29,7 +29,6 @@ from pjray.eval.looking import (
     judge_looking,
     looking_items,
     looking_report,
-    recipe_part,
     statement,
     top_choice,
 )
@@ -205,8 +204,9 @@ def judge_on(
 
 
 def parts(recipe: BaseJudgeRecipe) -> Part | None:
-    """The taught / untaught split of the looking protocol's items for a judge from `recipe`."""
-    return recipe_part(recipe.untaught) if recipe.untaught else None
+    """The taught / untaught split of the looking protocol's items for a judge from `recipe`: an
+    item is untaught when either of its images (original, swapped) shows an untaught value."""
+    return (lambda v: recipe.part(v.truth, v.swapped_to)) if recipe.untaught else None
 
 
 def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem], recipe: BaseJudgeRecipe = BaseJudgeRecipe()) -> dict[str, Any]:
@@ -222,12 +222,12 @@ def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem], recipe
     out: dict[str, Any] = {"tuples": len(items), "per_kind": HELD_OUT_PER_KIND, "construction": "independent",
                            "disposition": recipe.disposition, "verdicts": []}  # fmt: skip
     verdicts: dict[str, list[LookingVerdict]] = {}
+    part = parts(recipe)
     for name, path, forced in (("base", base, True), ("trained", trained, False)):
         out[name], verdicts[name] = judge_on(path, items, forced, recipe)
-        part = parts(recipe)
         out["verdicts"] += [{"judge": name, **v.row(), **({"part": part(v)} if part else {})} for v in verdicts[name]]
-    out["blank_change"] = blank_change(verdicts["base"], verdicts["trained"], parts(recipe))
-    out["ceiling_test"] = ceiling_test(verdicts["base"], verdicts["trained"], parts(recipe))
+    out["blank_change"] = blank_change(verdicts["base"], verdicts["trained"], part)
+    out["ceiling_test"] = ceiling_test(verdicts["base"], verdicts["trained"], part)
     return out
 
 
@@ -291,7 +291,7 @@ def base_judge_gates(path: str, recipe: BaseJudgeRecipe, per_kind: int = HELD_OU
 
     verdicts, _ = judge_looking(generate, items, forced=True, sentence="")
     texts = seen[0][1]  # the unforced call: original, swapped, blank per item
-    report = looking_report(verdicts, recipe_part(recipe.untaught))
+    report = looking_report(verdicts, parts(recipe))
     statements: dict[str, list[bool]] = {}
     for i, v in enumerate(verdicts):
         for value, text in ((v.truth, texts[3 * i]), (v.swapped_to, texts[3 * i + 1])):

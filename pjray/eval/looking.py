@@ -312,11 +312,6 @@ def looking_report(verdicts: Sequence[LookingVerdict], part: Part | None = None)
     return {s: looking_rates([verdicts[i] for i in keep]) for s, keep in _slices(verdicts, part).items()}
 
 
-def recipe_part(untaught: Sequence[str]) -> Part:
-    """An item's part for a base judge whose checks of the `untaught` values were never taught:
-    "untaught" when either of its images (original, swapped) shows one, else "taught"."""
-    return lambda v: "untaught" if v.truth in untaught or v.swapped_to in untaught else "taught"
-
 
 def paired_change(before: Sequence[bool], after: Sequence[bool], reps: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict[str, float]:
     """The mean change after - before over paired items, with a 95% percentile bootstrap

@@ -25,12 +25,12 @@ from pjray.eval.looking import (
     nulls,
     ceiling_test,
     paired_change,
-    recipe_part,
     swap_test,
     statement,
     wilson,
 )
-from pjray.models.base_judge import disposition
+from pjray.eval.held_out import parts
+from pjray.models.base_judge import BaseJudgeRecipe, disposition
 from pjray.ppjd.perturb import final_answer
 from pjray.types import JudgePrompt
 from support.pixels import measure, measured_size, pixels
@@ -220,10 +220,10 @@ def test_a_judge_of_one_disposition_is_forced_from_its_own_statement_alone(items
 
 
 def test_the_taught_and_untaught_parts_are_slices_of_their_own(items: list[LookingItem]) -> None:
-    """recipe_part: an item is untaught when either of its images shows an untaught value; the
+    """held_out.parts: an item is untaught when either of its images shows an untaught value; the
     report, the ceiling test and the blank change then have a slice per part and per kind and part."""
     verdicts, _ = judge_looking(lambda ps: [reads_pixels(p, items) for p in ps], items, forced=False)
-    part = recipe_part(("orange", "purple"))
+    part = parts(BaseJudgeRecipe(untaught=("orange", "purple")))
     untaught = [v for v in verdicts if {v.truth, v.swapped_to} & {"orange", "purple"}]
     assert untaught and all(v.kind == "color" for v in untaught)
     report = looking_report(verdicts, part)
