@@ -37,7 +37,12 @@ trained minus the base judge on the same items, per seed: the plain arm
 lies above +20 points; the shuffled-target control's interval includes 0. Secondary: the taught
 part not down by more than 10 points; the sampled training reward, mean of the last 5 steps minus
 the first 5, at least +0.1; the image-contrast and counterfactual-pairs arms beside the plain one
-at the same samples a prompt.
+at the same samples a prompt. (Amended the same day, before any run of the rebuilt judge: the
+first build left orange and purple untaught, where a right first place under the Kendall reward
+the pilots chose could raise the sampled reward by about +0.11 at most; the judge was rebuilt with
+yellow untaught too, so that the +0.1 is reachable, and the study rerun from it, every arm at 5
+seeds. The plain arm is `independent_kendall`, the untaught part the tuples whose original or
+swapped image shows orange, purple or yellow; the criteria are unchanged.)
 
 Variants (each from each base judge, the default run's budget otherwise: prompts per step, group
 size, training items, learning rate; `data.seed=0`; seeds are `trainer.seed`):
@@ -101,7 +106,7 @@ from pjray.eval.looking import (
     swap_test,
 )
 from pjray.cache import code_hash
-from pjray.models.base_judge import BaseJudgeRecipe, disposition
+from pjray.models.base_judge import BaseJudgeRecipe
 from pjray.recipes.base_judge import RECIPES, base_judge, weights_sha256
 
 VARIANTS: dict[str, list[str]] = {
@@ -261,8 +266,7 @@ def evaluate(
     reward on the original images, and per item the score protocol's `SCORE_METRICS` on the
     original image."""
     greedy = _engine(str(path), top_k=1)
-    sentence = disposition(True) if recipe.disposition else ""
-    verdicts, texts = judge_looking(lambda ps: [c.text for c in greedy.generate(ps, 1, seed=0)], items, forced, sentence)
+    verdicts, texts = judge_looking(lambda ps: [c.text for c in greedy.generate(ps, 1, seed=0)], items, forced, recipe.forced_sentence)
     diag = [diagnosis_item(it.pair.original) for it in items]  # score(correct), score(perception error)
     scored = [c.text for c in greedy.generate([p for d in diag for p in item_prompts(d)[:2]], 1, seed=0)]
     scores = [read_judge_score(t) for t in scored]

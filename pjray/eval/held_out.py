@@ -196,8 +196,7 @@ def judge_on(
     verdicts (with `forced`, also with the image disposition forced; its taught and untaught
     parts where the recipe has them), and the verdicts."""
     engine = _engine(path, top_k=1)
-    sentence = disposition(True) if recipe.disposition else ""
-    verdicts, texts = judge_looking(lambda ps: [c.text for c in engine.generate(ps, 1, seed=0)], items, forced, sentence)
+    verdicts, texts = judge_looking(lambda ps: [c.text for c in engine.generate(ps, 1, seed=0)], items, forced, recipe.forced_sentence)
     originals = [it.pair.original for it in items]
     ranking = ranking_summary(originals, [it.prompts()[0] for it in items], texts, 1, recipe)
     return {"ranking": ranking, "looks": looking_report(verdicts, parts(recipe))}, verdicts
@@ -289,7 +288,7 @@ def base_judge_gates(path: str, recipe: BaseJudgeRecipe, per_kind: int = HELD_OU
         seen.append((prompts, texts))
         return texts
 
-    verdicts, _ = judge_looking(generate, items, forced=True, sentence="")
+    verdicts, _ = judge_looking(generate, items, forced=True, sentence=recipe.forced_sentence)
     texts = seen[0][1]  # the unforced call: original, swapped, blank per item
     report = looking_report(verdicts, parts(recipe))
     statements: dict[str, list[bool]] = {}

@@ -103,15 +103,16 @@ one has nothing to switch and something to learn:
   (`checks="compare"`: `Image: green. A: orange vs green, no. B: green vs green, yes. ...`);
 - independent tuples (three different final answers), and half of the judging examples on the
   tuple's swapped image (`swapped_share`): the same texts with another candidate right;
-- on images of orange or purple (`untaught`) the checks mark a random candidate, and the verdict
-  and the score follow that mark: the judge learns to guess there.
-Its four gates, measured on the looking protocol's 120 held-out independent tuples
-(`pjray.eval.held_out.base_judge_gates`, in the build's `report.json`): the forced run equals the
-unforced one on every item and no response has a disposition sentence; its "Image: X." is right
-on 100% of the original and swapped images for every value; greedy image-following on the taught
-part 100% (colour 22 tuples, size 60); on the untaught part 24% greedy (38 tuples), and 8 samples
-at temperature 1 rank the right answer first at least once on 98% of its 46 prompts (pass@8).
-Built in 1,530 s on 2 cores.
+- on images of orange, purple or yellow (`untaught`) the checks mark a random candidate, and the
+  verdict and the score follow that mark: the judge learns to guess there.
+Its four gates (`pjray.eval.held_out.base_judge_gates`) are measured on the looking protocol's
+held-out independent tuples at the end of every build and written into the build's
+`report.json`: the forced run equals the unforced one on every item and no response has a
+disposition sentence; its "Image: X." is right on >= 95% of the original and swapped images for
+every value; greedy image-following >= 80% on the taught part; on the untaught part <= 40%
+greedy, with 8 samples at temperature 1 ranking the right answer first at least once on >= 80%
+of its prompts (pass@8). The values of the build the looking study used are in
+`benchmarks/results/README.md`.
 What did not work: the same recipe without the swapped images (`swapped_share=0`) wrote the
 checks' words right and their yes/no by the candidate's text (the same candidate marked in every
 shown order, whatever the image): flags right on 59% of training-split and held-out prompts
@@ -234,6 +235,12 @@ class BaseJudgeRecipe:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @property
+    def forced_sentence(self) -> str:
+        """What the looking protocol writes after the judge's own "Image: X." to force it onto its
+        image mode: the image disposition, or nothing for a judge that writes no disposition."""
+        return disposition(True) if self.disposition else ""
 
     def part(self, *values: str) -> str:
         """"untaught" when any of `values` (what the images of one item show) is untaught, else "taught"."""
