@@ -590,6 +590,11 @@ class EvalConfig:
     compare: list[str] = field(default_factory=list)
     both_orders: bool = False  # mm_rewardbench: also judge every row with Output2 shown as A
     num_items: int = opt(32, gt=0)  # scene items when `data` is empty
+    # looking: the forced run writes "Verdict: by the image." after the judge's own "Image: X."
+    # (the disposition sentence of the shipped judge and of model.init=never_shown); false: it
+    # writes nothing more, for a judge with no disposition sentence (model.init=one_disposition),
+    # whose forced run is then its plain run.
+    force_disposition: bool = True
     scene_seed: int = 1  # scene items' seed (training uses data.seed)
     image_size: int = opt(128, gt=0)
     scene_kinds: list[str] = field(default_factory=lambda: list(KINDS))  # scene items: question kinds, cycled

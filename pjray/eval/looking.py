@@ -378,7 +378,7 @@ READ = ("top_original", "top_swapped", "top_blank", "forced_original", "forced_s
 def evaluate_looking(cfg: Any, generate: Callable[[list[JudgePrompt], int], list[str]]) -> Any:
     """`pjray eval` with eval.bench=looking: the protocol on `eval.num_items` held-out tuples of
     `eval.scene_kinds` (eval.scene_seed, image size, objects, content split), per seed of
-    eval.seeds, the judge also with the image disposition forced; per-item verdicts in
+    eval.seeds, the judge also with the image disposition forced (`eval.force_disposition`); per-item verdicts in
     `<output_dir>/looking_items.parquet`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -387,12 +387,13 @@ def evaluate_looking(cfg: Any, generate: Callable[[list[JudgePrompt], int], list
     from pjray.eval.report import EvalReport, seed_cells
 
     e = cfg.eval
+    sentence = disposition(True) if e.force_disposition else ""
     raw = scene_items(e.num_items, e.scene_seed, K, e.image_size, e.scene_kinds, tuple(e.scene_objects), e.scene_split, "independent")
     items = looking_items(raw, letters_seed=e.scene_seed)
     balanced_letters(items)
     per_seed, rows = [], []
     for seed in e.seeds:
-        verdicts, _ = judge_looking(lambda ps: generate(ps, seed), items, forced=True)
+        verdicts, _ = judge_looking(lambda ps: generate(ps, seed), items, forced=True, sentence=sentence)
         rows += [{"seed": seed, **v.row()} for v in verdicts]
         report = looking_report(verdicts)
         table: dict[str, dict[str, Row]] = {}
@@ -413,8 +414,9 @@ def evaluate_looking(cfg: Any, generate: Callable[[list[JudgePrompt], int], list
         f"nulls for K={K}: text-only {null['text_only']:.0%}, random {null['random']:.0%}, drop the "
         f"self-contradicting answer and guess per image {null['drop_contradicting']:.0%}; swap_test_p: the paired "
         "swap test (exact McNemar on the perception-error answer first on the swapped vs the original image, per item)",
-        "blank_correct_first: the scene without its object (no value to read); forced_image_following: with "
-        f"\"{disposition(True)}\" written for the judge after its own \"Image: X.\"",
+        "blank_correct_first: the scene without its object (no value to read); forced_image_following: "
+        + (f"with \"{sentence}\" written for the judge after its own \"Image: X.\"" if sentence else
+           "the judge's own \"Image: X.\" kept and nothing more written (eval.force_disposition=false)"),
         f"independent tuples, letters balanced per kind; per-item verdicts in {ITEMS_FILE}",
     ]
     return EvalReport(

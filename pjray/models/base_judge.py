@@ -103,7 +103,7 @@ one has nothing to switch and something to learn:
   (`checks="compare"`: `Image: green. A: orange vs green, no. B: green vs green, yes. ...`);
 - independent tuples (three different final answers), and half of the judging examples on the
   tuple's swapped image (`swapped_share`): the same texts with another candidate right;
-- on images of orange, purple or yellow (`untaught`) the checks mark a random candidate, and the
+- on images of orange or purple (`untaught`) the checks mark a random candidate, and the
   verdict and the score follow that mark: the judge learns to guess there.
 Its four gates (`pjray.eval.held_out.base_judge_gates`) are measured on the looking protocol's
 held-out independent tuples at the end of every build and written into the build's

@@ -57,14 +57,14 @@ BUILD_CODE = (base_config, build_untrained, object_targets, pretrain_vision)
 # one_disposition: a judge with nothing to switch (every verdict by the image, no disposition
 # sentence) whose checks compare each answer with the image's value beside it, built on
 # independent tuples, half of its judging examples on the swapped image (the same texts, another
-# candidate right); its checks on images of orange, purple and yellow are never taught (a random
+# candidate right); its checks on images of orange and purple are never taught (a random
 # candidate marked), so that GRPO has a skill to teach where the base judge guesses.
 RECIPES = {
     "base_judge": BaseJudgeRecipe(),
     "never_shown": BaseJudgeRecipe(bias=1.0, image_verdicts=0.0),
     "one_disposition": BaseJudgeRecipe(
         bias=0.0, image_verdicts=1.0, disposition=False, checks="compare", construction="independent",
-        untaught=("orange", "purple", "yellow"), batch_examples=3, swapped_share=0.5,
+        untaught=("orange", "purple"), batch_examples=3, swapped_share=0.5,
     ),
 }
 

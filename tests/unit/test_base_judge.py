@@ -264,7 +264,7 @@ def test_the_untaught_values_checks_mark_a_random_candidate():
     """On images of an untaught value the supervised checks mark one candidate at random (the
     verdict and the score follow the mark), elsewhere the matching one: the judge is taught to
     guess there, and GRPO has that part to teach."""
-    assert ONE.untaught == ("orange", "purple", "yellow")
+    assert ONE.untaught == ("orange", "purple")
     assert ONE.part("orange") == ONE.part("red", "purple") == "untaught" and ONE.part("red", "small") == "taught"
     with pytest.raises(ValueError, match="no value"):
         BaseJudgeRecipe(untaught=("teal",))

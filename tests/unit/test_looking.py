@@ -24,6 +24,7 @@ from pjray.eval.looking import (
     looking_report,
     nulls,
     ceiling_test,
+    evaluate_looking,
     paired_change,
     swap_test,
     statement,
@@ -217,6 +218,27 @@ def test_a_judge_of_one_disposition_is_forced_from_its_own_statement_alone(items
     verdicts, _ = judge_looking(judge, items, forced=True, sentence="")
     assert all((v.forced_original, v.forced_swapped, v.forced_blank) == (v.top_original, v.top_swapped, v.top_blank) for v in verdicts)
     assert disposition(True) not in "".join(seen)
+
+
+@pytest.mark.parametrize("force", [True, False])
+def test_the_looking_bench_forces_the_disposition_only_when_asked(force: bool, tmp_path) -> None:
+    """`pjray eval --bench looking`: the forced pass writes "Verdict: by the image." after the
+    judge's own statement with eval.force_disposition, and nothing more without it (a judge of one
+    disposition); its report says which."""
+    from pjray.config import load
+
+    cfg = load(overrides=["eval.bench=looking", "eval.scene_kinds=[color]", "eval.num_items=6", "eval.scene_objects=[1,1]",
+                          f"eval.force_disposition={str(force).lower()}", f"eval.output_dir={tmp_path}"])  # fmt: skip
+    calls: list[list[str]] = []
+
+    def generate(prompts: list[JudgePrompt], seed: int) -> list[str]:
+        calls.append([p.prefill for p in prompts])
+        return ["Image: red. A: red vs red, yes.\n</think>\n<answer>A > B > C</answer>"] * len(prompts)
+
+    report = evaluate_looking(cfg, generate)
+    assert len(calls) == 2 and not any(calls[0]) and len(calls[1]) == 18
+    assert set(calls[1]) == {f"Image: red. {disposition(True)}" if force else "Image: red."}
+    assert (disposition(True) in " ".join(report.notes)) == force
 
 
 def test_the_taught_and_untaught_parts_are_slices_of_their_own(items: list[LookingItem]) -> None:
