@@ -378,8 +378,8 @@ READ = ("top_original", "top_swapped", "top_blank", "forced_original", "forced_s
 def evaluate_looking(cfg: Any, generate: Callable[[list[JudgePrompt], int], list[str]]) -> Any:
     """`pjray eval` with eval.bench=looking: the protocol on `eval.num_items` held-out tuples of
     `eval.scene_kinds` (eval.scene_seed, image size, objects, content split), per seed of
-    eval.seeds, the judge also with the image disposition forced (`eval.force_disposition`); per-item verdicts in
-    `<output_dir>/looking_items.parquet`."""
+    eval.seeds, the judge also with the image disposition forced (`eval.force_disposition`);
+    per-item verdicts in `<output_dir>/looking_items.parquet`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
