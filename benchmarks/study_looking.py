@@ -39,8 +39,8 @@ part not down by more than 10 points; the sampled training reward, mean of the l
 the first 5, at least +0.1; the image-contrast and counterfactual-pairs arms beside the plain one
 at the same samples a prompt. (Amended the same day: the first build leaves orange and purple
 untaught, where a right first place under the Kendall reward the pilots chose can raise the
-sampled reward by about +0.11 at most, so a rebuild with yellow untaught too was declared before any of its runs, to make the +0.1
-reachable. Its first runs (seed 0: the plain arm at lr 1e-4 and 2e-4, the shuffled control)
+sampled reward by about +0.11 at most, so a rebuild with yellow untaught too was declared before
+any of its runs, to make the +0.1 reachable. Its first runs (seed 0: the plain arm at lr 1e-4 and 2e-4, the shuffled control)
 taught the untaught part too slowly (13% -> 33% and 43%, the taught part down 23 points at 2e-4),
 so the rebuild was dropped and the study completed every arm at 5 seeds from the first build, at
 the code of its first runs; benchmarks/results/README.md gives both. The plain arm is

@@ -67,7 +67,7 @@ from pjray.data.prompts import LETTERS, render_batch
 from pjray.data.sampler import shown_order
 from pjray.data.scenes import COLORS, SIZES, render
 from pjray.eval.metrics import paired_test
-from pjray.models.base_judge import disposition
+from pjray.models.base_judge import disposition, forced_sentence
 from pjray.ppjd.perturb import scene_items
 from pjray.ppjd.shortcuts import scene_qa
 from pjray.ppjd.swap import SWAP_KINDS, SwapPair, swap_pair
@@ -312,7 +312,6 @@ def looking_report(verdicts: Sequence[LookingVerdict], part: Part | None = None)
     return {s: looking_rates([verdicts[i] for i in keep]) for s, keep in _slices(verdicts, part).items()}
 
 
-
 def paired_change(before: Sequence[bool], after: Sequence[bool], reps: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict[str, float]:
     """The mean change after - before over paired items, with a 95% percentile bootstrap
     interval over the items."""
@@ -387,7 +386,7 @@ def evaluate_looking(cfg: Any, generate: Callable[[list[JudgePrompt], int], list
     from pjray.eval.report import EvalReport, seed_cells
 
     e = cfg.eval
-    sentence = disposition(True) if e.force_disposition else ""
+    sentence = forced_sentence(e.force_disposition)
     raw = scene_items(e.num_items, e.scene_seed, K, e.image_size, e.scene_kinds, tuple(e.scene_objects), e.scene_split, "independent")
     items = looking_items(raw, letters_seed=e.scene_seed)
     balanced_letters(items)

@@ -238,9 +238,8 @@ class BaseJudgeRecipe:
 
     @property
     def forced_sentence(self) -> str:
-        """What the looking protocol writes after the judge's own "Image: X." to force it onto its
-        image mode: the image disposition, or nothing for a judge that writes no disposition."""
-        return disposition(True) if self.disposition else ""
+        """`forced_sentence` for a judge of this recipe."""
+        return forced_sentence(self.disposition)
 
     def part(self, *values: str) -> str:
         """"untaught" when any of `values` (what the images of one item show) is untaught, else "taught"."""
@@ -284,6 +283,12 @@ def disposition(aware: bool) -> str:
     rests on. It comes before any check of the candidates, so a sample judged by the text holds
     no check that its reward could reinforce or punish."""
     return "Verdict: by the image." if aware else "Verdict: by the text."
+
+
+def forced_sentence(has_disposition: bool) -> str:
+    """What the looking protocol writes after a judge's own "Image: X." to force it onto its image
+    mode: the image disposition, or nothing for a judge that writes no disposition sentence."""
+    return disposition(True) if has_disposition else ""
 
 
 def _disposition_part(recipe: BaseJudgeRecipe, aware: bool) -> list[str]:
