@@ -333,6 +333,11 @@ class AlgoConfig:
     # Drop groups whose rewards all equal (zero advantage) and refill with fresh prompts.
     filter_zero_std: bool = False
     max_refill_rounds: int = opt(2, ge=0)
+    # Before step 1, sample each training item's group once with the initial policy and leave out
+    # the items whose responses all earn one reward (prefiltered_items.jsonl in the run dir):
+    # the offline twin of filter_zero_std, so the steps and the reward curve are spent on what
+    # the judge does not yet do. Costs one pass of generation over the training set.
+    prefilter_zero_std: bool = False
     # Image contrast (pjray.reward.contrast), for any data with images: each group's prompt is
     # also sampled contrast_responses times on another image (other: the image of another prompt
     # of the step; blank: the scene without its object, scene data only). Those responses are
@@ -973,6 +978,8 @@ def _check_trainer(cfg: Config) -> None:
     if t.keep_best and not (t.keep_best.startswith("eval/") and cfg.eval.every_steps):
         raise ConfigError(f"trainer.keep_best={t.keep_best}: a validation metric (eval/...) logged every "
                           "eval.every_steps steps; set eval.every_steps > 0")  # fmt: skip
+    if cfg.algo.prefilter_zero_std and cfg.data.streaming:
+        raise ConfigError("algo.prefilter_zero_std: a pass over the training set needs it in memory; set data.streaming=false")
     _check_async(cfg)
     _check_sync(cfg)
 

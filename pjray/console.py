@@ -163,6 +163,7 @@ BEST = "best.json"  # in a run dir: trainer.keep_best's best step, value and jud
 HELD_OUT = "held_out.json"  # in a run dir: the held-out check of a run from the base judge
 HELD_OUT_ITEMS = "held_out_items.parquet"  # ... and its verdicts, one row per judge and item
 DATA_REJECTS = "data_rejects.jsonl"  # in a run dir: the training rows left out, one JSON object a line
+PREFILTERED = "prefiltered_items.jsonl"  # in a run dir: the items algo.prefilter_zero_std left out, with their reward
 
 
 def mean(rows: list[dict[str, Any]], key: str) -> float:
@@ -246,6 +247,10 @@ def run_summary(run_dir: Path, wall_s: float) -> list[str]:
         lines.append(f"  {', '.join(learned)} (mean of {span}, {len(rows)} steps logged)")
         if rows[-1].get("data/rejected"):
             lines.append(f"  training rows skipped: {int(rows[-1]['data/rejected'])} (each with its reason in {run_dir / DATA_REJECTS})")
+        if (run_dir / PREFILTERED).is_file():
+            dropped = len((run_dir / PREFILTERED).read_text(encoding="utf-8").splitlines())
+            lines.append(f"  items left out before step 1, every response of the base policy's group earning the same reward "
+                         f"(algo.prefilter_zero_std): {dropped} (listed in {run_dir / PREFILTERED}); the reward is over the rest")  # fmt: skip
         if all("response_length/clip_ratio" in r and "rollout/frac_zero_std" in r for r in rows):
             lines.append(
                 f"  responses cut at rollout.max_new_tokens: {mean(rows, 'response_length/clip_ratio'):.0%}; "

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # A refill round asks for at most this many times the groups still needed.
 MAX_REFILL_FACTOR = 4
+# Generation seeds of algo.prefilter_zero_std's pass start here, apart from the steps' (step x 1000).
+PREFILTER_SEED = 1_000_000_000
 
 
 def refill_size(need: int, kept: int, seen: int) -> int:
@@ -160,11 +162,8 @@ class Collector:
                     r, completions, contrast = self.generate(need, seed=step * 1_000 + round_index, timer=timer)
             prompts, texts = r.prompts, r.texts
             with timer("reward"):
-                results = self.score(prompts, texts, completions, timer)
-                if contrast:
-                    contrast_results = self.score(r.contrast, r.contrast_texts, contrast, timer)
-                    results, bonuses = with_contrast(results, contrast_results, [p.target for p in prompts], cfg.algo.image_contrast)
-                    kept.bonuses.extend(bonuses)
+                results, bonuses = self.score_round(r, completions, contrast, timer)
+                kept.bonuses.extend(bonuses)
             with timer("adv"):
                 zero = zero_std_groups(torch.tensor([r.total for r in results]), n).tolist()
             zero_groups += sum(zero)
@@ -274,6 +273,15 @@ class Collector:
         """One response text per prompt from the rollout workers: the evaluation hook's generate."""
         return [c.text for c in generate_with_pool(self.rollout, prompts, 1, seed).value]
 
+    def score_round(self, r: Round, completions: list[Completion], contrast: list[Completion], timer: Timer) -> tuple[list[RewardResult], list[float]]:
+        """The rewards of a round's responses, with algo.contrast_responses each with its
+        image-contrast bonus (also returned, one a response; none without contrast)."""
+        results = self.score(r.prompts, r.texts, completions, timer)
+        if not contrast:
+            return results, []
+        contrast_results = self.score(r.contrast, r.contrast_texts, contrast, timer)
+        return with_contrast(results, contrast_results, [p.target for p in r.prompts], self.cfg.algo.image_contrast)
+
     def score(self, prompts: list[JudgePrompt], texts: list[str], completions: list[Completion], timer: Timer) -> list[RewardResult]:
         """Reward per completion, over the reward workers in even chunks."""
         targets = [prompts[c.prompt_index].target for c in completions]
@@ -294,3 +302,22 @@ def blank_image(item: JudgeItem) -> bytes:
     if qa is None:
         raise ValueError(f"item {item.id!r}: algo.contrast_image=blank needs a scene item")
     return render(dataclasses.replace(qa.scene, objects=()))
+
+
+def zero_variance_items(collector: Collector, count: int) -> dict[str, float]:
+    """algo.prefilter_zero_std's pass over the next `count` items of `collector`'s sampler (one
+    over the training set, fresh: each item once): each item's group sampled by the current
+    policy and scored as a training step samples and scores one (shown orders, counterfactual
+    pairs, shuffled target, image contrast as configured). Returns the items whose group's
+    rewards all equal, id -> that reward: groups that would give GRPO no gradient (the offline
+    twin of algo.filter_zero_std, as Skywork-OR1 and Polaris drop the prompts their initial
+    policy always solves)."""
+    cfg = collector.cfg
+    n, shown, size = cfg.algo.group_size, collector.prompts_per_group, cfg.trainer.prompts_per_step
+    timer, flat = Timer(), {}
+    for start in range(0, count, size):
+        r, completions, contrast = collector.generate(min(size, count - start), seed=PREFILTER_SEED + start, timer=timer)
+        results, _ = collector.score_round(r, completions, contrast, timer)
+        zero = zero_std_groups(torch.tensor([x.total for x in results]), n).tolist()
+        flat.update({r.prompts[g * shown].item_id: results[g * n].total for g, z in enumerate(zero) if z})
+    return flat

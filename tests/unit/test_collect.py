@@ -1,5 +1,5 @@
 """The collection of a step's groups (`pjray.rl.collect`): dynamic sampling (algo.filter_zero_std),
-refill sizes, and reward metrics over every generated response."""
+refill sizes, reward metrics over every generated response, and the prefilter (algo.prefilter_zero_std)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pjray.config import load
-from pjray.rl.collect import MAX_REFILL_FACTOR, Batch, Collector, Round, refill_size, rollout_metrics
+from pjray.rl.collect import MAX_REFILL_FACTOR, Batch, Collector, Round, refill_size, rollout_metrics, zero_variance_items
 from pjray.rl.timer import Timer
 from pjray.types import Completion, JudgePrompt, RewardResult, Timed
 
@@ -92,3 +92,34 @@ def test_without_filtering_every_group_is_kept():
     metrics = rollout_metrics(rollouts, torch.zeros(32), group_size=4)
     assert metrics["reward/mean"] == metrics["reward/kept_mean"]
 
+
+
+def test_the_prefilter_lists_the_items_whose_group_earns_one_reward():
+    # 10 items in rounds of 8: the last round holds 2; every third group has reward variance.
+    collector = ScriptedCollector(config(False), varied=lambda g: g % 3 == 0)
+    flat = zero_variance_items(collector, 10)
+    assert collector.generated == [8, 2]
+    assert flat == {f"g{g}": 0.5 for g in range(10) if g % 3}
+
+
+def test_the_prefilter_names_a_counterfactual_pair_by_its_first_prompt():
+    cfg = load(None, ["trainer.prompts_per_step=4", "algo.group_size=4", "data.counterfactual_pairs=true"])
+
+    class Pairs(ScriptedCollector):
+        def generate(self, num_prompts, seed, timer):
+            # Two prompts a group (the item, then its swap), two responses each.
+            first = sum(self.generated)
+            self.generated.append(num_prompts)
+            prompts = [JudgePrompt(f"{tag}{first + i}", "s", "u", None, "batch", "ranking", 3, (0, 1, 2), "ABC")
+                       for i in range(num_prompts) for tag in ("g", "s")]  # fmt: skip
+            completions = [Completion(p, s, (1,), (0.0,), "x", "stop") for p in range(2 * num_prompts) for s in range(2)]
+            return Round(prompts, ["t"] * len(prompts)), completions, []
+
+        def score(self, prompts, texts, completions, timer):
+            # Group 1's swapped prompt earns more: the group varies only through its second half.
+            return [RewardResult(v, 1.0, v, "ABC", "") for c in completions
+                    for v in [1.0 if prompts[c.prompt_index].item_id == "s1" else 0.5]]  # fmt: skip
+
+    collector = Pairs(cfg, varied=None)
+    assert zero_variance_items(collector, 3) == {"g0": 0.5, "g2": 0.5}
+    assert collector.generated == [3]
