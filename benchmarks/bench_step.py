@@ -57,7 +57,7 @@ def run(
     model_path: str | None, steps: int, ranks: int, prompts: int, run_dir: Path, layout: str
 ) -> tuple[list[dict[str, float]], dict[str, float]]:
     overrides = LAYOUTS[layout] + [
-        "model.init=tiny",
+        "model.init=tiny", "algo.prefilter_zero_std=false",
         f"trainer.run_dir={run_dir}",
         f"trainer.steps={steps}",
         f"trainer.prompts_per_step={prompts}",

@@ -63,7 +63,7 @@ train_mode() {  # train_mode NAME OVERRIDES...
 
 wanted hf && train_mode hf rollout.backend=hf rollout.device=cuda rollout.num_workers=1 \
   learner.num_gpus_per_rank=0.5 rollout.num_gpus_per_worker=0.5
-wanted hybrid && train_mode hybrid model.init=tiny model.tiny_arch=qwen2_vl data.image_size=96 \
+wanted hybrid && train_mode hybrid model.init=tiny algo.prefilter_zero_std=false model.tiny_arch=qwen2_vl data.image_size=96 \
   rollout.backend=hybrid learner.num_gpus_per_rank=1
 wanted tests && part "learner tests" 300 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" tests/integration/test_learner.py
 

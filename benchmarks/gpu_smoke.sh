@@ -24,7 +24,7 @@ set -uo pipefail
 # A stale weight, head or encoder cache after a sync shows as a gap far above fp32's.
 SMOKE_MAX_DIFF=1e-2
 SMOKE_COMMON=(
-  model.init=tiny model.tiny_arch=qwen2_vl rollout.backend=vllm rollout.device=cuda rollout.max_model_len=2048
+  model.init=tiny algo.prefilter_zero_std=false model.tiny_arch=qwen2_vl rollout.backend=vllm rollout.device=cuda rollout.max_model_len=2048
   rollout.max_new_tokens=64 data.num_items=4 data.image_size=96 algo.group_size=4
   trainer.prompts_per_step=4 trainer.steps=3 trainer.save_every=0 trainer.export_hf=false
   trainer.resume=disable learner.micro_batch_size=4 learner.lr=1e-4 tracking.wandb=false

@@ -15,6 +15,10 @@ letters balanced, with its nulls), differing only in G, prompts per step, steps 
 | equal_prompts | 2, 4, 8, 16 | 8 | 8 G | 40 | 0-2 |
 | long | 2, 4, 8, 16, 32 | 64 / G | 64 | 160 | 0 |
 
+The committed group_size.* were measured when the default was the base judge of
+`model.init=base_judge` on nested colour and size tuples at lr 3e-4 (Levenshtein, no prefilter);
+a rerun now trains from the shipped one-disposition judge with today's defaults.
+
 G = 8 with 8 prompts is both the equal-samples and the equal-prompts run (one config): its seeds
 0-2 are trained once and listed under both budgets. "long" tells "more samples" from "more steps":
 at equal samples a step, G only changes how the 64 responses are spread over prompts.

@@ -21,7 +21,9 @@ from one pool of held-out scenes (`SEED`), checked by content against the base j
 items; `--per-kind` a kind and variant. Per variant and kind: image-following with its 95% Wilson
 interval, correct first, the paired swap test, and the paired test against the forced base judge.
 Not varied here: the reasoning error's kind (pjray's independent construction draws it among the
-answer's free steps).
+answer's free steps). The base judge is the shipped one (`SHIPPED_INIT`; one disposition, so its
+forced run is its plain run); the committed looking_constructions.* were measured on the default
+run's judge when the shipped base judge was `model.init=base_judge`, beside it forced.
 
 Writes looking_constructions.{md,json} into benchmarks/results (or --out DIR).
 """
@@ -40,7 +42,8 @@ from pjray.data.scenes import SIZES
 from pjray.eval.held_out import assert_held_out, judge_on, training_items
 from pjray.eval.looking import K, LookingItem, balanced_letters, ceiling_test, looking_items, swap_test
 from pjray.ppjd.perturb import scene_items
-from pjray.recipes.base_judge import RECIPES, SHIPPED
+from pjray.models.base_judge import BaseJudgeRecipe
+from pjray.recipes.base_judge import RECIPES, SHIPPED, SHIPPED_INIT
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = 20261206  # the pool of held-out scenes
@@ -87,12 +90,12 @@ def variants(per_kind: int, image_size: int, objects: tuple[int, int]) -> dict[s
     return out
 
 
-def measure(judge: Path, base: Path, sets: dict[str, list[LookingItem]]) -> dict:
+def measure(judge: Path, base: Path, sets: dict[str, list[LookingItem]], recipe: BaseJudgeRecipe) -> dict:
     results = {}
     for name, items in sets.items():
         started = time.perf_counter()
-        trained, judged = judge_on(str(judge), items, forced=False)
-        forced, base_verdicts = judge_on(str(base), items, forced=True)
+        trained, judged = judge_on(str(judge), items, forced=False, recipe=recipe)
+        forced, base_verdicts = judge_on(str(base), items, forced=True, recipe=recipe)
         ceiling = ceiling_test(base_verdicts, judged)
         kinds = {}
         for kind, looks in trained["looks"].items():
@@ -114,7 +117,7 @@ def measure(judge: Path, base: Path, sets: dict[str, list[LookingItem]]) -> dict
 def markdown(out: dict) -> str:
     lines = ["# Image-following under several tuple constructions", "",
              f"`python benchmarks/looking_constructions.py --per-kind {out['per_kind']}` on `{out['judge']}` "
-             f"(greedy; the base judge forced onto \"Verdict: by the image.\" beside it). **One judge, one run** "
+             f"(greedy; the base judge forced onto its image disposition beside it). **One judge, one run** "
              "(the seed-0 default run); intervals are 95% Wilson intervals over items.", "",
              "| variant | kind | n | adjacent errors | image-following [95%] | correct first | perception error first, "
              "original -> swapped (swap test p) | forced base judge | vs forced: b / c, p |",
@@ -141,12 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     judge = Path(args.judge)
     if not (judge / "config.json").is_file():
         raise SystemExit(f"{judge}: no judge there; run `pjray train` first (the default run writes runs/demo/hf_model)")
-    recipe = RECIPES["base_judge"]
+    recipe = RECIPES[SHIPPED_INIT]  # the shipped base judge, the default run's start
     sets = variants(args.per_kind, recipe.image_size, tuple(recipe.objects))
     shown = [x for items in sets.values() for it in items for x in (it.pair.original, it.pair.swapped, it.blank)]
     assert_held_out(shown, training_items(recipe))
     out = {"judge": str(judge.resolve().relative_to(ROOT)) if judge.resolve().is_relative_to(ROOT) else judge.name,
-           "per_kind": args.per_kind, "seed": SEED, "variants": measure(judge, SHIPPED / "hf_model", sets)}  # fmt: skip
+           "per_kind": args.per_kind, "seed": SEED, "variants": measure(judge, SHIPPED / "hf_model", sets, recipe)}  # fmt: skip
     dest = Path(args.out)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "looking_constructions.json").write_text(json.dumps(out, indent=1))

@@ -133,12 +133,12 @@ def run_command(args: argparse.Namespace) -> int:
 
             export = run_sft(cfg, cfg.model.path)
         else:
-            from pjray.recipes.base_judge import RECIPES, SHIPPED, build_base_judge, ship
+            from pjray.recipes.base_judge import RECIPES, SHIPPED, SHIPPED_INIT, build_base_judge, ship
 
             if cfg.model.init not in RECIPES:
                 raise ConfigError(f"model.init={cfg.model.init}: pjray sft with no model.path builds one of {sorted(RECIPES)}")
-            if args.ship and cfg.model.init != "base_judge":
-                raise ConfigError(f"--ship copies the default base judge's build (model.init=base_judge), not {cfg.model.init}")
+            if args.ship and cfg.model.init != SHIPPED_INIT:
+                raise ConfigError(f"--ship copies the shipped recipe's build (model.init={SHIPPED_INIT}), not {cfg.model.init}")
             export = build_base_judge(cfg, RECIPES[cfg.model.init])  # into the cache, whatever is shipped
             if args.ship:
                 record = ship(export.parent)

@@ -21,8 +21,8 @@ by `balanced_letters`): a judge that keeps the shown order gets chance, not a le
   the prompt keeps its image (same size, same background, same image tokens). The judge's own
   words check it (`looking_rates`: `blank_states_truth`, how often its think text's "Image: X."
   names the original image's value, beside the 1/|values| of a value named at random): the
-  shipped base judge names one constant value per kind on every blank scene, so what it says
-  there depends on no item.
+  base judge of model.init=base_judge names one constant value per kind on every blank scene,
+  so what it says there depends on no item.
 
 **Outcomes per item** (`LookingVerdict`, saved per item): the top choice on each image; whether
 the think text chooses the image ("Verdict: by the image.", the disposition sentence of pjray's

@@ -1,5 +1,8 @@
-"""The base judge recipe: a small Qwen3-VL judge that perceives scenes, writes the judge format,
-and is perceptually biased by construction, as the paper's base judges are.
+"""The base judge recipes: a small Qwen3-VL judge that perceives scenes and writes the judge
+format. The recipe's defaults (`model.init=base_judge`, described first) make it perceptually
+biased by construction, as the paper's base judges are; the shipped one (`model.init=
+one_disposition`, the last section) has no disposition to switch and an untaught part of the task
+for GRPO to teach.
 
 The paper trains judges that already judge (Qwen3-VL-4B-Thinking, Flex-Judge-VL-7B): they see
 the image well enough, write `<think>...</think><answer>...</answer>`, and still rank a fluent
@@ -119,9 +122,11 @@ shown order, whatever the image): flags right on 59% of training-split and held-
 alike (one "yes" among three by chance: 56%), image-following 0% on the taught colours and 7% on
 size.
 
-Every step is deterministic for a seed. The built judge ships with pjray, and a build is cached
-in a directory named by a hash of the recipe, so a changed recipe builds anew
-(`pjray.recipes.base_judge`).
+Every step is deterministic for a seed. The one-disposition build ships with pjray
+(`pjray.recipes.base_judge.SHIPPED_INIT`; built in 1,530 s on 2 cores, its gates: every value
+seen 100%, taught image-following 100% on colour and size, untaught 24% greedy with pass@8 98%),
+and a build of any recipe is cached in a directory named by a hash of the recipe, so a changed
+recipe builds anew (`pjray.recipes.base_judge`).
 """
 
 from __future__ import annotations
@@ -254,8 +259,8 @@ def ranking_target(
     marked: frozenset[int] | None = None,
 ) -> str:
     """The think text and verdict for a batch-ranking prompt that shows `item.candidates` in the
-    order `shown` (letter i = candidate shown[i]), as `recipe` (default: the shipped recipe's
-    settings) writes it.
+    order `shown` (letter i = candidate shown[i]), as `recipe` (default: the recipe's defaults,
+    model.init=base_judge) writes it.
 
     The think text states what the image shows, then the judge's disposition
     (`disposition(aware)`, unless the recipe has one disposition), and the verdict follows it. By

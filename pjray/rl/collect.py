@@ -321,3 +321,12 @@ def zero_variance_items(collector: Collector, count: int) -> dict[str, float]:
         zero = zero_std_groups(torch.tensor([x.total for x in results]), n).tolist()
         flat.update({r.prompts[g * shown].item_id: results[g * n].total for g, z in enumerate(zero) if z})
     return flat
+
+
+def prefiltered(items: list[JudgeItem], flat: dict[str, float]) -> list[JudgeItem]:
+    """The items algo.prefilter_zero_std trains on: those not in `flat` (`zero_variance_items`);
+    all of them when `flat` names every one (a judge that never earns a reward, like
+    model.init=tiny, or always the same one: nothing to learn either way, so the run goes on, as
+    algo.filter_zero_std's steps do, and `Trainer.prefilter` warns)."""
+    kept = [item for item in items if item.id not in flat]
+    return kept or list(items)

@@ -1,19 +1,24 @@
 """The training items a run reads: a PPJD parquet (file or folder) or a dataset (data.source=hf),
-each row checked, and without the items whose prompt leaves no room for a response."""
+each row checked, without the items whose prompt leaves no room for a response, and with
+algo.prefilter_zero_std without those the initial policy's groups score alike."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
-from pjray.config import Config
+from pjray.config import Config, ConfigError
+from pjray.console import PREFILTERED
 from pjray.data.hf import DatasetItems, StreamSampler, StreamState, open_dataset, train_ref
 from pjray.data.prompts import render_batch
 from pjray.data.sampler import ItemSampler, SamplerState
 from pjray.data.sources import RowReject, Rows, scan_items, write_rejects
 from pjray.models.loading import processor_inputs, render_chat
+from pjray.rl.collect import Collector, mean, prefiltered, zero_variance_items
 from pjray.types import JudgeItem
 
 log = logging.getLogger(__name__)
@@ -84,3 +89,38 @@ def item_sampler(data: Rows[JudgeItem] | DatasetItems, cfg: Config, processor: A
     return StreamSampler(
         data, StreamState(**saved), rejects, cfg.data.max_reject_fraction, reject=lambda item: overlong(item, processor, cfg)
     )
+
+
+def prefilter(
+    data: Rows[JudgeItem] | DatasetItems, cfg: Config, run_dir: Path, resumed: bool, processor: Any, rollout: Any, reward: Any
+) -> Rows[JudgeItem] | DatasetItems:
+    """With algo.prefilter_zero_std, `data` without the items whose group, sampled by the current
+    (initial) policy on the `rollout` pool and scored on the `reward` pool, earns one reward in
+    every response (`zero_variance_items`, `prefiltered`), each listed in
+    <run_dir>/prefiltered_items.jsonl with that reward; else `data`. Decided once, before step 1:
+    a resumed run reads the list (the held-out check still keeps every training item, left out or
+    not, out of its scenes)."""
+    if not cfg.algo.prefilter_zero_std:
+        return data
+    assert isinstance(data, Rows)  # config: not with data.streaming
+    path = run_dir / PREFILTERED
+    if resumed:
+        if not path.is_file():
+            raise ConfigError(f"algo.prefilter_zero_std: the run being resumed has no {path} (it started without the "
+                              "prefilter); resume it with algo.prefilter_zero_std=false or start a new run")  # fmt: skip
+        left_out = {json.loads(line)["id"] for line in path.read_text(encoding="utf-8").splitlines()}
+        return Rows(data.source, [item for item in data.rows if item.id not in left_out], data.rejects)
+    started = time.perf_counter()
+    everything = Collector(cfg, ItemSampler(data.rows, cfg.trainer.seed), processor, rollout, reward)
+    flat = zero_variance_items(everything, len(data.rows))
+    kept = prefiltered(data.rows, flat)
+    if len(kept) == len(data.rows) and flat:
+        log.warning("algo.prefilter_zero_std: every one of the %d training items earns one reward in all %d responses of the "
+                    "initial policy (mean %.3f): it has nothing to learn from; training on all of them",
+                    len(flat), cfg.algo.group_size, mean(list(flat.values())))  # fmt: skip
+        flat = {}
+    path.write_text("".join(json.dumps({"id": i, "reward": r, "reason": "every response of the initial policy's group "
+                                        "earned this reward (no GRPO gradient)"}) + "\n" for i, r in flat.items()))  # fmt: skip
+    log.info("algo.prefilter_zero_std: %d of %d training items left out in %.1fs, every response of the initial policy "
+             "earning one reward (listed in %s)", len(flat), len(data.rows), time.perf_counter() - started, path)  # fmt: skip
+    return Rows(data.source, kept, data.rejects)

@@ -53,8 +53,7 @@ from ray.util.placement_group import PlacementGroup
 
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, to_dict
-from pjray.console import DATA_REJECTS, HELD_OUT, HELD_OUT_ITEMS, PREFILTERED, PhaseClock, StallWatch, step_line
-from pjray.data.sampler import ItemSampler
+from pjray.console import DATA_REJECTS, HELD_OUT, HELD_OUT_ITEMS, PhaseClock, StallWatch, step_line
 from pjray.data.sources import Rows
 from pjray.memory import peak_memory_metrics, peak_memory_mib
 from pjray.models.loading import load_processor
@@ -62,9 +61,9 @@ from pjray.placement import Placement, WorkerPool, split_evenly
 from pjray.reward.workers import RewardWorker
 from pjray.rl.best import BEST_MODEL, BestJudge
 from pjray.rl.checkpoint import checkpoint_to_resume, prune_checkpoints
-from pjray.rl.collect import Collector, Rollouts, mean, rollout_metrics, zero_variance_items
+from pjray.rl.collect import Collector, Rollouts, mean, rollout_metrics
 from pjray.rl.grpo import group_advantages
-from pjray.rl.items import item_sampler, training_items, usable_rows
+from pjray.rl.items import item_sampler, prefilter, training_items, usable_rows
 from pjray.rl.layout import Layout, choose_layout
 from pjray.rl.learner import LearnerRank
 from pjray.rl.timer import Timer
@@ -146,42 +145,11 @@ class Trainer:
         if resume_from is not None:
             saved = self.resume(resume_from)
             clock.done("resume")
-        train = data
-        if cfg.algo.prefilter_zero_std:
-            assert isinstance(data, Rows)  # config: not with data.streaming
-            train = self.prefilter(data, resumed=resume_from is not None)
-            clock.done("prefilter")
+        train = prefilter(data, cfg, self.run_dir, resume_from is not None, self.processor, self.rollout, self.reward)
         sampler = item_sampler(train, cfg, self.processor, saved, self.run_dir / DATA_REJECTS)
         self.collector = Collector(cfg, sampler, self.processor, self.rollout, self.reward)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        self.tracker = Tracker(
-            cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None, start_step=self.step
-        )
-
-    def prefilter(self, data: Rows[JudgeItem], resumed: bool) -> Rows[JudgeItem]:
-        """algo.prefilter_zero_std: `data` without the items whose group, sampled by the initial
-        policy, earns one reward in every response (`zero_variance_items`), each listed in
-        prefiltered_items.jsonl with that reward. Decided once, before step 1: a resumed run
-        reads the list (the held-out check still keeps every training item out of its scenes)."""
-        path = self.run_dir / PREFILTERED
-        if resumed:
-            if not path.is_file():
-                raise ConfigError(f"algo.prefilter_zero_std: the run being resumed has no {path} (it started without the "
-                                  "prefilter); resume it with algo.prefilter_zero_std=false or start a new run")  # fmt: skip
-            dropped = {json.loads(line)["id"] for line in path.read_text(encoding="utf-8").splitlines()}
-        else:
-            everything = ItemSampler(data.rows, self.cfg.trainer.seed)
-            flat = zero_variance_items(Collector(self.cfg, everything, self.processor, self.rollout, self.reward), len(data.rows))
-            path.write_text("".join(json.dumps({"id": i, "reward": r, "reason": "every response of the initial policy's group "
-                                                "earned this reward (no GRPO gradient)"}) + "\n" for i, r in flat.items()))  # fmt: skip
-            dropped = set(flat)
-        kept = [item for item in data.rows if item.id not in dropped]
-        if not kept:
-            raise RuntimeError(f"algo.prefilter_zero_std: every one of the {len(data.rows)} training items earns one reward in "
-                               f"all {self.cfg.algo.group_size} responses of the initial policy (listed in {path}): nothing to learn from")  # fmt: skip
-        log.info("algo.prefilter_zero_std: %d of %d training items left out, every response of the initial policy earning one "
-                 "reward (listed in %s)", len(data.rows) - len(kept), len(data.rows), path)  # fmt: skip
-        return Rows(data.source, kept, data.rejects)
+        self.tracker = Tracker(cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None, start_step=self.step)
 
     def start_actors(self, clock: PhaseClock) -> None:
         """Place the roles and start them side by side (imports, weights, engines; the layout

@@ -21,7 +21,7 @@ from pjray.signals import Interrupted
 pytestmark = pytest.mark.slow
 
 SPLIT = [
-    "model.init=tiny", "data.num_items=32", "data.image_size=64", "rollout.max_new_tokens=8",
+    "model.init=tiny", "algo.prefilter_zero_std=false", "data.num_items=32", "data.image_size=64", "rollout.max_new_tokens=8",
     "trainer.prompts_per_step=2", "algo.group_size=4", "learner.micro_batch_size=4",
     "tracking.wandb=false", "trainer.export_hf=false", "rollout.backend=hf",
     "rollout.num_threads=1", "learner.num_threads=1",

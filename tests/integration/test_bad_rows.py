@@ -22,7 +22,7 @@ def test_a_corrupt_image_is_skipped_and_counted(ray_local, tmp_path):
     data = write_items(items, tmp_path / "train.parquet")
     run_dir = tmp_path / "run"
     code = main([
-        "train", "model.init=tiny", "data.source=parquet", f"data.path={data}", "data.max_reject_fraction=0.1",
+        "train", "model.init=tiny", "algo.prefilter_zero_std=false", "data.source=parquet", f"data.path={data}", "data.max_reject_fraction=0.1",
         "rollout.max_new_tokens=8", "trainer.prompts_per_step=10", "algo.group_size=2",
         "learner.micro_batch_size=4", "tracking.wandb=false", "trainer.export_hf=false", "trainer.steps=2",
         f"trainer.run_dir={run_dir}",

@@ -126,9 +126,10 @@ def test_training_eval_through_a_rollout_pool(judge):
 
 
 def test_looking_bench_on_the_shipped_base_judge(tmp_path):
-    """The looking protocol through the judge pool: the shipped base judge judges by the text on
-    its own (0 image-following) and follows the image once its disposition is forced; the forced
-    prompts (a prefill) never share a cached output with the plain ones."""
+    """The looking protocol through the judge pool: the shipped base judge (one disposition)
+    judges by the image on its own, writes no disposition sentence, and its forced run (its own
+    "Image: X." kept, nothing more: eval.force_disposition=false, the default) is its plain run;
+    the forced prompts (a prefill) never share a cached output with the plain ones."""
     import pyarrow.parquet as pq
 
     from pjray.recipes.base_judge import SHIPPED
@@ -140,9 +141,10 @@ def test_looking_bench_on_the_shipped_base_judge(tmp_path):
     assert main(args) == 0
     report = _report(out)
     tables = report["tables"]
-    assert tables["image_following"]["pooled"]["value"] == 0.0 and tables["disposition_image"]["pooled"]["value"] == 0.0
-    assert tables["forced_image_following"]["pooled"]["value"] >= 0.5, tables["forced_image_following"]
-    assert tables["correct_first"]["pooled"]["value"] == pytest.approx(1 / 3, abs=1e-3)  # the order shown, letters balanced
+    following = tables["image_following"]["pooled"]["value"]
+    assert following >= 0.5 and tables["disposition_image"]["pooled"]["value"] == 0.0, tables["image_following"]
+    assert tables["forced_image_following"]["pooled"]["value"] == following, tables["forced_image_following"]
+    assert tables["correct_first"]["pooled"]["value"] > 0.5, tables["correct_first"]  # a third keeps the order shown
     assert set(tables["image_following"]) == {"pooled", "color", "size"}
     assert report["outputs"] == 24 * 6 and report["unparsed"] == 0
     assert pq.read_metadata(out / "looking_items.parquet").num_rows == 24

@@ -20,7 +20,7 @@ from pjray.ppjd.perturb import scene_items
 pytestmark = pytest.mark.slow
 
 TINY = [
-    "model.init=tiny", "rollout.max_new_tokens=8", "trainer.prompts_per_step=4", "algo.group_size=2",
+    "model.init=tiny", "algo.prefilter_zero_std=false", "rollout.max_new_tokens=8", "trainer.prompts_per_step=4", "algo.group_size=2",
     "learner.micro_batch_size=4", "tracking.wandb=false", "trainer.export_hf=false",
 ]  # fmt: skip
 

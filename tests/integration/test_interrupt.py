@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 TINY = [
-    "model.init=tiny", "data.num_items=16", "data.image_size=64", "rollout.max_new_tokens=8",
+    "model.init=tiny", "algo.prefilter_zero_std=false", "data.num_items=16", "data.image_size=64", "rollout.max_new_tokens=8",
     "trainer.prompts_per_step=2", "algo.group_size=2", "learner.micro_batch_size=4",
     "tracking.wandb=false", "trainer.export_hf=false", "ray.num_cpus=2",
 ]  # fmt: skip

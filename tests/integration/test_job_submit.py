@@ -32,7 +32,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent  # the environment's `ray` and `pjray` scripts
 
 TRAIN = [
-    "model.init=tiny",
+    "model.init=tiny", "algo.prefilter_zero_std=false",
     "data.num_items=16",
     "data.image_size=64",
     "rollout.max_new_tokens=8",

@@ -27,7 +27,7 @@ def test_rollout_workers_take_the_adapter_alone(ray_local, tmp_path):
     run_dir = tmp_path / "run"
     cfg = load(
         overrides=[
-            "model.init=tiny", "data.num_items=16", "data.image_size=64", "tracking.wandb=false",
+            "model.init=tiny", "algo.prefilter_zero_std=false", "data.num_items=16", "data.image_size=64", "tracking.wandb=false",
             f"trainer.run_dir={run_dir}", "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.save_every=0",
             "trainer.export_hf=false",
             "reward.function=learnable_rewards:starts_with_space",

@@ -1,6 +1,6 @@
 """The research scripts of benchmarks/ end to end at their smoke budgets (their numbers mean
 nothing there). The looking study (`benchmarks/study_looking.py`): every variant trains with
-GRPO from the shipped base judge with HF exports along its curve, every judge (the base judge
+GRPO from the shipped base judge (one disposition) with HF exports along its curve, every judge (the base judge
 unforced and forced, each run at each step of the curve) is judged on the held-out tuples, and
 the rows, intervals, per-item verdicts, table and plot are written; a second invocation reuses a
 finished run and retrains one whose key names other code. The group-size study
@@ -26,7 +26,7 @@ STUDY = Path(__file__).resolve().parents[2] / "benchmarks" / "study_looking.py"
 
 def run_study(*args: str) -> None:
     # In a process of its own, as a user runs it: its GRPO runs start Ray in that process.
-    done = subprocess.run([sys.executable, str(STUDY), "--smoke", "--bases", "base_judge", *args],
+    done = subprocess.run([sys.executable, str(STUDY), "--smoke", "--bases", "one_disposition", *args],
                           capture_output=True, text=True, timeout=30 * 60)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -47,7 +47,10 @@ def test_the_looking_study_runs_every_variant_along_its_curve(tmp_path: Path, mo
     assert judges == {("base", 0), ("forced", 0), *((v, s) for v in study.VARIANTS for s in study.SMOKE.curve)}
     assert all(r["forced"] == (r["variant"] == "forced") for r in rows)
     assert all(0.0 <= r[m] <= 1.0 for r in rows for m in study.METRICS)
-    assert all(r["disposition_image"] == 1.0 for r in rows if r["forced"])  # forced: by the image by construction
+    # One disposition: its forced run writes nothing after its own "Image: X.", so it is its plain run.
+    plain = {(r["kind"], r.get("part")): r["image_following"] for r in rows if r["variant"] == "base"}
+    assert plain == {(r["kind"], r.get("part")): r["image_following"] for r in rows if r["forced"]}
+    assert all(r["disposition_image"] == 0.0 for r in rows)
     trained = [r for r in rows if r["variant"] in study.VARIANTS]
     assert all(r["train_reward"] is not None and r["reward_greedy"] is not None and r["reward_sampled"] is not None for r in trained)
     for cell in results["summary"]:
@@ -60,11 +63,11 @@ def test_the_looking_study_runs_every_variant_along_its_curve(tmp_path: Path, mo
     per_judge = 2 * study.SMOKE.per_kind
     assert len(verdicts) == per_judge * (1 + len(study.VARIANTS) * len(study.SMOKE.curve))
     table = (out / "looking_study.md").read_text()
-    assert "| base_judge | forced | 0 |" in table and "| base_judge | nested_levenshtein | 2 |" in table
+    assert "| one_disposition | forced | 0 |" in table and "| one_disposition | nested_levenshtein | 2 |" in table
     assert (out / "looking_study.png").stat().st_size > 0
 
     # A study in parts: a finished run of the same key is reused; one of other code is trained anew.
-    marker = work / "base_judge-independent_levenshtein-s0" / "study_run.json"
+    marker = work / "one_disposition-independent_levenshtein-s0" / "study_run.json"
     recorded = json.loads(marker.read_text())
     recorded["key"]["code"] = "older code"
     marker.write_text(json.dumps(recorded))

@@ -25,7 +25,7 @@ from tests.support.preference import write_vlrb
 pytestmark = pytest.mark.slow
 
 TINY = [
-    "model.init=tiny",
+    "model.init=tiny", "algo.prefilter_zero_std=false",
     "data.num_items=32",
     "data.image_size=64",
     "rollout.max_new_tokens=12",

@@ -73,7 +73,7 @@ pytestmark = [
 ]
 
 VLLM_CPU = [
-    "model.init=tiny",
+    "model.init=tiny", "algo.prefilter_zero_std=false",
     "rollout.backend=vllm",
     "rollout.device=cpu",
     "rollout.max_model_len=1024",

@@ -32,7 +32,7 @@ from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402
 
 COMMON = [
-    "model.init=tiny", "model.tiny_arch=qwen2_vl", "rollout.backend=vllm", "rollout.device=cuda", "rollout.max_model_len=2048",
+    "model.init=tiny", "algo.prefilter_zero_std=false", "model.tiny_arch=qwen2_vl", "rollout.backend=vllm", "rollout.device=cuda", "rollout.max_model_len=2048",
     "rollout.max_new_tokens=32", "data.num_items=2", "data.image_size=64", "algo.group_size=4",
     "trainer.prompts_per_step=2", "trainer.steps=3", "trainer.save_every=0", "trainer.export_hf=false",
     "learner.micro_batch_size=4", "learner.lr=0.05", "tracking.wandb=false",

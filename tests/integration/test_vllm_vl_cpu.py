@@ -101,7 +101,7 @@ BUDGET = 8 * 32 * 32
 
 def _overrides(arch: str) -> list[str]:
     return [
-        "model.init=tiny", f"model.tiny_arch={arch}", "rollout.backend=vllm", *ON_DEVICE,
+        "model.init=tiny", "algo.prefilter_zero_std=false", f"model.tiny_arch={arch}", "rollout.backend=vllm", *ON_DEVICE,
         "rollout.max_model_len=1024", f"rollout.max_new_tokens={MAX_NEW}", f"model.max_pixels={BUDGET}",
     ]  # fmt: skip
 

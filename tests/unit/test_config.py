@@ -143,7 +143,7 @@ def test_scene_kinds_are_checked_and_cycle_through_the_scene_rows():
     with pytest.raises(ConfigError, match="data.scene_objects"):
         load(overrides=["data.scene_objects=[0,2]"])
     with pytest.raises(ConfigError, match="spatial questions need at least 2"):
-        load(overrides=["data.scene_kinds=[spatial]", "data.scene_objects=[1,3]"])
+        load(overrides=["data.scene_kinds=[spatial]", "data.scene_objects=[1,3]", "data.construction=nested"])
     cfg = load(overrides=["data.scene_kinds=[size,count]", "data.scene_objects=[3,3]"])
     rows = scene_rows(4, 0, 64, cfg.data.scene_kinds, cfg.data.scene_objects)
     assert [r.id.split("-")[2] for r in rows] == ["size", "count", "size", "count"]

@@ -1,4 +1,5 @@
-"""The base judge pjray ships: built from the recipe on this checkout, whole, small; and the order
+"""The base judge pjray ships: built from the shipped recipe on this checkout (SHIPPED_INIT), whole,
+small, with its four gates passed; and the order
 in which `pjray train` finds a base judge (shipped, cached, built)."""
 
 from __future__ import annotations
@@ -9,20 +10,34 @@ from pathlib import Path
 
 import pytest
 
-from pjray.models.base_judge import BaseJudgeRecipe
 from pjray.recipes import base_judge as artifact
-from pjray.recipes.base_judge import JUDGE_FILES, REBUILD, SHIPPED, ShippedJudgeError, recipe_hash, shipped_record
+from pjray.recipes.base_judge import (
+    JUDGE_FILES, RECIPES, REBUILD, SHIPPED, SHIPPED_INIT, ShippedJudgeError, recipe_hash, shipped_record,
+)  # fmt: skip
+
+SHIPPED_RECIPE = RECIPES[SHIPPED_INIT]
 
 
 def test_the_shipped_judge_is_the_recipes_build():
     record = shipped_record()  # every file there, the weights those recorded
-    current = recipe_hash(BaseJudgeRecipe())
+    current = recipe_hash(SHIPPED_RECIPE)
     assert record["recipe_hash"] == current, (
         f"the base judge recipe or the code its hash covers changed (shipped: {record['recipe_hash']}, "
         f"this code: {current}); {REBUILD}"
     )
     report = json.loads((SHIPPED / "report.json").read_text())
-    assert report["recipe"] == json.loads(json.dumps(BaseJudgeRecipe().to_dict())), "report.json is of another recipe"
+    assert report["recipe"] == json.loads(json.dumps(SHIPPED_RECIPE.to_dict())), "report.json is of another recipe"
+
+
+def test_the_shipped_judge_passed_its_gates():
+    # The card (report.json) of a judge with an untaught part states its four gates, measured.
+    gates = json.loads((SHIPPED / "report.json").read_text())["gates"]
+    assert gates["passes"] == {"one_disposition": True, "sees": True, "taught_following": True, "untaught": True}
+    measured = gates["measured"]
+    assert min(measured["sees"].values()) >= gates["gates"]["sees"]
+    assert min(measured["taught_following"].values()) >= gates["gates"]["taught_following"]
+    assert measured["untaught_following"] <= gates["gates"]["untaught_following_max"]
+    assert measured["untaught_pass_at_8"] >= gates["gates"]["untaught_pass_at_8"]
 
 
 def test_the_shipped_judge_is_small():
@@ -56,7 +71,7 @@ def test_base_judge_is_the_shipped_one_when_it_matches(fake_shipped):
 def test_base_judge_prefers_a_cached_build_of_this_recipe_over_a_stale_shipped_one(fake_shipped, monkeypatch):
     record = json.loads((fake_shipped / "shipped.json").read_text())
     (fake_shipped / "shipped.json").write_text(json.dumps({**record, "recipe_hash": "0123456789abcdef"}))
-    cached = artifact.cached_dir(BaseJudgeRecipe()) / "hf_model"
+    cached = artifact.cached_dir(SHIPPED_RECIPE) / "hf_model"
     cached.mkdir(parents=True)
     (cached / "COMPLETE").touch()
     assert artifact.base_judge(object()) == cached
@@ -69,7 +84,7 @@ def test_base_judge_builds_when_neither_matches_and_says_why(fake_shipped, monke
     monkeypatch.setattr(artifact, "build_base_judge", lambda cfg, recipe, log: calls.append(recipe) or Path("built"))
     lines: list[str] = []
     assert artifact.base_judge(object(), log=lines.append) == Path("built")
-    assert calls == [BaseJudgeRecipe()]
+    assert calls == [SHIPPED_RECIPE]
     assert "built from another recipe (0123456789abcdef" in lines[0]
 
 

@@ -122,7 +122,7 @@ COLOCATED = SPLIT[:-1] + [
 def test_good_layouts_load() -> None:
     assert load(overrides=VLLM_CPU + ["trainer.sync_backend=gloo"]).rollout.device == "cpu"
     # vLLM's CPU build serves the vision judges too: the base judge and every tiny VL arch.
-    assert load(overrides=VLLM_CPU[1:3]).model.init == "base_judge"
+    assert load(overrides=VLLM_CPU[1:3]).model.init == "one_disposition"
     assert load(overrides=VLLM_CPU[:3] + ["model.tiny_arch=qwen3_vl"]).data.images
     assert load(overrides=SPLIT + ["trainer.sync_backend=nccl", "ray.num_gpus=4"]).trainer.sync_backend == "nccl"
     assert load(overrides=COLOCATED + ["ray.num_gpus=2"]).rollout.colocate
