@@ -3,13 +3,17 @@ refill sizes, reward metrics over every generated response, and the prefilter (a
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from pjray.config import load
+from pjray.config import ConfigError, load
+from pjray.console import PREFILTERED
+from pjray.data.sources import Rows
 from pjray.rl.collect import MAX_REFILL_FACTOR, Batch, Collector, Round, prefiltered, refill_size, rollout_metrics, zero_variance_items
+from pjray.rl.items import prefilter
 from pjray.rl.timer import Timer
 from pjray.types import Completion, JudgePrompt, RewardResult, Timed
 
@@ -132,17 +136,10 @@ def test_the_prefilter_keeps_every_item_when_it_would_leave_none():
 
 
 def test_a_resumed_run_reads_the_prefilters_list_and_one_without_a_list_is_refused(tmp_path):
-    import json as _json
-
-    from pjray.config import ConfigError
-    from pjray.console import PREFILTERED
-    from pjray.data.sources import Rows
-    from pjray.rl.items import prefilter
-
     data = Rows("x", [SimpleNamespace(id=f"g{g}") for g in range(4)])
     on, off = load(None, []), load(None, ["algo.prefilter_zero_std=false"])
     assert on.algo.prefilter_zero_std and prefilter(data, off, tmp_path, True, None, None, None) is data
     with pytest.raises(ConfigError, match="started without the prefilter"):
         prefilter(data, on, tmp_path, True, None, None, None)
-    (tmp_path / PREFILTERED).write_text("".join(_json.dumps({"id": i, "reward": 1.0}) + "\n" for i in ("g0", "g2")))
+    (tmp_path / PREFILTERED).write_text("".join(json.dumps({"id": i, "reward": 1.0}) + "\n" for i in ("g0", "g2")))
     assert [it.id for it in prefilter(data, on, tmp_path, True, None, None, None).rows] == ["g1", "g3"]
