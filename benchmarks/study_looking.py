@@ -81,6 +81,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import shutil
 import sys
 import time
@@ -195,7 +196,10 @@ def contrast_overrides(b: Budget) -> list[str]:
     """A group of the image-contrast variant: a quarter of the budget's samples a prompt on the
     contrast image, the rest trained, so every variant draws the same samples a step."""
     contrast = max(1, b.group_size // 4)
-    return [f"algo.group_size={b.group_size - contrast}", f"algo.contrast_responses={contrast}"]
+    # The learner's micro-batches must split the step's trained sequences (the smoke's 4 x 3).
+    sequences, micro = b.prompts_per_step * (b.group_size - contrast), load(None, []).learner.micro_batch_size
+    fit = [] if sequences % micro == 0 else [f"learner.micro_batch_size={math.gcd(sequences, micro)}"]
+    return [f"algo.group_size={b.group_size - contrast}", f"algo.contrast_responses={contrast}", *fit]
 
 
 def run_key(judge_id: str, base: str, variant: str, seed: int, b: Budget) -> dict[str, Any]:
