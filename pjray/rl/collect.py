@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import math
 from collections import deque
-from typing import Any
+from typing import Any, Collection
 
 import torch
 
@@ -323,10 +323,11 @@ def zero_variance_items(collector: Collector, count: int) -> dict[str, float]:
     return flat
 
 
-def prefiltered(items: list[JudgeItem], flat: dict[str, float]) -> list[JudgeItem]:
-    """The items algo.prefilter_zero_std trains on: those not in `flat` (`zero_variance_items`);
-    all of them when `flat` names every one (a judge that never earns a reward, like
-    model.init=tiny, or always the same one: nothing to learn either way, so the run goes on, as
-    algo.filter_zero_std's steps do, and `Trainer.prefilter` warns)."""
-    kept = [item for item in items if item.id not in flat]
+def prefiltered(items: list[JudgeItem], left_out: Collection[str]) -> list[JudgeItem]:
+    """The items algo.prefilter_zero_std trains on: those whose id is not `left_out` (the ids of
+    `zero_variance_items`, or of a resumed run's list); all of them when `left_out` names every
+    one (a judge that never earns a reward, like model.init=tiny, or always the same one: nothing
+    to learn either way, so the run goes on, as algo.filter_zero_std's steps do, and
+    `pjray.rl.items.prefilter` warns)."""
+    kept = [item for item in items if item.id not in left_out]
     return kept or list(items)

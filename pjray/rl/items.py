@@ -109,7 +109,7 @@ def prefilter(
             raise ConfigError(f"algo.prefilter_zero_std: the run being resumed has no {path} (it started without the "
                               "prefilter); resume it with algo.prefilter_zero_std=false or start a new run")  # fmt: skip
         left_out = {json.loads(line)["id"] for line in path.read_text(encoding="utf-8").splitlines()}
-        return Rows(data.source, [item for item in data.rows if item.id not in left_out], data.rejects)
+        return Rows(data.source, prefiltered(data.rows, left_out), data.rejects)
     started = time.perf_counter()
     everything = Collector(cfg, ItemSampler(data.rows, cfg.trainer.seed), processor, rollout, reward)
     flat = zero_variance_items(everything, len(data.rows))
