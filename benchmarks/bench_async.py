@@ -62,8 +62,15 @@ LAYOUTS: dict[str, list[str]] = {
 SYNCHRONOUS = ("hybrid", "sync", "sync_none")
 LEARNING = ("sync_none", "sync", "async1")  # compared over seeds
 KINDS = ("color", "size")
-GAP = ("rollout/staleness_mean", "rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout_is/mean",
-       "rollout_is/max", "rollout_is/frac_clipped", "rollout_is/ess")  # fmt: skip
+GAP = (
+    "rollout/staleness_mean",
+    "rollout/logprob_diff_mean",
+    "rollout/logprob_diff_max",
+    "rollout_is/mean",
+    "rollout_is/max",
+    "rollout_is/frac_clipped",
+    "rollout_is/ess",
+)
 PHASES = ("gen", "reward", "ref", "update", "sync")
 
 
@@ -118,25 +125,47 @@ def markdown(results: dict[str, Any]) -> str:
         ph = s["phases_s"]
         rest = " / ".join(f"{ph[p]:.2f}" for p in ("reward", "ref", "update", "sync"))
         lo, hi = s["steps_per_s_range"]
-        lines.append(f"| {name} | {s['steps_per_s']:.3f} | {lo:.3f}-{hi:.3f} | {s['step_s']:.2f} | {ph['gen']:.2f} / "
-                     f"{s['gen_compute_s']:.2f} | {rest} | {s['steps_per_s'] / best:.2f}x |")  # fmt: skip
-    lines += ["", f"async1 over sync, per repeat pair: median {results['speedup_median']:.2f}x (range "
-              f"{results['speedup_range'][0]:.2f}-{results['speedup_range'][1]:.2f}); the overlap bound of sync's phases "
-              f"(t_gen {results['t_gen_s']:.2f} s, the rest {results['t_train_s']:.2f} s) is {results['bound']:.2f}x: "
-              f"{results['fraction_of_bound']:.0%} of it."]  # fmt: skip
-    lines += ["", "## Learning (held-out check, 95% t-intervals over seeds)", "",
-              "| layout | seeds | image-following color | size | correct first color | size |", "|---|---|---|---|---|---|"]  # fmt: skip
+        lines.append(
+            f"| {name} | {s['steps_per_s']:.3f} | {lo:.3f}-{hi:.3f} | {s['step_s']:.2f} | {ph['gen']:.2f} / "
+            f"{s['gen_compute_s']:.2f} | {rest} | {s['steps_per_s'] / best:.2f}x |"
+        )
+    lines += [
+        "",
+        f"async1 over sync, per repeat pair: median {results['speedup_median']:.2f}x (range "
+        f"{results['speedup_range'][0]:.2f}-{results['speedup_range'][1]:.2f}); the overlap bound of sync's phases "
+        f"(t_gen {results['t_gen_s']:.2f} s, the rest {results['t_train_s']:.2f} s) is {results['bound']:.2f}x: "
+        f"{results['fraction_of_bound']:.0%} of it.",
+    ]
+    lines += [
+        "",
+        "## Learning (held-out check, 95% t-intervals over seeds)",
+        "",
+        "| layout | seeds | image-following color | size | correct first color | size |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, agg in results["learning"].items():
         cells = [_ci(agg[f"{metric}_{kind}"]) for metric in ("image_following", "correct_first") for kind in KINDS]
         lines.append(f"| {name} | {agg['seeds']} | " + " | ".join(cells) + " |")
-    lines += ["", "## Every run", "", "| layout | seed | image-following color | size | correct first color | size | steps/s |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        "## Every run",
+        "",
+        "| layout | seed | image-following color | size | correct first color | size | steps/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results["runs"]:
-        lines.append(f"| {r['layout']} | {r['seed']} | " + " | ".join(
-            f"{100 * r[f'{m}_{k}']:.0f}%" for m in ("image_following", "correct_first") for k in KINDS) + f" | {r['steps_per_s']:.3f} |")  # fmt: skip
-    lines += ["", "## The log-prob gap and the IS weights, per step (seed 0)", "",
-              "| layout | step | staleness | logprob diff mean | max | IS mean | IS max | truncated | ESS |",
-              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines.append(
+            f"| {r['layout']} | {r['seed']} | "
+            + " | ".join(f"{100 * r[f'{m}_{k}']:.0f}%" for m in ("image_following", "correct_first") for k in KINDS)
+            + f" | {r['steps_per_s']:.3f} |"
+        )
+    lines += [
+        "",
+        "## The log-prob gap and the IS weights, per step (seed 0)",
+        "",
+        "| layout | step | staleness | logprob diff mean | max | IS mean | IS max | truncated | ESS |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, per_step in results["gap"].items():
         for row in per_step:
             if row["step"] in results["gap_steps"]:
@@ -155,10 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--seeds", type=int, default=3, help="seeds of the learning comparison (sync_none, sync, async1)")
-    ap.add_argument("--work", default="runs/bench_async", help="run directories (reused when finished with the same key)")
+    ap.add_argument(
+        "--work", default="runs/bench_async", help="run directories (reused when finished with the same key)"
+    )
     ap.add_argument("--out", default="benchmarks/results", help="where async.{json,md} go")
     ap.add_argument("--repeats", type=int, default=3, help="runs of each layout's seed 0 for the speed comparison")
-    ap.add_argument("--quick", action="store_true", help="sync and async1 only, 8 steps, one seed; writes nothing to --out")
+    ap.add_argument(
+        "--quick", action="store_true", help="sync and async1 only, 8 steps, one seed; writes nothing to --out"
+    )
     args = ap.parse_args(argv)
     layouts = ["sync", "async1"] if args.quick else list(LAYOUTS)
     if args.quick:
@@ -171,52 +204,103 @@ def main(argv: list[str] | None = None) -> int:
     runs, repeats, gap = [], {}, {}
     for layout, seed, repeat in plan(layouts, args.seeds, args.repeats):
         overrides = [*LAYOUTS[layout], f"trainer.steps={args.steps}", f"trainer.seed={seed}"]
-        run_dir = work / f"{layout}-n{args.steps}-s{seed}" if repeat == 0 else work / f"{layout}-n{args.steps}-s{seed}-r{repeat}"
+        run_dir = (
+            work / f"{layout}-n{args.steps}-s{seed}"
+            if repeat == 0
+            else work / f"{layout}-n{args.steps}-s{seed}-r{repeat}"
+        )
         key = {"overrides": overrides, "base_weights": judge_id, "code": code, "repeat": repeat}
-        run_cfg = load(None, [*overrides, f"trainer.run_dir={run_dir}", "tracking.wandb=false",
-                              "tracking.group=bench_async", "trainer.save_every=0"])  # fmt: skip
+        run_cfg = load(
+            None,
+            [
+                *overrides,
+                f"trainer.run_dir={run_dir}",
+                "tracking.wandb=false",
+                "tracking.group=bench_async",
+                "trainer.save_every=0",
+            ],
+        )
         seconds, reused = ensure_run(run_dir, key, run_cfg, held_out=None if args.quick else check)
         rows = metrics_rows(run_dir)
         s = speed(rows)
         if seed == 0:
             repeats.setdefault(layout, []).append(s)
         if repeat:
-            print(f"{'reused' if reused else 'trained'} {layout} repeat {repeat} ({seconds:.0f}s): {s['steps_per_s']:.3f} steps/s", flush=True)
+            print(
+                f"{'reused' if reused else 'trained'} {layout} repeat {repeat} ({seconds:.0f}s): {s['steps_per_s']:.3f} steps/s",
+                flush=True,
+            )
             continue
         if seed == 0 and layout not in ("hybrid", "sync_none"):
             gap[layout] = [{"step": int(r["step"]), **{k: r.get(k, 0.0) for k in GAP}} for r in rows]
         looks = {} if args.quick else json.loads((run_dir / "held_out.json").read_text())["trained"]["looks"]
-        runs.append({"layout": layout, "seed": seed, "run_s": round(seconds, 1), "steps_per_s": s["steps_per_s"],
-                     **{f"{m}_{k}": looks[k][m] for m in ("image_following", "correct_first") for k in KINDS if looks}})  # fmt: skip
-        print(f"{'reused' if reused else 'trained'} {layout} seed {seed} ({seconds:.0f}s): {s['steps_per_s']:.3f} steps/s"
-              + ("" if args.quick else f", image-following color {100 * looks['color']['image_following']:.0f}% "
-                 f"size {100 * looks['size']['image_following']:.0f}%"), flush=True)  # fmt: skip
+        runs.append(
+            {
+                "layout": layout,
+                "seed": seed,
+                "run_s": round(seconds, 1),
+                "steps_per_s": s["steps_per_s"],
+                **{f"{m}_{k}": looks[k][m] for m in ("image_following", "correct_first") for k in KINDS if looks},
+            }
+        )
+        print(
+            f"{'reused' if reused else 'trained'} {layout} seed {seed} ({seconds:.0f}s): {s['steps_per_s']:.3f} steps/s"
+            + (
+                ""
+                if args.quick
+                else f", image-following color {100 * looks['color']['image_following']:.0f}% "
+                f"size {100 * looks['size']['image_following']:.0f}%"
+            ),
+            flush=True,
+        )
     speeds = {layout: median_speed(reps) for layout, reps in repeats.items()}
     ratios = sorted(a["steps_per_s"] / b["steps_per_s"] for a, b in zip(repeats["async1"], repeats["sync"]))
     bound = overlap_bound(speeds["sync"])
     summary = {
-        "speedup_median": statistics.median(ratios), "speedup_range": [ratios[0], ratios[-1]],
-        "bound": bound["bound"], "fraction_of_bound": statistics.median(ratios) / bound["bound"],
-        "t_gen_s": bound["t_gen_s"], "t_train_s": bound["t_train_s"], "runs": len(ratios),
-    }  # fmt: skip
+        "speedup_median": statistics.median(ratios),
+        "speedup_range": [ratios[0], ratios[-1]],
+        "bound": bound["bound"],
+        "fraction_of_bound": statistics.median(ratios) / bound["bound"],
+        "t_gen_s": bound["t_gen_s"],
+        "t_train_s": bound["t_train_s"],
+        "runs": len(ratios),
+    }
     if args.quick:
         for layout, s in speeds.items():
             lo, hi = s["steps_per_s_range"]
-            print(f"{layout:<7} {s['steps_per_s']:.3f} steps/s (median of {len(repeats[layout])}, range {lo:.3f}-{hi:.3f})")
+            print(
+                f"{layout:<7} {s['steps_per_s']:.3f} steps/s (median of {len(repeats[layout])}, range {lo:.3f}-{hi:.3f})"
+            )
         print(json.dumps(summary))
         return 0
     learning = {}
     for layout in LEARNING:
         mine = [r for r in runs if r["layout"] == layout]
-        learning[layout] = {"seeds": len(mine), **{f"{m}_{k}": {**t_interval([r[f"{m}_{k}"] for r in mine])}
-                                                   for m in ("image_following", "correct_first") for k in KINDS}}  # fmt: skip
+        learning[layout] = {
+            "seeds": len(mine),
+            **{
+                f"{m}_{k}": {**t_interval([r[f"{m}_{k}"] for r in mine])}
+                for m in ("image_following", "correct_first")
+                for k in KINDS
+            },
+        }
     best = max(speeds[name]["steps_per_s"] for name in SYNCHRONOUS)
     results = {
-        "code": code, "base_weights": judge_id, "machine": f"{os.cpu_count()} CPUs, no GPU", "steps": args.steps,
-        "seeds": args.seeds, "repeats": args.repeats, "speed": speeds, "learning": learning, "runs": runs, "gap": gap,
+        "code": code,
+        "base_weights": judge_id,
+        "machine": f"{os.cpu_count()} CPUs, no GPU",
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "repeats": args.repeats,
+        "speed": speeds,
+        "learning": learning,
+        "runs": runs,
+        "gap": gap,
         "gap_steps": sorted({1, 2, 3, 5, *range(10, args.steps + 1, 10), args.steps}),
-        "speedup": speeds["async1"]["steps_per_s"] / best, **summary, "bench_s": round(time.perf_counter() - started, 1),
-    }  # fmt: skip
+        "speedup": speeds["async1"]["steps_per_s"] / best,
+        **summary,
+        "bench_s": round(time.perf_counter() - started, 1),
+    }
     (out / "async.json").write_text(json.dumps(results, indent=1))
     (out / "async.md").write_text(markdown(results))
     print(markdown(results))

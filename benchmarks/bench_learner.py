@@ -62,12 +62,16 @@ def experiences(model_path: Path, count: int, resp_len: int, seed: int = 0) -> t
         prompt = render_batch(item, rng)
         text = render_chat(processor, prompt)
         response = tuple(rng.randrange(256) for _ in range(resp_len))  # byte tokens, no specials
-        out.append(Experience(
-            prompt_text=text, image=prompt.image, response_ids=response,
-            advantage=rng.choice((-1.0, 1.0)),
-            old_logprobs=tuple(-6.0 - 0.1 * rng.random() for _ in range(resp_len)),
-            ref_logprobs=tuple(-6.0 - 0.1 * rng.random() for _ in range(resp_len)),
-        ))  # fmt: skip
+        out.append(
+            Experience(
+                prompt_text=text,
+                image=prompt.image,
+                response_ids=response,
+                advantage=rng.choice((-1.0, 1.0)),
+                old_logprobs=tuple(-6.0 - 0.1 * rng.random() for _ in range(resp_len)),
+                ref_logprobs=tuple(-6.0 - 0.1 * rng.random() for _ in range(resp_len)),
+            )
+        )
         enc = processor(text=[text], images=None if prompt.image is None else [_image(prompt.image)])
         prompt_tokens.append(len(enc["input_ids"][0]))
     return out, round(statistics.mean(prompt_tokens))
@@ -87,12 +91,19 @@ def bench_stage(model_path: Path, stage: int, shard: list[Experience], args: arg
     port = free_address()[1]
     ranks = [
         ray.remote(num_cpus=1)(TimedRank).remote(
-            ModelConfig(), learner_cfg, AlgoConfig(), str(model_path), rank=r, world_size=args.ranks,
-            master_addr="127.0.0.1", master_port=port, total_steps=args.warmup + args.steps,
+            ModelConfig(),
+            learner_cfg,
+            AlgoConfig(),
+            str(model_path),
+            rank=r,
+            world_size=args.ranks,
+            master_addr="127.0.0.1",
+            master_port=port,
+            total_steps=args.warmup + args.steps,
             grad_accum_steps=args.accum,
         )
         for r in range(args.ranks)
-    ]  # fmt: skip
+    ]
     try:
         ray.get([r.ready.remote() for r in ranks])
         tokens = float(sum(len(e.response_ids) for e in shard) * args.ranks)
@@ -131,8 +142,9 @@ def main() -> None:
         models = {"tiny (0.2M)": build_tiny_judge(Path(tmp) / "tiny", seed=0)}
         if not args.tiny_only:
             models["qwen2vl-mid (14M)"] = build_base_judge(Path(tmp) / "mid", hidden=384, layers=6, heads=6)  # ~14.7M
-        ray.init(num_cpus=args.ranks, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": actor_env()})  # fmt: skip
+        ray.init(
+            num_cpus=args.ranks, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": actor_env()}
+        )
         try:
             for name, path in models.items():
                 shard, prompt_len = experiences(path, args.prompts, args.resp_len)

@@ -57,24 +57,42 @@ BUCKET_BYTES = 64 << 20
 def _prompts(count: int) -> list[JudgePrompt]:
     return [
         JudgePrompt(
-            item_id=f"p{i}", system="You are a careful judge.", user=f"Rank the answers. A: {i} red B: {i} blue C: green",
-            image=None, protocol="batch", style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC",
+            item_id=f"p{i}",
+            system="You are a careful judge.",
+            user=f"Rank the answers. A: {i} red B: {i} blue C: green",
+            image=None,
+            protocol="batch",
+            style="ranking",
+            num_candidates=3,
+            shown=(0, 1, 2),
+            target="ABC",
         )
         for i in range(count)
-    ]  # fmt: skip
+    ]
 
 
 def _experiences(processor, prompts: list[JudgePrompt], completions) -> list[Experience]:
     return [
-        Experience(prompt_text=render_chat(processor, prompts[c.prompt_index]), image=None, response_ids=c.token_ids,
-                   advantage=1.0 if c.sample_index % 2 else -1.0)
+        Experience(
+            prompt_text=render_chat(processor, prompts[c.prompt_index]),
+            image=None,
+            response_ids=c.token_ids,
+            advantage=1.0 if c.sample_index % 2 else -1.0,
+        )
         for c in completions
-    ]  # fmt: skip
+    ]
 
 
 def bench_path(
-    name: str, transport: Transport, learner, model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig,
-    prompts: list[JudgePrompt], processor, reps: int,
+    name: str,
+    transport: Transport,
+    learner,
+    model_path: str,
+    model_cfg: ModelConfig,
+    rollout_cfg: RolloutConfig,
+    prompts: list[JudgePrompt],
+    processor,
+    reps: int,
 ) -> dict[str, float]:
     """Sync `reps` + 1 times through `transport` to a fresh worker (the first untimed), then measure
     its log-prob gap to the learner on fresh samples."""
@@ -97,8 +115,13 @@ def bench_path(
     finally:
         transport.close([learner])
         ray.kill(worker)
-    return {"path": name, "bytes": sent, "seconds": statistics.median(seconds), "gap": gap,
-            "params": sum(b.numel for b in plan)}  # fmt: skip
+    return {
+        "path": name,
+        "bytes": sent,
+        "seconds": statistics.median(seconds),
+        "gap": gap,
+        "params": sum(b.numel for b in plan),
+    }
 
 
 def main() -> None:
@@ -123,10 +146,19 @@ def main() -> None:
         model_path = str(build_base_judge(Path(tmp) / args.size, hidden=hidden, layers=layers, heads=heads))
         processor = load_processor(model_path, model_cfg.image_budget)
         learner = ray.remote(num_cpus=1)(LearnerRank).remote(
-            model_cfg, LearnerConfig(micro_batch_size=2 * args.prompts, lr=1e-2), AlgoConfig(kl_coef=0.0), model_path,
-            rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_address()[1], total_steps=1,
-            grad_accum_steps=1, temperature=rollout_cfg.temperature, num_threads=1,
-        )  # fmt: skip
+            model_cfg,
+            LearnerConfig(micro_batch_size=2 * args.prompts, lr=1e-2),
+            AlgoConfig(kl_coef=0.0),
+            model_path,
+            rank=0,
+            world_size=1,
+            master_addr="127.0.0.1",
+            master_port=free_address()[1],
+            total_steps=1,
+            grad_accum_steps=1,
+            temperature=rollout_cfg.temperature,
+            num_threads=1,
+        )
         try:
             # One GRPO step on responses of the base judge, so the adapters are not zero (B = 0 at start).
             sampler = ray.remote(num_cpus=1)(RolloutWorker).remote(model_path, ModelConfig(), rollout_cfg, 0, 1)
@@ -141,26 +173,38 @@ def main() -> None:
                 ("merged shm", SharedMemoryTransport(BUCKET_BYTES), model_cfg),
             ]
             for name, transport, cfg in paths:
-                rows.append(bench_path(name, transport, learner, model_path, cfg, rollout_cfg, prompts, processor, args.reps))
+                rows.append(
+                    bench_path(name, transport, learner, model_path, cfg, rollout_cfg, prompts, processor, args.reps)
+                )
         finally:
             ray.kill(learner)
             ray.shutdown()
 
     adapter, merged = rows[0], rows[1:]
     fastest = min(merged, key=lambda r: r["seconds"])
-    print(f"\nLoRA weight sync, {args.size} Qwen2-VL judge ({merged[0]['params'] / 1e6:.1f}M parameters), rank "
-          f"{args.rank}, all-linear, fp32, HF engine; median of {args.reps} syncs after an untimed one")  # fmt: skip
-    header = f"| {'path':<19} | {'MB per sync':>11} | {'bytes vs merged':>15} | {'sync s':>8} | {'logprob max diff':>16} |"
+    print(
+        f"\nLoRA weight sync, {args.size} Qwen2-VL judge ({merged[0]['params'] / 1e6:.1f}M parameters), rank "
+        f"{args.rank}, all-linear, fp32, HF engine; median of {args.reps} syncs after an untimed one"
+    )
+    header = (
+        f"| {'path':<19} | {'MB per sync':>11} | {'bytes vs merged':>15} | {'sync s':>8} | {'logprob max diff':>16} |"
+    )
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
     for r in rows:
-        print(f"| {r['path']:<19} | {r['bytes'] / 2**20:>11.2f} | {r['bytes'] / merged[0]['bytes']:>14.2%} "
-              f"| {r['seconds']:>8.4f} | {r['gap']:>16.2e} |")  # fmt: skip
-    print(json.dumps({
-        "bytes_ratio": round(adapter["bytes"] / merged[0]["bytes"], 5),
-        "time_ratio": round(adapter["seconds"] / fastest["seconds"], 4),
-        "logprob_max_abs_diff": float(f"{adapter['gap']:.3g}"),
-    }))  # fmt: skip
+        print(
+            f"| {r['path']:<19} | {r['bytes'] / 2**20:>11.2f} | {r['bytes'] / merged[0]['bytes']:>14.2%} "
+            f"| {r['seconds']:>8.4f} | {r['gap']:>16.2e} |"
+        )
+    print(
+        json.dumps(
+            {
+                "bytes_ratio": round(adapter["bytes"] / merged[0]["bytes"], 5),
+                "time_ratio": round(adapter["seconds"] / fastest["seconds"], 4),
+                "logprob_max_abs_diff": float(f"{adapter['gap']:.3g}"),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -101,13 +101,33 @@ def child(variant: str, judge: str, resp_len: int, chunk: int, out: str) -> None
 
     grads = {n: p.grad for n, p in model.named_parameters()}
     torch.save({"logp": logp.detach()[mask > 0], "entropy": entropy, "grads": grads}, out)
-    print(json.dumps({"peak_mb": (peak - before) / 2**20, "rss_peak_mb": peak / 2**20, "seconds": seconds,
-                      "clean": before_peak <= peak}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "peak_mb": (peak - before) / 2**20,
+                "rss_peak_mb": peak / 2**20,
+                "seconds": seconds,
+                "clean": before_peak <= peak,
+            }
+        )
+    )
 
 
 def run(variant: str, judge: Path, args: argparse.Namespace, out: Path) -> dict:
-    cmd = [sys.executable, __file__, "--child", variant, "--judge", str(judge), "--resp-len", str(args.resp_len),
-           "--chunk", str(args.chunk), "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        variant,
+        "--judge",
+        str(judge),
+        "--resp-len",
+        str(args.resp_len),
+        "--chunk",
+        str(args.chunk),
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -137,8 +157,10 @@ def main() -> None:
         saved = {v: torch.load(Path(tmp) / f"{v}.pt") for v in VARIANTS}
 
     logits_mb = args.resp_len * args.vocab * 4 / 2**20
-    print(f"\nresponse {args.resp_len} tokens, vocab {args.vocab} (one fp32 [tokens, V] tensor: {logits_mb:,.0f} MB), "
-          f"chunk {args.chunk}, {reps} run(s) each, medians\n")  # fmt: skip
+    print(
+        f"\nresponse {args.resp_len} tokens, vocab {args.vocab} (one fp32 [tokens, V] tensor: {logits_mb:,.0f} MB), "
+        f"chunk {args.chunk}, {reps} run(s) each, medians\n"
+    )
     print("| variant  | step peak above baseline (MB) | process peak RSS (MB) | step seconds |")
     print("|----------|-------------------------------|-----------------------|--------------|")
     med = {}

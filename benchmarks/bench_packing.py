@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-
 LAYOUTS = ("fixed", "budgeted", "packed", "packed_short")
 
 
@@ -96,7 +95,9 @@ def cuts(layout: str, lengths: list[int], micro: int) -> tuple[list[list[int]], 
     return token_budget_batches(lengths, budget, packed=layout == "packed"), budget
 
 
-def step(model, processor, whole, rows: list[list[int]], packed: bool) -> tuple[float, dict[str, torch.Tensor], int, int]:
+def step(
+    model, processor, whole, rows: list[list[int]], packed: bool
+) -> tuple[float, dict[str, torch.Tensor], int, int]:
     """Forward, GRPO loss and backward over the micro-batches: (seconds, gradients, padding
     positions, positions)."""
     from pjray.rl.grpo import LossSettings, grpo_loss
@@ -146,33 +147,43 @@ def main() -> None:
     padding: dict[str, float] = {}
     for _ in range(args.reps):
         for layout in LAYOUTS:  # interleaved, so load drift hits all alike
-            seconds, grads[layout], pad, pos = step(model, processor, whole, plans[layout][0], layout.startswith("packed"))
+            seconds, grads[layout], pad, pos = step(
+                model, processor, whole, plans[layout][0], layout.startswith("packed")
+            )
             times[layout].append(seconds)
             padding[layout] = pad / pos
 
     def rel_diff(layout: str) -> float:
-        return max(
-            float((grads[layout][n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in grads["fixed"].items()
-        )
+        return max(float((grads[layout][n] - g).norm() / g.norm().clamp_min(1e-30)) for n, g in grads["fixed"].items())
 
     median = {layout: statistics.median(times[layout]) for layout in LAYOUTS}
     budget = plans["fixed"][1]
-    print(f"\n{args.sequences} sequences of {min(lengths)}-{max(lengths)} tokens (sum {sum(lengths):,}), "
-          f"budget {budget:,} tokens a micro-batch, hidden {args.hidden}, {args.reps} reps, fp32 CPU")  # fmt: skip
-    print(f"{'layout':<10} {'micro-batches':>13} {'padding':>8} {'median s':>9} {'range s':>15} {'speed-up':>8} {'grad rel diff':>14}")
+    print(
+        f"\n{args.sequences} sequences of {min(lengths)}-{max(lengths)} tokens (sum {sum(lengths):,}), "
+        f"budget {budget:,} tokens a micro-batch, hidden {args.hidden}, {args.reps} reps, fp32 CPU"
+    )
+    print(
+        f"{'layout':<10} {'micro-batches':>13} {'padding':>8} {'median s':>9} {'range s':>15} {'speed-up':>8} {'grad rel diff':>14}"
+    )
     for layout in LAYOUTS:
-        print(f"{layout:<10} {len(plans[layout][0]):>13} {padding[layout]:>8.1%} {median[layout]:>9.2f} "
-              f"{min(times[layout]):>7.2f}-{max(times[layout]):<7.2f} {median['fixed'] / median[layout]:>7.2f}x "
-              f"{rel_diff(layout) if layout != 'fixed' else 0.0:>14.1e}")  # fmt: skip
-    print(json.dumps({
-        "speedup_budgeted": median["fixed"] / median["budgeted"],
-        "speedup_packed": median["fixed"] / median["packed"],
-        "padding_fixed": padding["fixed"],
-        "padding_packed": padding["packed"],
-        "speedup_packed_short": median["fixed"] / median["packed_short"],
-        "grad_rel_diff": max(rel_diff(layout) for layout in LAYOUTS[1:]),
-        "runs": args.reps,
-    }))  # fmt: skip
+        print(
+            f"{layout:<10} {len(plans[layout][0]):>13} {padding[layout]:>8.1%} {median[layout]:>9.2f} "
+            f"{min(times[layout]):>7.2f}-{max(times[layout]):<7.2f} {median['fixed'] / median[layout]:>7.2f}x "
+            f"{rel_diff(layout) if layout != 'fixed' else 0.0:>14.1e}"
+        )
+    print(
+        json.dumps(
+            {
+                "speedup_budgeted": median["fixed"] / median["budgeted"],
+                "speedup_packed": median["fixed"] / median["packed"],
+                "padding_fixed": padding["fixed"],
+                "padding_packed": padding["packed"],
+                "speedup_packed_short": median["fixed"] / median["packed_short"],
+                "grad_rel_diff": max(rel_diff(layout) for layout in LAYOUTS[1:]),
+                "runs": args.reps,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

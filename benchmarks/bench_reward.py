@@ -97,12 +97,12 @@ def make_cases(seed: int, n: int = 200) -> list[tuple[str, list[Row]]]:
         ("K=3 correct, short think", case(lambda t: ranking_response(rng, t, think_text(rng, 150, 300)))),
         ("K=3 random order, 1-2k think", case(lambda t: ranking_response(rng, target(), think_text(rng)))),
         ("K=3 bad format, 1-2k think", case(lambda t: bad_response(rng, t, think_text(rng)))),
-        ("K=3 scores style, 1-2k think",
-         case(lambda t: scores_response(rng, target(), think_text(rng)), style="scores")),
-        ("K=8 random order, 1-2k think",
-         case(lambda t: ranking_response(rng, target(8), think_text(rng)), k=8)),
-        ("K=26 random order, 1-2k think",
-         case(lambda t: ranking_response(rng, target(26), think_text(rng)), k=26)),
+        (
+            "K=3 scores style, 1-2k think",
+            case(lambda t: scores_response(rng, target(), think_text(rng)), style="scores"),
+        ),
+        ("K=8 random order, 1-2k think", case(lambda t: ranking_response(rng, target(8), think_text(rng)), k=8)),
+        ("K=26 random order, 1-2k think", case(lambda t: ranking_response(rng, target(26), think_text(rng)), k=26)),
     ]
     # A training-like mix of the K=3 cases: right and wrong orders, bad formats, scores style.
     mix = [row for _, rows in cases[:4] for row in rows]
@@ -111,9 +111,7 @@ def make_cases(seed: int, n: int = 200) -> list[tuple[str, list[Row]]]:
     return cases
 
 
-def race(
-    fn: Callable[[], object], baseline: Callable[[], object], seconds: float
-) -> tuple[int, float, float]:
+def race(fn: Callable[[], object], baseline: Callable[[], object], seconds: float) -> tuple[int, float, float]:
     """Alternate one round of fn and one of baseline until `seconds` pass in all.
 
     Interleaving makes both see the same machine load. Returns (rounds, fn seconds, baseline

@@ -124,9 +124,18 @@ def main() -> None:
         if has_vllm:
             from pjray.rollout.vllm_engine import VllmEngine
 
-            cfg = load(overrides=[*common, "rollout.backend=vllm", "rollout.device=cpu", "model.tiny_arch=qwen2",
-                                  "data.images=false"])  # fmt: skip
-            r = bench(VllmEngine(str(text), cfg.model, cfg.rollout), text_prompts, args.samples, args.reps, args.max_new)
+            cfg = load(
+                overrides=[
+                    *common,
+                    "rollout.backend=vllm",
+                    "rollout.device=cpu",
+                    "model.tiny_arch=qwen2",
+                    "data.images=false",
+                ]
+            )
+            r = bench(
+                VllmEngine(str(text), cfg.model, cfg.rollout), text_prompts, args.samples, args.reps, args.max_new
+            )
             name = "vLLM (CPU), tiny qwen2 text (0.2M), no image"
             rows.append((name, prompt_tokens(text, text_prompts), r))
             print(name, r, flush=True)
@@ -137,7 +146,9 @@ def main() -> None:
         f"\nrollout on CPU: <= {args.max_new} new tokens, temperature 1, {args.samples} samples per prompt, "
         f"torch threads {args.threads}, torch {torch.__version__}; median of the timed calls after one warm-up call"
     )
-    print("| engine, model | prompts x samples | prompt tokens | timed calls | s/call | resp tokens | tokens/s | cut at max |")
+    print(
+        "| engine, model | prompts x samples | prompt tokens | timed calls | s/call | resp tokens | tokens/s | cut at max |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, plen, r in rows:
         n_prompts = args.base_prompts if "114M" in name else args.prompts

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import ray
 
+from pjray.cluster import actor_env
 from pjray.config import load
 from pjray.models.tiny import build_base_judge
-from pjray.cluster import actor_env
 from pjray.recipes.training import training_inputs
 from pjray.rl.timer import COMPUTE_PHASES
 from pjray.rl.trainer import Trainer
@@ -57,7 +57,8 @@ def run(
     model_path: str | None, steps: int, ranks: int, prompts: int, run_dir: Path, layout: str
 ) -> tuple[list[dict[str, float]], dict[str, float]]:
     overrides = LAYOUTS[layout] + [
-        "model.init=tiny", "algo.prefilter_zero_std=false",
+        "model.init=tiny",
+        "algo.prefilter_zero_std=false",
         f"trainer.run_dir={run_dir}",
         f"trainer.steps={steps}",
         f"trainer.prompts_per_step={prompts}",
@@ -114,8 +115,7 @@ def overhead_rows(rows: list[dict[str, float]]) -> list[tuple[str, float, float 
 
     phases = [p for p in COMPUTE_PHASES if f"timing_s/{p}_compute" in timed[0]]
     out: list[tuple[str, float, float | None, float]] = [
-        (p, median(f"timing_s/{p}"), median(f"timing_s/{p}_compute"), median(f"timing_s/{p}_overhead"))
-        for p in phases
+        (p, median(f"timing_s/{p}"), median(f"timing_s/{p}_compute"), median(f"timing_s/{p}_overhead")) for p in phases
     ]
     rest = statistics.median(r["timing_s/step"] - sum(r[f"timing_s/{p}"] for p in phases) for r in timed)
     out.append(("rest: adv, sync, untimed", rest, None, rest))
@@ -124,8 +124,10 @@ def overhead_rows(rows: list[dict[str, float]]) -> list[tuple[str, float, float 
 
 
 def print_overhead(results: dict[str, list[tuple[str, float, float | None, float]]]) -> None:
-    print("\nRay overhead per phase: wall time in the driver, compute inside the workers (slowest worker "
-          "per call), overhead = wall - compute; median of the steps after the first; seconds")
+    print(
+        "\nRay overhead per phase: wall time in the driver, compute inside the workers (slowest worker "
+        "per call), overhead = wall - compute; median of the steps after the first; seconds"
+    )
     print("| model, layout | phase | wall s | compute s | overhead s | overhead % |")
     print("|---|---|---|---|---|---|")
     for name, rows in results.items():
@@ -164,14 +166,22 @@ def main() -> None:
     finally:
         ray.shutdown()
 
-    print(f"\nGRPO step on CPU: {args.prompts} prompts x 4 samples, <=32 new tokens, {args.ranks} learner "
-          f"rank(s), by layout; median of the steps after the first (tiny: {args.steps}{'' if args.tiny_only else f', 114M: {args.base_steps}'} steps); seconds")
+    print(
+        f"\nGRPO step on CPU: {args.prompts} prompts x 4 samples, <=32 new tokens, {args.ranks} learner "
+        f"rank(s), by layout; median of the steps after the first (tiny: {args.steps}{'' if args.tiny_only else f', 114M: {args.base_steps}'} steps); seconds"
+    )
     cols = [*PHASES, "untimed", "step"]
-    print("| model, layout | " + " | ".join(cols) + " | resp tokens | tokens/s (step) | tokens/s (gen) | learner padding |")
+    print(
+        "| model, layout | "
+        + " | ".join(cols)
+        + " | resp tokens | tokens/s (step) | tokens/s (gen) | learner padding |"
+    )
     print("|---" * (len(cols) + 5) + "|")
     for name, r in results.items():
         cells = " | ".join(f"{r[c]:.3f}" for c in cols)
-        print(f"| {name} | {cells} | {r['tokens']:.0f} | {r['tok_s']:.1f} | {r['gen_tok_s']:.1f} | {100 * r['padding']:.1f}% |")
+        print(
+            f"| {name} | {cells} | {r['tokens']:.0f} | {r['tok_s']:.1f} | {r['gen_tok_s']:.1f} | {100 * r['padding']:.1f}% |"
+        )
     print_overhead(overheads)
     print("\nPeak resident memory per process (ru_maxrss), MiB:")
     print("| model, layout | learner rank | rollout worker | both |")

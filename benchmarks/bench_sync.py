@@ -44,7 +44,6 @@ from pjray.rollout.worker import RolloutWorker
 from pjray.sync.buckets import pack, plan_buckets, state_checksums
 from pjray.sync.shared import SharedBuckets
 
-
 # name -> (hidden, layers, heads) of `build_base_judge`; "tiny" is the test judge.
 SIZES = {"14M": (384, 6, 6), "114M": (768, 12, 12), "400M": (1024, 24, 16)}
 
@@ -116,7 +115,9 @@ def bench_one(model_path: str, transport: str, bucket_bytes: int, reps: int) -> 
     receiver = ray.remote(**options)(RolloutWorker).remote(model_path, ModelConfig(), RolloutConfig(), 0)
     ray.get(receiver.ready.remote())
     sent = ray.get(sender.checksums.remote())
-    publish, load = (sender.publish_shared, receiver.load_shared) if transport == "shm" else (sender.publish, receiver.load_weights)
+    publish, load = (
+        (sender.publish_shared, receiver.load_shared) if transport == "shm" else (sender.publish, receiver.load_weights)
+    )
     put_s, get_s, total_s = [], [], []
     for rep in range(reps + 1):  # rep 0: untimed
         start = time.perf_counter()
@@ -162,7 +163,9 @@ def main() -> None:
                 models[name] = build_tiny_judge(Path(tmp) / name, seed=0)
             else:
                 hidden, layers, heads = SIZES[name]
-                models[f"qwen2vl-{name}"] = build_base_judge(Path(tmp) / name, hidden=hidden, layers=layers, heads=heads)
+                models[f"qwen2vl-{name}"] = build_base_judge(
+                    Path(tmp) / name, hidden=hidden, layers=layers, heads=heads
+                )
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         rows = []
         try:

@@ -53,8 +53,8 @@ from pjray.config import load
 from pjray.data.prompts import render_batch
 from pjray.models.loading import load_processor, render_chat
 from pjray.models.tiny import build_base_judge, build_tiny_judge
-from pjray.reward import judge_reward
 from pjray.recipes.training import training_inputs
+from pjray.reward import judge_reward
 from pjray.rl.items import training_items
 from pjray.rl.trainer import Trainer
 
@@ -64,12 +64,24 @@ KL = 0.01
 
 def pjray_overrides(args: argparse.Namespace, model: Path, run_dir: Path) -> list[str]:
     return [
-        f"model.path={model}", f"data.images={str(args.images).lower()}", f"model.think_prefix={str(not args.images).lower()}",
-        f"data.num_items={args.items}", f"trainer.run_dir={run_dir}", f"trainer.steps={args.steps}",
-        f"trainer.prompts_per_step={args.prompts}", f"algo.group_size={args.group}",
-        f"learner.micro_batch_size={args.prompts * args.group}", f"rollout.max_new_tokens={args.max_new}",
-        f"learner.lr={LR}", f"algo.kl_coef={KL}", "algo.dual_clip=0", "learner.zero_stage=2",
-        "tracking.wandb=false", "trainer.export_hf=false", "trainer.save_every=0", "trainer.resume=disable",
+        f"model.path={model}",
+        f"data.images={str(args.images).lower()}",
+        f"model.think_prefix={str(not args.images).lower()}",
+        f"data.num_items={args.items}",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.steps={args.steps}",
+        f"trainer.prompts_per_step={args.prompts}",
+        f"algo.group_size={args.group}",
+        f"learner.micro_batch_size={args.prompts * args.group}",
+        f"rollout.max_new_tokens={args.max_new}",
+        f"learner.lr={LR}",
+        f"algo.kl_coef={KL}",
+        "algo.dual_clip=0",
+        "learner.zero_stage=2",
+        "tracking.wandb=false",
+        "trainer.export_hf=false",
+        "trainer.save_every=0",
+        "trainer.resume=disable",
     ]
 
 
@@ -103,11 +115,14 @@ def judge_prompts(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
             prompt = dataclasses.replace(prompt, image=None)  # text-only judge, as data.images=false
             columns["prompt"].append(render_chat(processor, prompt, think_prefix=cfg.model.think_prefix))
             continue
-        columns["prompt"].append([{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}])
+        columns["prompt"].append(
+            [{"role": "system", "content": prompt.system}, {"role": "user", "content": prompt.user}]
+        )
         columns["image"].append(Image.open(io.BytesIO(prompt.image)).convert("RGB"))
         trl_text = processor.apply_chat_template(
             prepare_multimodal_messages(columns["prompt"][-1], images=[columns["image"][-1]]),
-            add_generation_prompt=True, tokenize=False,
+            add_generation_prompt=True,
+            tokenize=False,
         )
         if trl_text != render_chat(processor, prompt, think_prefix=False):
             raise RuntimeError(f"TRL would render item {index} differently from pjray:\n{trl_text!r}")
@@ -116,7 +131,9 @@ def judge_prompts(args: argparse.Namespace, model: Path, run_dir: Path) -> dict[
     return columns
 
 
-def run_trl(args: argparse.Namespace, model: Path, columns: dict[str, list], out: Path) -> tuple[list[float], list[float]]:
+def run_trl(
+    args: argparse.Namespace, model: Path, columns: dict[str, list], out: Path
+) -> tuple[list[float], list[float]]:
     from datasets import Dataset
     from transformers import AutoModelForImageTextToText, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -144,12 +161,31 @@ def run_trl(args: argparse.Namespace, model: Path, columns: dict[str, list], out
                 tokens.append(logs["completions/mean_length"] * args.prompts * args.group)
 
     config = GRPOConfig(
-        output_dir=str(out), max_steps=args.steps, learning_rate=LR, lr_scheduler_type="constant",
-        warmup_steps=0, per_device_train_batch_size=args.prompts * args.group, gradient_accumulation_steps=1,
-        steps_per_generation=1, num_generations=args.group, max_completion_length=args.max_new,
-        temperature=1.0, top_p=1.0, top_k=0, beta=KL, epsilon=0.2, loss_type="dapo", scale_rewards="group",
-        max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
-        bf16=False, seed=0, dataloader_num_workers=0,
+        output_dir=str(out),
+        max_steps=args.steps,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        per_device_train_batch_size=args.prompts * args.group,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=args.group,
+        max_completion_length=args.max_new,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=KL,
+        epsilon=0.2,
+        loss_type="dapo",
+        scale_rewards="group",
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        dataloader_num_workers=0,
         gradient_checkpointing=False,  # pjray's model.gradient_checkpointing default; TRL turns it on
     )
     clock = StepClock()
@@ -178,7 +214,9 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=32, help="scene items to draw prompts from")
     parser.add_argument("--images", action="store_true", help="prompts with their scene images")
     parser.add_argument(
-        "--size", choices=("tiny", "14m"), default="tiny",
+        "--size",
+        choices=("tiny", "14m"),
+        default="tiny",
         help="tiny: the 0.2M tiny judge; 14m: a ~14.7M random Qwen2-VL (text 384 wide x 6 layers)",
     )
     args = parser.parse_args()
@@ -201,14 +239,21 @@ def main() -> None:
     pj, trl = median_after_first(pj_times), median_after_first(trl_times)
     kind = "image prompts" if args.images else "text prompts"
     size = "tiny (0.2M)" if args.size == "tiny" else "~14.7M"
-    print(f"\nGRPO on CPU, {size} Qwen2-VL judge, {kind}: {args.prompts} prompts x {args.group} responses, "
-          f"<= {args.max_new} new tokens, {args.steps} steps; median of steps 2..{args.steps}")
+    print(
+        f"\nGRPO on CPU, {size} Qwen2-VL judge, {kind}: {args.prompts} prompts x {args.group} responses, "
+        f"<= {args.max_new} new tokens, {args.steps} steps; median of steps 2..{args.steps}"
+    )
     print("| trainer | s/step | resp tokens/step | all steps (s) |")
     print("|---|---|---|---|")
-    print(f"| pjray (hybrid engine: Ray actors, DeepSpeed ZeRO-2) | {pj:.3f} | {statistics.median(pj_tokens):.0f} | "
-          + ", ".join(f"{t:.2f}" for t in pj_times) + " |")
+    print(
+        f"| pjray (hybrid engine: Ray actors, DeepSpeed ZeRO-2) | {pj:.3f} | {statistics.median(pj_tokens):.0f} | "
+        + ", ".join(f"{t:.2f}" for t in pj_times)
+        + " |"
+    )
     trl_tok = f"{statistics.median(trl_tokens):.0f}" if trl_tokens else "-"
-    print(f"| TRL GRPOTrainer (one process) | {trl:.3f} | {trl_tok} | " + ", ".join(f"{t:.2f}" for t in trl_times) + " |")
+    print(
+        f"| TRL GRPOTrainer (one process) | {trl:.3f} | {trl_tok} | " + ", ".join(f"{t:.2f}" for t in trl_times) + " |"
+    )
     print(f"\npjray / TRL step time: {pj / trl:.2f}x")
 
 

@@ -101,7 +101,9 @@ def experiences(n: int, seed: int) -> list[Experience]:
         image.save(buf, format="PNG")
         prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Rank A, B and C.<|im_end|>\n<|im_start|>assistant\n"
         response = tuple(rng.randrange(0, 400) for _ in range(rng.randrange(4, 12)))
-        out.append(Experience(prompt_text=prompt, image=buf.getvalue(), response_ids=response, advantage=rng.uniform(-1, 1)))
+        out.append(
+            Experience(prompt_text=prompt, image=buf.getvalue(), response_ids=response, advantage=rng.uniform(-1, 1))
+        )
     return out
 
 
@@ -118,10 +120,17 @@ def main() -> int:
     judge = build_tiny_judge(tempfile.mkdtemp(prefix="pjray-ipc-"), arch=args.arch, seed=0)
     dtype = "bfloat16" if args.bf16 else "float32"
     rank = LearnerRank(
-        ModelConfig(dtype=dtype), LearnerConfig(zero_stage=2, micro_batch_size=4, lr=1e-3, bf16=args.bf16),
-        AlgoConfig(kl_coef=0.0), str(judge), rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_address()[1],
-        total_steps=args.syncs, grad_accum_steps=1,
-    )  # fmt: skip
+        ModelConfig(dtype=dtype),
+        LearnerConfig(zero_stage=2, micro_batch_size=4, lr=1e-3, bf16=args.bf16),
+        AlgoConfig(kl_coef=0.0),
+        str(judge),
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_address()[1],
+        total_steps=args.syncs,
+        grad_accum_steps=1,
+    )
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
     proc = ctx.Process(target=receiver, args=(theirs,), daemon=True)
@@ -141,7 +150,7 @@ def main() -> int:
             torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
             slots = [torch.empty(capacity, dtype=torch.uint8, device="cuda") for _ in range(2)]
-            sent = stream_buckets(rank._full_buckets(BUCKET_BYTES), slots, PipeReceiver(ours))
+            sent = stream_buckets(rank.weights.full_buckets(BUCKET_BYTES), slots, PipeReceiver(ours))
             got, load_s = ours.recv()
             stream_s = time.perf_counter() - start
             del slots

@@ -50,22 +50,37 @@ def png(rgb: tuple[int, int, int], size: tuple[int, int]) -> bytes:
 
 
 PROMPTS = [
-    JudgePrompt(item_id=str(i), system="You are a careful judge.", user=user, image=png(rgb, size), protocol="batch",
-                style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC")
-    for i, (user, rgb, size) in enumerate([
-        ("Which answer is right? A: red B: blue C: green", (200, 30, 30), (64, 64)),
-        ("Rank the three answers by the image.", (30, 60, 200), (640, 480)),
-        ("Is the object large? A: yes B: no C: cannot tell", (40, 160, 90), (1920, 1080)),
-    ])
-]  # fmt: skip
+    JudgePrompt(
+        item_id=str(i),
+        system="You are a careful judge.",
+        user=user,
+        image=png(rgb, size),
+        protocol="batch",
+        style="ranking",
+        num_candidates=3,
+        shown=(0, 1, 2),
+        target="ABC",
+    )
+    for i, (user, rgb, size) in enumerate(
+        [
+            ("Which answer is right? A: red B: blue C: green", (200, 30, 30), (64, 64)),
+            ("Rank the three answers by the image.", (30, 60, 200), (640, 480)),
+            ("Is the object large? A: yes B: no C: cannot tell", (40, 160, 90), (1920, 1080)),
+        ]
+    )
+]
 
 
 def learner_logprobs(model, processor, completions) -> list[torch.Tensor]:
     experiences = [
-        Experience(prompt_text=render_chat(processor, PROMPTS[c.prompt_index]), image=PROMPTS[c.prompt_index].image,
-                   response_ids=c.token_ids, advantage=0.0)
+        Experience(
+            prompt_text=render_chat(processor, PROMPTS[c.prompt_index]),
+            image=PROMPTS[c.prompt_index].image,
+            response_ids=c.token_ids,
+            advantage=0.0,
+        )
         for c in completions
-    ]  # fmt: skip
+    ]
     batch = collate(processor, experiences)
     with torch.no_grad():
         logp, _ = forward_logprobs(model, processor, batch, torch.device("cuda"), banned=placeholder_ids(processor))
@@ -82,12 +97,24 @@ def gaps(engine: VllmEngine, model, processor) -> tuple[float, float]:
 
 def check(arch: str, tied: bool, tp: int, eager: bool, root: Path) -> dict[str, str]:
     path = str(build_tiny_judge(root / f"{arch}-{tied}", arch=arch, seed=0, tied=tied))
-    cfg = load(overrides=[
-        "model.init=tiny", f"model.tiny_arch={arch}", "model.dtype=bfloat16", "rollout.backend=vllm",
-        "rollout.device=cuda", f"rollout.num_gpus_per_worker={tp}", f"rollout.tensor_parallel_size={tp}",
-        "rollout.gpu_memory_utilization=0.3", "rollout.max_model_len=2048", "rollout.max_new_tokens=24",
-        "rollout.top_k=0", "rollout.top_p=1.0", "rollout.temperature=1.0", f"rollout.enforce_eager={str(eager).lower()}",
-    ])  # fmt: skip
+    cfg = load(
+        overrides=[
+            "model.init=tiny",
+            f"model.tiny_arch={arch}",
+            "model.dtype=bfloat16",
+            "rollout.backend=vllm",
+            "rollout.device=cuda",
+            f"rollout.num_gpus_per_worker={tp}",
+            f"rollout.tensor_parallel_size={tp}",
+            "rollout.gpu_memory_utilization=0.3",
+            "rollout.max_model_len=2048",
+            "rollout.max_new_tokens=24",
+            "rollout.top_k=0",
+            "rollout.top_p=1.0",
+            "rollout.temperature=1.0",
+            f"rollout.enforce_eager={str(eager).lower()}",
+        ]
+    )
     engine = VllmEngine(path, cfg.model, cfg.rollout)
     try:
         compilation = engine.compilation()
@@ -106,10 +133,19 @@ def check(arch: str, tied: bool, tp: int, eager: bool, root: Path) -> dict[str, 
         after = gaps(engine, model, processor)
     finally:
         engine.close()
-    return {"arch": arch, "tied": str(tied), "tp": str(tp), "before_max": f"{before[0]:.3g}", "before_mean": f"{before[1]:.2g}",
-            "after_max": f"{after[0]:.3g}", "after_mean": f"{after[1]:.2g}", "synced": "embedding" if tied else "every weight",
-            "mean_gaps": (before[1], after[1]), "cudagraph_mode": compilation["cudagraph_mode"],
-            "compile_mode": compilation["mode"]}  # fmt: skip
+    return {
+        "arch": arch,
+        "tied": str(tied),
+        "tp": str(tp),
+        "before_max": f"{before[0]:.3g}",
+        "before_mean": f"{before[1]:.2g}",
+        "after_max": f"{after[0]:.3g}",
+        "after_mean": f"{after[1]:.2g}",
+        "synced": "embedding" if tied else "every weight",
+        "mean_gaps": (before[1], after[1]),
+        "cudagraph_mode": compilation["cudagraph_mode"],
+        "compile_mode": compilation["mode"],
+    }
 
 
 def failures(rows: list[dict], eager: bool, max_mean_gap: float) -> list[str]:
@@ -140,13 +176,17 @@ def main() -> None:
             for tied in (False, True):
                 rows.append(check(arch, tied, args.tp, args.eager, Path(root)))
     graphs = sorted({f"{r['compile_mode']}, CUDA graphs {r['cudagraph_mode']}" for r in rows})
-    print(f"\nvLLM {vllm.__version__}, VLLM_USE_V2_MODEL_RUNNER={runner}, {torch.cuda.get_device_name(0)}, bf16, "
-          f"top-k/top-p off, compilation {' / '.join(graphs)}")  # fmt: skip
+    print(
+        f"\nvLLM {vllm.__version__}, VLLM_USE_V2_MODEL_RUNNER={runner}, {torch.cuda.get_device_name(0)}, bf16, "
+        f"top-k/top-p off, compilation {' / '.join(graphs)}"
+    )
     print("| arch | tied | TP | synced | max |d logprob| before | mean before | max after | mean after |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['arch']} | {r['tied']} | {r['tp']} | {r['synced']} | {r['before_max']} | {r['before_mean']} | "
-              f"{r['after_max']} | {r['after_mean']} |")  # fmt: skip
+        print(
+            f"| {r['arch']} | {r['tied']} | {r['tp']} | {r['synced']} | {r['before_max']} | {r['before_mean']} | "
+            f"{r['after_max']} | {r['after_mean']} |"
+        )
     failed = failures(rows, args.eager, args.max_mean_gap)
     if failed:
         sys.exit("gpu_vllm_parity: FAIL\n  " + "\n  ".join(failed))

@@ -50,8 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from pjray.config import Config, load
 from pjray.cache import code_hash
+from pjray.config import Config, load
 from pjray.recipes.base_judge import RECIPES, base_judge, weights_sha256
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -79,8 +79,12 @@ class Run:
 
     @property
     def overrides(self) -> list[str]:
-        return [f"algo.group_size={self.group_size}", f"trainer.prompts_per_step={self.prompts_per_step}",
-                f"trainer.steps={self.steps}", f"trainer.seed={self.seed}"]  # fmt: skip
+        return [
+            f"algo.group_size={self.group_size}",
+            f"trainer.prompts_per_step={self.prompts_per_step}",
+            f"trainer.steps={self.steps}",
+            f"trainer.seed={self.seed}",
+        ]
 
 
 def plan(steps: int = 40, long_steps: int = 160, seeds: int = 5, prompt_seeds: int = 3) -> list[Run]:
@@ -107,8 +111,17 @@ def budgets_of(run: Run) -> list[str]:
 
 
 def run_config(run: Run, run_dir: Path, extra: list[str]) -> Config:
-    return load(None, [*run.overrides, *extra, f"trainer.run_dir={run_dir}", "tracking.wandb=false",
-                       "tracking.group=group_size_study", "trainer.save_every=0"])  # fmt: skip
+    return load(
+        None,
+        [
+            *run.overrides,
+            *extra,
+            f"trainer.run_dir={run_dir}",
+            "tracking.wandb=false",
+            "tracking.group=group_size_study",
+            "trainer.save_every=0",
+        ],
+    )
 
 
 def finished(run_dir: Path, key: dict[str, Any]) -> bool:
@@ -135,20 +148,26 @@ def run_summary(run: Run, run_dir: Path, train_seconds: float) -> dict[str, Any]
     step_s = statistics.median(r["timing_s/step"] for r in rows)
     responses = run.group_size * run.prompts_per_step
     out: dict[str, Any] = {
-        "G": run.group_size, "prompts_per_step": run.prompts_per_step, "responses_per_step": responses,
-        "steps": run.steps, "seed": run.seed, "responses_consumed": responses * run.steps,
+        "G": run.group_size,
+        "prompts_per_step": run.prompts_per_step,
+        "responses_per_step": responses,
+        "steps": run.steps,
+        "seed": run.seed,
+        "responses_consumed": responses * run.steps,
         "zero_variance_groups": statistics.fmean(r["rollout/frac_zero_std"] for r in rows),
         # Timing at the median step: robust to a step slowed by other work on the machine.
-        "step_s": step_s, "responses_per_s": responses / step_s,
+        "step_s": step_s,
+        "responses_per_s": responses / step_s,
         # The time in training steps (the x of "against wall time"): set-up, exports and the
         # held-out check cost about the same for every G and are left out.
-        "train_wall_s": round(step_s * len(rows), 1), "run_s": round(train_seconds, 1),
+        "train_wall_s": round(step_s * len(rows), 1),
+        "run_s": round(train_seconds, 1),
         "reward_first5": statistics.fmean(r["reward/mean"] for r in rows[:5]),
         "reward_last5": statistics.fmean(r["reward/mean"] for r in rows[-5:]),
         "reward_curve": [round(r["reward/mean"], 4) for r in rows],
         "phases_s": {p: statistics.median(r.get(f"timing_s/{p}", 0.0) for r in rows) for p in PHASES},
         "peak_mib": {role: max(r.get(f"memory/{role}_peak_mib", 0.0) for r in rows) for role in ROLES},
-    }  # fmt: skip
+    }
     return out
 
 
@@ -159,13 +178,19 @@ def kind_rows(run: Run, summary: dict[str, Any], held_out: dict[str, Any]) -> li
     for budget in budgets_of(run):
         for kind in KINDS:
             k = looks[kind]
-            rows.append({
-                "budget": budget, "kind": kind, **{key: v for key, v in summary.items() if key not in ("reward_curve",)},
-                "image_following": k["image_following"], "image_following_ci": k["image_following_ci"],
-                "correct_first": k["correct_first"], "disposition_image": k["disposition_image"],
-                "base_forced_image_following": held_out["base"]["looks"][kind]["forced"]["image_following"],
-                "items": k["items"],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "budget": budget,
+                    "kind": kind,
+                    **{key: v for key, v in summary.items() if key not in ("reward_curve",)},
+                    "image_following": k["image_following"],
+                    "image_following_ci": k["image_following_ci"],
+                    "correct_first": k["correct_first"],
+                    "disposition_image": k["disposition_image"],
+                    "base_forced_image_following": held_out["base"]["looks"][kind]["forced"]["image_following"],
+                    "items": k["items"],
+                }
+            )
     return rows
 
 
@@ -178,23 +203,29 @@ def aggregate(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault((r["budget"], r["G"], r["kind"]), []).append(r)
     out = []
     for (budget, g, kind), rs in sorted(groups.items(), key=lambda x: (x[0][0], x[0][1], KINDS.index(x[0][2]))):
-        out.append({
-            "budget": budget, "G": g, "kind": kind, "seeds": sorted(r["seed"] for r in rs),
-            "prompts_per_step": rs[0]["prompts_per_step"], "steps": rs[0]["steps"],
-            "responses_consumed": rs[0]["responses_consumed"],
-            "image_following": {**t_interval([r["image_following"] for r in rs]), "n": len(rs)},
-            "correct_first": {**t_interval([r["correct_first"] for r in rs]), "n": len(rs)},
-            "disposition_image": float(np.mean([r["disposition_image"] for r in rs])),
-            "zero_variance_groups": float(np.mean([r["zero_variance_groups"] for r in rs])),
-            "step_s": float(np.mean([r["step_s"] for r in rs])),
-            "responses_per_s": float(np.mean([r["responses_per_s"] for r in rs])),
-            "train_wall_s": float(np.mean([r["train_wall_s"] for r in rs])),
-            "reward_first5": float(np.mean([r["reward_first5"] for r in rs])),
-            "reward_last5": float(np.mean([r["reward_last5"] for r in rs])),
-            "base_forced_image_following": rs[0]["base_forced_image_following"],
-            "phases_s": {p: float(np.mean([r["phases_s"][p] for r in rs])) for p in PHASES},
-            "peak_mib": {role: float(np.max([r["peak_mib"][role] for r in rs])) for role in ROLES},
-        })  # fmt: skip
+        out.append(
+            {
+                "budget": budget,
+                "G": g,
+                "kind": kind,
+                "seeds": sorted(r["seed"] for r in rs),
+                "prompts_per_step": rs[0]["prompts_per_step"],
+                "steps": rs[0]["steps"],
+                "responses_consumed": rs[0]["responses_consumed"],
+                "image_following": {**t_interval([r["image_following"] for r in rs]), "n": len(rs)},
+                "correct_first": {**t_interval([r["correct_first"] for r in rs]), "n": len(rs)},
+                "disposition_image": float(np.mean([r["disposition_image"] for r in rs])),
+                "zero_variance_groups": float(np.mean([r["zero_variance_groups"] for r in rs])),
+                "step_s": float(np.mean([r["step_s"] for r in rs])),
+                "responses_per_s": float(np.mean([r["responses_per_s"] for r in rs])),
+                "train_wall_s": float(np.mean([r["train_wall_s"] for r in rs])),
+                "reward_first5": float(np.mean([r["reward_first5"] for r in rs])),
+                "reward_last5": float(np.mean([r["reward_last5"] for r in rs])),
+                "base_forced_image_following": rs[0]["base_forced_image_following"],
+                "phases_s": {p: float(np.mean([r["phases_s"][p] for r in rs])) for p in PHASES},
+                "peak_mib": {role: float(np.max([r["peak_mib"][role] for r in rs])) for role in ROLES},
+            }
+        )
     return out
 
 
@@ -215,21 +246,25 @@ def markdown(results: dict[str, Any]) -> str:
         "steps and seed changed; held-out numbers are the run's held-out check (`pjray.eval.looking`, "
         f"{results['items_per_kind']} tuples a kind). Image-following null (drop the self-contradicting answer, guess per image): "
         f"{100 * NULL:.0f}%. Intervals: 95% t-intervals on the seed means. The base judge forced onto "
-        "\"by the image\" reaches " + ", ".join(
-            f"{k} {100 * v:.0f}%" for k, v in results["base_forced"].items()) + ".",
+        '"by the image" reaches ' + ", ".join(f"{k} {100 * v:.0f}%" for k, v in results["base_forced"].items()) + ".",
         "",
     ]
-    for budget, title in (("equal_samples", "Equal samples per step (64 responses: 64/G prompts), 40 steps"),
-                          ("equal_prompts", "Equal prompts per step (8 prompts: 8G responses), 40 steps"),
-                          ("long", "Equal samples per step, 160 steps (one seed)")):  # fmt: skip
+    for budget, title in (
+        ("equal_samples", "Equal samples per step (64 responses: 64/G prompts), 40 steps"),
+        ("equal_prompts", "Equal prompts per step (8 prompts: 8G responses), 40 steps"),
+        ("long", "Equal samples per step, 160 steps (one seed)"),
+    ):
         agg = [a for a in results["aggregate"] if a["budget"] == budget]
         if not agg:
             continue
-        lines += [f"## {title}", "",
-                  "| G | prompts | seeds | image-following color | size | correct first color | size | \"by the image\" | "
-                  "zero-variance groups | step (s) | gen / reward / ref / update / sync (s) | responses/s | "
-                  "reward first 5 -> last 5 | peak MiB learner / reward |",
-                  "|" + "---|" * 14]  # fmt: skip
+        lines += [
+            f"## {title}",
+            "",
+            '| G | prompts | seeds | image-following color | size | correct first color | size | "by the image" | '
+            "zero-variance groups | step (s) | gen / reward / ref / update / sync (s) | responses/s | "
+            "reward first 5 -> last 5 | peak MiB learner / reward |",
+            "|" + "---|" * 14,
+        ]
         for g in sorted({a["G"] for a in agg}):
             by_kind = {a["kind"]: a for a in agg if a["G"] == g}
             c, s = by_kind["color"], by_kind["size"]
@@ -245,8 +280,12 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append("")
     if results.get("missing"):
         lines += [f"Not run yet: {', '.join(results['missing'])}.", ""]
-    lines += ["## Every run", "", "| budget | G | prompts | steps | seed | image-following color | size | correct first color | size | \"by the image\" | zero-variance groups | step (s) | responses/s |",
-              "|" + "---|" * 13]  # fmt: skip
+    lines += [
+        "## Every run",
+        "",
+        '| budget | G | prompts | steps | seed | image-following color | size | correct first color | size | "by the image" | zero-variance groups | step (s) | responses/s |',
+        "|" + "---|" * 13,
+    ]
     per_run: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in results["rows"]:
         per_run.setdefault((r["budget"], r["G"], r["steps"], r["seed"]), {})[r["kind"]] = r
@@ -276,14 +315,25 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 3, figsize=(14, 7), sharey=True)
-    styles = {"equal_samples": ("o-", "64 responses/step, 40 steps"), "equal_prompts": ("s--", "8 prompts/step, 40 steps"),
-              "long": ("^:", "64 responses/step, 160 steps")}  # fmt: skip
+    styles = {
+        "equal_samples": ("o-", "64 responses/step, 40 steps"),
+        "equal_prompts": ("s--", "8 prompts/step, 40 steps"),
+        "long": ("^:", "64 responses/step, 160 steps"),
+    }
     for row, kind in enumerate(("color", "size")):
-        for col, (xkey, xlabel) in enumerate((("G", "group size G"), ("responses_consumed", "responses consumed"),
-                                              ("train_wall_s", "time in training steps (s)"))):  # fmt: skip
+        for col, (xkey, xlabel) in enumerate(
+            (
+                ("G", "group size G"),
+                ("responses_consumed", "responses consumed"),
+                ("train_wall_s", "time in training steps (s)"),
+            )
+        ):
             ax = axes[row][col]
             for budget, (style, label) in styles.items():
-                agg = sorted((a for a in results["aggregate"] if a["budget"] == budget and a["kind"] == kind), key=lambda a: a[xkey])
+                agg = sorted(
+                    (a for a in results["aggregate"] if a["budget"] == budget and a["kind"] == kind),
+                    key=lambda a: a[xkey],
+                )
                 if not agg:
                     continue
                 x = [a[xkey] for a in agg]
@@ -329,10 +379,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default="equal_samples,equal_prompts,long", help="comma-separated budgets to run")
     ap.add_argument("--out", default="benchmarks/results", help="where <name>.{json,md,png} go")
     ap.add_argument("--name", default="group_size", help="the output files' stem")
-    ap.add_argument("--work", default="runs/group_size_study", help="run directories (reused when finished with the same key)")
+    ap.add_argument(
+        "--work", default="runs/group_size_study", help="run directories (reused when finished with the same key)"
+    )
     ap.add_argument("--report", action="store_true", help="only re-render <name>.md and .png from <name>.json")
-    ap.add_argument("--finished-only", action="store_true",
-                    help="train nothing: report the runs already finished with their key, list the others as missing")
+    ap.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="train nothing: report the runs already finished with their key, list the others as missing",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -363,15 +418,25 @@ def main(argv: list[str] | None = None) -> int:
         summary = run_summary(run, run_dir, seconds)
         rows += kind_rows(run, summary, held_out)
         looks = held_out["trained"]["looks"]
-        print(f"[{index}/{len(runs)}] {'reused' if reused else 'trained'} {run.budget} {run.name} ({seconds:.0f}s): "
-              f"image-following color {100 * looks['color']['image_following']:.0f}% size {100 * looks['size']['image_following']:.0f}%, "
-              f"step {summary['step_s']:.2f}s", flush=True)  # fmt: skip
+        print(
+            f"[{index}/{len(runs)}] {'reused' if reused else 'trained'} {run.budget} {run.name} ({seconds:.0f}s): "
+            f"image-following color {100 * looks['color']['image_following']:.0f}% size {100 * looks['size']['image_following']:.0f}%, "
+            f"step {summary['step_s']:.2f}s",
+            flush=True,
+        )
     results = {
-        "code": code, "base_weights": judge_id, "machine": f"{__import__('os').cpu_count()} CPUs, no GPU",
-        "items_per_kind": held_out_items, "base_forced": base_forced, "null_image_following": NULL,
-        "runs": [dataclasses.asdict(r) for r in runs], "missing": missing, "rows": rows, "aggregate": aggregate(rows),
+        "code": code,
+        "base_weights": judge_id,
+        "machine": f"{__import__('os').cpu_count()} CPUs, no GPU",
+        "items_per_kind": held_out_items,
+        "base_forced": base_forced,
+        "null_image_following": NULL,
+        "runs": [dataclasses.asdict(r) for r in runs],
+        "missing": missing,
+        "rows": rows,
+        "aggregate": aggregate(rows),
         "study_s": round(time.perf_counter() - started, 1),
-    }  # fmt: skip
+    }
     (out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
     write_report(results, out, args.name)
     print((out / f"{args.name}.md").read_text())

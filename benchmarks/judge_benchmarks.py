@@ -53,22 +53,39 @@ PAIRS = (  # (name, preferred level, rejected level): levels of the tuple's orde
     ("general", 1, 2),
 )
 VLRB_PREFIX = {"hallucination": "hallucination", "reasoning": "mathverse", "general": "vlfeedback"}
-MMRB_CATEGORY = {"hallucination": ("correct", "open_generation/correctness_task"), "reasoning": ("math", "reasoning"),
-                 "general": ("vqa", "vqa")}  # fmt: skip
+MMRB_CATEGORY = {
+    "hallucination": ("correct", "open_generation/correctness_task"),
+    "reasoning": ("math", "reasoning"),
+    "general": ("vqa", "vqa"),
+}
 
 
 def pairs(n: int, image_size: int) -> list[dict]:
     """`n` preference pairs from held-out scene tuples, the three kinds in turn."""
-    items = scene_items(n, seed=SCENE_SEED, num_candidates=3, image_size=image_size, kinds=("color", "size"),
-                        objects=(1, 1), split="held_out", construction="independent")  # fmt: skip
+    items = scene_items(
+        n,
+        seed=SCENE_SEED,
+        num_candidates=3,
+        image_size=image_size,
+        kinds=("color", "size"),
+        objects=(1, 1),
+        split="held_out",
+        construction="independent",
+    )
     out = []
     for i, item in enumerate(items):
         name, good, bad = PAIRS[i % len(PAIRS)]
-        out.append({
-            "index": i, "kind": name, "question": item.question, "image": item.image,
-            "preferred": item.candidates[item.order[good]], "rejected": item.candidates[item.order[bad]],
-            "preferred_first": (i // len(PAIRS)) % 2 == 0,
-        })  # fmt: skip
+        out.append(
+            {
+                "index": i,
+                "kind": name,
+                "question": item.question,
+                "image": item.image,
+                "preferred": item.candidates[item.order[good]],
+                "rejected": item.candidates[item.order[bad]],
+                "preferred_first": (i // len(PAIRS)) % 2 == 0,
+            }
+        )
     return out
 
 
@@ -78,12 +95,20 @@ def write_vlrb(rows: list[dict], folder: Path) -> Path:
     table = []
     for r in rows:
         responses = [r["preferred"], r["rejected"]] if r["preferred_first"] else [r["rejected"], r["preferred"]]
-        table.append({
-            "id": f"{VLRB_PREFIX[r['kind']]}_scene_{r['index']}", "query": r["question"], "response": responses,
-            "image": {"bytes": r["image"], "path": f"{r['index']}.png"},
-            "human_ranking": [0, 1] if r["preferred_first"] else [1, 0], "models": ["scene", "scene"],
-            "judge": "scene world", "rationale": "", "query_source": "scenes", "ground_truth": r["preferred"],
-        })  # fmt: skip
+        table.append(
+            {
+                "id": f"{VLRB_PREFIX[r['kind']]}_scene_{r['index']}",
+                "query": r["question"],
+                "response": responses,
+                "image": {"bytes": r["image"], "path": f"{r['index']}.png"},
+                "human_ranking": [0, 1] if r["preferred_first"] else [1, 0],
+                "models": ["scene", "scene"],
+                "judge": "scene world",
+                "rationale": "",
+                "query_source": "scenes",
+                "ground_truth": r["preferred"],
+            }
+        )
     path = folder / "test-00000-of-00001.parquet"
     pq.write_table(pa.Table.from_pylist(table), path)
     return path
@@ -97,9 +122,17 @@ def write_mmrb(rows: list[dict], folder: Path) -> Path:
         prefix, category = MMRB_CATEGORY[r["kind"]]
         (folder / "images" / f"{r['index']}.png").write_bytes(r["image"])
         first, second = (r["preferred"], r["rejected"]) if r["preferred_first"] else (r["rejected"], r["preferred"])
-        listed.append({"ID": f"{prefix}_scene_{r['index']}", "Text": r["question"], "Image": f"images/{r['index']}.png",
-                       "Output1": first, "Output2": second, "Better": "Output1" if r["preferred_first"] else "Output2",
-                       "Category": category})  # fmt: skip
+        listed.append(
+            {
+                "ID": f"{prefix}_scene_{r['index']}",
+                "Text": r["question"],
+                "Image": f"images/{r['index']}.png",
+                "Output1": first,
+                "Output2": second,
+                "Better": "Output1" if r["preferred_first"] else "Output2",
+                "Category": category,
+            }
+        )
     path = folder / "all_data_release.json"
     path.write_text(json.dumps(listed, indent=1))
     return path
@@ -120,18 +153,34 @@ def evaluate(bench: str, prompt_format: str, data: Path, base: Path, trained: Pa
     """Both judges on one bench through `pjray eval` (real and mismatched, compared)."""
     from pjray.eval.runner import run_eval
 
-    cfg = load(overrides=[
-        f"eval.bench={bench}", f"eval.data={data}", f"eval.judge={base}", f"eval.compare=[{trained}]",
-        f"eval.prompt_format={prompt_format}", "eval.blind=[mismatched]", "eval.max_new_tokens=64", "eval.temperature=0",
-        f"eval.output_dir={out}", "eval.plots=false", "eval.cache=false",
-    ])  # fmt: skip
+    cfg = load(
+        overrides=[
+            f"eval.bench={bench}",
+            f"eval.data={data}",
+            f"eval.judge={base}",
+            f"eval.compare=[{trained}]",
+            f"eval.prompt_format={prompt_format}",
+            "eval.blind=[mismatched]",
+            "eval.max_new_tokens=64",
+            "eval.temperature=0",
+            f"eval.output_dir={out}",
+            "eval.plots=false",
+            "eval.cache=false",
+        ]
+    )
     started = time.perf_counter()
     run_eval(cfg)
     folders = sorted(p for p in out.iterdir() if p.is_dir())
     reports = [json.loads((f / "report.json").read_text()) for f in folders]
-    outputs = [[json.loads(line)["output"] for line in (f / "outputs.jsonl").read_text().splitlines()[:2]] for f in folders]
-    return {"seconds": time.perf_counter() - started, "reports": reports, "examples": outputs,
-            "compare": json.loads((out / "compare.json").read_text())}  # fmt: skip
+    outputs = [
+        [json.loads(line)["output"] for line in (f / "outputs.jsonl").read_text().splitlines()[:2]] for f in folders
+    ]
+    return {
+        "seconds": time.perf_counter() - started,
+        "reports": reports,
+        "examples": outputs,
+        "compare": json.loads((out / "compare.json").read_text()),
+    }
 
 
 def _pct(v: float | None) -> str:
@@ -139,15 +188,27 @@ def _pct(v: float | None) -> str:
 
 
 def markdown(results: dict, rows: int) -> str:
-    lines = ["# Judges on VL-RewardBench and Multimodal RewardBench fixtures from the scene world", "",
-             "Written by `python benchmarks/judge_benchmarks.py` (see its docstring for how the fixtures are built). "
-             f"{rows} rows a bench, greedy, one sample; **one run of each judge on one fixture set**.", ""]  # fmt: skip
+    lines = [
+        "# Judges on VL-RewardBench and Multimodal RewardBench fixtures from the scene world",
+        "",
+        "Written by `python benchmarks/judge_benchmarks.py` (see its docstring for how the fixtures are built). "
+        f"{rows} rows a bench, greedy, one sample; **one run of each judge on one fixture set**.",
+        "",
+    ]
     for key, got in results["runs"].items():
         bench, fmt = key.split("/")
         official = "official_k1" if bench == "vl_rewardbench" else "official"
-        lines += [f"## {bench}, prompt {fmt}", "", f"`pjray eval` took {got['seconds']:.0f} s for both judges, both images.", ""]
-        lines += ["| judge | group | official, real | official, mismatched | strict, real | strict, mismatched | "
-                  "unreadable (real) | paired test real vs mismatched: b / c, p |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"## {bench}, prompt {fmt}",
+            "",
+            f"`pjray eval` took {got['seconds']:.0f} s for both judges, both images.",
+            "",
+        ]
+        lines += [
+            "| judge | group | official, real | official, mismatched | strict, real | strict, mismatched | "
+            "unreadable (real) | paired test real vs mismatched: b / c, p |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for name, report in zip(results["judges"], got["reports"]):
             blind = report["blind"]["mismatched"]["tables"]
             tests = {t["group"]: t for t in report["paired"]["real vs mismatched"]}
@@ -163,9 +224,15 @@ def markdown(results: dict, rows: int) -> str:
                     f"{t['b']} / {t['c']}, p = {t['p_value']:.2g} |"
                 )
         pooled = got["compare"]["paired"][0]["tests"][-1]
-        lines += ["", f"Judge vs judge on the same rows (strict per-item verdicts, real images): base {_pct(pooled['accuracy_first'])}, "
-                  f"trained {_pct(pooled['accuracy_second'])}; b = {pooled['b']} (base only), c = {pooled['c']} (trained only), "
-                  f"exact McNemar p = {pooled['p_value']:.2g}.", "", "What they write (the first row's output):", ""]  # fmt: skip
+        lines += [
+            "",
+            f"Judge vs judge on the same rows (strict per-item verdicts, real images): base {_pct(pooled['accuracy_first'])}, "
+            f"trained {_pct(pooled['accuracy_second'])}; b = {pooled['b']} (base only), c = {pooled['c']} (trained only), "
+            f"exact McNemar p = {pooled['p_value']:.2g}.",
+            "",
+            "What they write (the first row's output):",
+            "",
+        ]
         lines += [f"- {name}: `{examples[0][:160]!r}`" for name, examples in zip(results["judges"], got["examples"])]
         lines.append("")
     lines += ["## Reading it", "", *reading(results), ""]
@@ -187,7 +254,7 @@ def reading(results: dict) -> list[str]:
             "- Neither judge writes a pairwise verdict. The shipped base judge was supervised on K = 3 batch rankings, "
             "single-answer scores and VQA, never on pairs (`pjray/models/base_judge.py`), and the default run trains "
             "the K = 3 ranking: shown two answers, both still "
-            "write three letters (\"A > B > C\") or a bare value, under the official prompts and the paper pair prompt "
+            'write three letters ("A > B > C") or a bare value, under the official prompts and the paper pair prompt '
             "alike. So these fixtures say nothing about whether either judge looks: with no verdict there is nothing "
             "for the mismatched image to change (b = c = 0, p = 1), and the two judges cannot be told apart.",
             "- Multimodal RewardBench's official reading tosses a coin (seeded 123, in file order) for every unreadable "
@@ -204,9 +271,13 @@ def reading(results: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=96, help="rows a bench (a multiple of 6 keeps kinds and order balanced)")
+    parser.add_argument(
+        "--rows", type=int, default=96, help="rows a bench (a multiple of 6 keeps kinds and order balanced)"
+    )
     parser.add_argument("--trained", default="", help="the trained judge (HF dir); empty: train the default run")
-    parser.add_argument("--work", default="runs/judge_benchmarks", help="fixtures, the trained run and the eval outputs")
+    parser.add_argument(
+        "--work", default="runs/judge_benchmarks", help="fixtures, the trained run and the eval outputs"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--report-only", action="store_true", help="rewrite the markdown from the saved JSON")
     args = parser.parse_args(argv)
@@ -218,10 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work).resolve()
     image_size = load().data.image_size
     rows = pairs(args.rows, image_size)
-    data = {"vl_rewardbench": write_vlrb(rows, work / "vl_rewardbench"), "mm_rewardbench": write_mmrb(rows, work / "mm_rewardbench")}
+    data = {
+        "vl_rewardbench": write_vlrb(rows, work / "vl_rewardbench"),
+        "mm_rewardbench": write_mmrb(rows, work / "mm_rewardbench"),
+    }
     base, trained = SHIPPED / "hf_model", trained_judge(args.trained, work)
-    results: dict = {"rows": args.rows, "scene_seed": SCENE_SEED, "judges": ["base", "trained"],
-                     "judge_paths": [str(base), str(trained)], "runs": {}}  # fmt: skip
+    results: dict = {
+        "rows": args.rows,
+        "scene_seed": SCENE_SEED,
+        "judges": ["base", "trained"],
+        "judge_paths": [str(base), str(trained)],
+        "runs": {},
+    }
     for bench, path in data.items():
         for fmt in ("original", "paper"):
             results["runs"][f"{bench}/{fmt}"] = evaluate(bench, fmt, path, base, trained, work / f"eval_{bench}_{fmt}")

@@ -41,8 +41,8 @@ from pathlib import Path
 from pjray.data.scenes import SIZES
 from pjray.eval.held_out import assert_held_out, judge_on, training_items
 from pjray.eval.looking import K, LookingItem, balanced_letters, ceiling_test, looking_items, swap_test
-from pjray.ppjd.perturb import scene_items
 from pjray.models.base_judge import BaseJudgeRecipe
+from pjray.ppjd.perturb import scene_items
 from pjray.recipes.base_judge import RECIPES, SHIPPED, SHIPPED_INIT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,9 @@ def variants(per_kind: int, image_size: int, objects: tuple[int, int]) -> dict[s
     adjacent = [it for it in size if distance(it) == 1]
     far = [it for it in size if distance(it) == 2]
     if min(len(adjacent), len(far)) < per_kind:
-        raise SystemExit(f"the pool holds {len(adjacent)} adjacent and {len(far)} far size tuples; need {per_kind} of each")
+        raise SystemExit(
+            f"the pool holds {len(adjacent)} adjacent and {len(far)} far size tuples; need {per_kind} of each"
+        )
     out = {
         "primary": primary,
         "letters_per_item": per_item_letters(primary),
@@ -103,25 +105,36 @@ def measure(judge: Path, base: Path, sets: dict[str, list[LookingItem]], recipe:
                 continue
             mine = [v for v in judged if v.kind == kind]
             kinds[kind] = {
-                "items": looks["items"], "image_following": looks["image_following"], "ci": looks["image_following_ci"],
-                "correct_first": looks["correct_first"], "swap_test": swap_test(mine),
-                "forced_base_image_following": forced["looks"][kind]["forced"]["image_following"], "vs_forced": ceiling[kind],
-                "adjacent_share": (round(sum(distance(it) == 1 for it in items if it.kind == kind) / looks["items"], 4)
-                                   if kind == "size" else None),
-            }  # fmt: skip
+                "items": looks["items"],
+                "image_following": looks["image_following"],
+                "ci": looks["image_following_ci"],
+                "correct_first": looks["correct_first"],
+                "swap_test": swap_test(mine),
+                "forced_base_image_following": forced["looks"][kind]["forced"]["image_following"],
+                "vs_forced": ceiling[kind],
+                "adjacent_share": (
+                    round(sum(distance(it) == 1 for it in items if it.kind == kind) / looks["items"], 4)
+                    if kind == "size"
+                    else None
+                ),
+            }
         results[name] = {"kinds": kinds, "seconds": round(time.perf_counter() - started, 1)}
         print(f"{name}: {json.dumps({k: v['image_following'] for k, v in kinds.items()})}", flush=True)
     return results
 
 
 def markdown(out: dict) -> str:
-    lines = ["# Image-following under several tuple constructions", "",
-             f"`python benchmarks/looking_constructions.py --per-kind {out['per_kind']}` on `{out['judge']}` "
-             f"(greedy; the base judge forced onto its image disposition beside it). **One judge, one run** "
-             "(the seed-0 default run); intervals are 95% Wilson intervals over items.", "",
-             "| variant | kind | n | adjacent errors | image-following [95%] | correct first | perception error first, "
-             "original -> swapped (swap test p) | forced base judge | vs forced: b / c, p |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "# Image-following under several tuple constructions",
+        "",
+        f"`python benchmarks/looking_constructions.py --per-kind {out['per_kind']}` on `{out['judge']}` "
+        f"(greedy; the base judge forced onto its image disposition beside it). **One judge, one run** "
+        "(the seed-0 default run); intervals are 95% Wilson intervals over items.",
+        "",
+        "| variant | kind | n | adjacent errors | image-following [95%] | correct first | perception error first, "
+        "original -> swapped (swap test p) | forced base judge | vs forced: b / c, p |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, got in out["variants"].items():
         for kind, r in got["kinds"].items():
             s, v = r["swap_test"], r["vs_forced"]
@@ -143,13 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     judge = Path(args.judge)
     if not (judge / "config.json").is_file():
-        raise SystemExit(f"{judge}: no judge there; run `pjray train` first (the default run writes runs/demo/hf_model)")
+        raise SystemExit(
+            f"{judge}: no judge there; run `pjray train` first (the default run writes runs/demo/hf_model)"
+        )
     recipe = RECIPES[SHIPPED_INIT]  # the shipped base judge, the default run's start
     sets = variants(args.per_kind, recipe.image_size, tuple(recipe.objects))
     shown = [x for items in sets.values() for it in items for x in (it.pair.original, it.pair.swapped, it.blank)]
     assert_held_out(shown, training_items(recipe))
-    out = {"judge": str(judge.resolve().relative_to(ROOT)) if judge.resolve().is_relative_to(ROOT) else judge.name,
-           "per_kind": args.per_kind, "seed": SEED, "variants": measure(judge, SHIPPED / "hf_model", sets, recipe)}  # fmt: skip
+    out = {
+        "judge": str(judge.resolve().relative_to(ROOT)) if judge.resolve().is_relative_to(ROOT) else judge.name,
+        "per_kind": args.per_kind,
+        "seed": SEED,
+        "variants": measure(judge, SHIPPED / "hf_model", sets, recipe),
+    }
     dest = Path(args.out)
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "looking_constructions.json").write_text(json.dumps(out, indent=1))

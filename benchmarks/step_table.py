@@ -29,8 +29,11 @@ def columns(rows: list[dict[str, float]]) -> list[str]:
     """The wall-time phases the run logged (in the loop's order, then any other), then the
     figures it logged; the workers' compute/overhead split and its sums are left out."""
     logged = {k for row in rows for k in row}
-    timings = sorted(k for k in logged if k.startswith("timing_s/") and k != "timing_s/compute"
-                     and not k.endswith(("_compute", "_overhead")))  # fmt: skip
+    timings = sorted(
+        k
+        for k in logged
+        if k.startswith("timing_s/") and k != "timing_s/compute" and not k.endswith(("_compute", "_overhead"))
+    )
     timings.sort(key=lambda k: WALL_PHASES.index(k) if k in WALL_PHASES else len(WALL_PHASES))
     return timings + [k for k in FIGURES if k in logged]
 
@@ -44,8 +47,10 @@ def header(key: str) -> str:
 def table(rows: list[dict[str, float]]) -> str:
     keys = columns(rows)
     head = f"{'step':>4} " + " ".join(f"{header(k):>17}" for k in keys)
-    body = [f"{int(row['training/global_step']):>4} " + " ".join(f"{row.get(k, float('nan')):>17.4g}" for k in keys)
-            for row in rows]  # fmt: skip
+    body = [
+        f"{int(row['training/global_step']):>4} " + " ".join(f"{row.get(k, float('nan')):>17.4g}" for k in keys)
+        for row in rows
+    ]
     return "\n".join([head, *body])
 
 
@@ -57,8 +62,11 @@ def gap_errors(rows: list[dict[str, float]], limits: dict[str, float]) -> list[s
         checked = [row for row in rows if row.get("rollout/staleness_max", 0.0) == 0.0 and key in row]
         if not checked:
             errors.append(f"no on-policy step logs {key}")
-        errors += [f"step {int(row['training/global_step'])}: {key} = {row[key]:.4g} > {limit:g}"
-                   for row in checked if not row[key] <= limit]  # fmt: skip
+        errors += [
+            f"step {int(row['training/global_step'])}: {key} = {row[key]:.4g} > {limit:g}"
+            for row in checked
+            if not row[key] <= limit
+        ]
     return errors
 
 
@@ -72,8 +80,14 @@ def main(argv: list[str] | None = None) -> None:
     if not rows:
         sys.exit(f"step_table: {args.metrics} logs no step")
     print(table(rows))
-    limits = {key: limit for key, limit in (("rollout/logprob_diff_max", args.max_diff_max),
-                                           ("rollout/logprob_diff_mean", args.max_diff_mean)) if limit is not None}  # fmt: skip
+    limits = {
+        key: limit
+        for key, limit in (
+            ("rollout/logprob_diff_max", args.max_diff_max),
+            ("rollout/logprob_diff_mean", args.max_diff_mean),
+        )
+        if limit is not None
+    }
     errors = gap_errors(rows, limits)
     if errors:
         sys.exit("step_table: the engine's log-probs left the learner's:\n  " + "\n  ".join(errors))

@@ -94,10 +94,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from scipy import stats
 
+from pjray.cache import code_hash
 from pjray.config import Config, load
 from pjray.data.sources import read_items
 from pjray.eval.bias import diagnosis_item, item_prompts, read_judge_score
-from pjray.eval.held_out import LETTERS_SEED, LOOKING_SEED, _engine, assert_held_out, parts, ranking_summary, training_items
+from pjray.eval.held_out import (
+    LETTERS_SEED,
+    LOOKING_SEED,
+    _engine,
+    assert_held_out,
+    parts,
+    ranking_summary,
+    training_items,
+)
 from pjray.eval.looking import (
     DISPOSITION_STEM,
     K,
@@ -113,18 +122,25 @@ from pjray.eval.looking import (
     nulls,
     swap_test,
 )
-from pjray.cache import code_hash
 from pjray.models.base_judge import BaseJudgeRecipe
 from pjray.recipes.base_judge import RECIPES, base_judge, weights_sha256
 
 VARIANTS: dict[str, list[str]] = {
     "nested_levenshtein": ["data.construction=nested", "reward.metric=levenshtein"],
     "independent_levenshtein": ["data.construction=independent", "reward.metric=levenshtein"],
-    "counterfactual_levenshtein": ["data.construction=independent", "data.counterfactual_pairs=true", "reward.metric=levenshtein"],
+    "counterfactual_levenshtein": [
+        "data.construction=independent",
+        "data.counterfactual_pairs=true",
+        "reward.metric=levenshtein",
+    ],
     # The one-disposition study's arms (Kendall: the released code's reward, which pays a right
     # first place when the other two are swapped; see its declaration).
     "independent_kendall": ["data.construction=independent", "reward.metric=kendall"],
-    "counterfactual_kendall": ["data.construction=independent", "data.counterfactual_pairs=true", "reward.metric=kendall"],
+    "counterfactual_kendall": [
+        "data.construction=independent",
+        "data.counterfactual_pairs=true",
+        "reward.metric=kendall",
+    ],
     # The control: each prompt's target shuffled (the reward pays for nothing shown).
     "shuffled_target": ["data.construction=independent", "reward.metric=kendall", "reward.shuffle_target=true"],
     # The image-contrast term: a quarter of each group's samples on another prompt's image
@@ -162,7 +178,9 @@ class Budget:
     per_kind: int  # held-out tuples a kind
     seeds: tuple[int, ...]
     bootstrap: int = 2000
-    prefilter: bool = False  # algo.prefilter_zero_std: train on the items the base judge's groups do not all score alike
+    prefilter: bool = (
+        False  # algo.prefilter_zero_std: train on the items the base judge's groups do not all score alike
+    )
 
 
 def budget(steps: int, seeds: tuple[int, ...], per_kind: int = 60, curve: tuple[int, ...] | None = None) -> Budget:
@@ -170,10 +188,29 @@ def budget(steps: int, seeds: tuple[int, ...], per_kind: int = 60, curve: tuple[
     judged at `curve` (default 10, 20, 40, ... up to `steps`; `steps` is always judged)."""
     cfg = load(None, [])
     curve = tuple(s for s in ((10, 20, 40, 80, 160, 320) if curve is None else curve) if s < steps) + (steps,)
-    return Budget(steps, curve, cfg.trainer.prompts_per_step, cfg.algo.group_size, cfg.data.num_items, cfg.learner.lr, per_kind, seeds)
+    return Budget(
+        steps,
+        curve,
+        cfg.trainer.prompts_per_step,
+        cfg.algo.group_size,
+        cfg.data.num_items,
+        cfg.learner.lr,
+        per_kind,
+        seeds,
+    )
 
 
-SMOKE = Budget(steps=2, curve=(1, 2), prompts_per_step=4, group_size=4, train_items=8, lr=3e-4, per_kind=6, seeds=(0,), bootstrap=200)
+SMOKE = Budget(
+    steps=2,
+    curve=(1, 2),
+    prompts_per_step=4,
+    group_size=4,
+    train_items=8,
+    lr=3e-4,
+    per_kind=6,
+    seeds=(0,),
+    bootstrap=200,
+)
 
 
 # --------------------------------------------------------------------------- runs
@@ -182,13 +219,26 @@ SMOKE = Budget(steps=2, curve=(1, 2), prompts_per_step=4, group_size=4, train_it
 def grpo_config(base: str, variant: str, seed: int, b: Budget, run_dir: Path, judge: Path) -> Config:
     recipe = RECIPES[base]
     overrides = [
-        f"data.scene_kinds=[{','.join(recipe.kinds)}]", *BASE_OVERRIDES.get(base, ()), f"data.scene_objects=[{recipe.objects[0]},{recipe.objects[1]}]",
-        "data.scene_split=train", f"model.path={judge}", f"trainer.run_dir={run_dir}", f"trainer.seed={seed}",
-        f"trainer.steps={b.steps}", f"trainer.prompts_per_step={b.prompts_per_step}", f"algo.group_size={b.group_size}",
-        f"data.num_items={b.train_items}", f"learner.lr={b.lr}", f"data.seed={TRAIN_DATA_SEED}", "tracking.wandb=false",
-        "trainer.save_every=0", f"trainer.export_steps=[{','.join(str(s) for s in b.curve[:-1])}]", *VARIANTS[variant],
-        *(contrast_overrides(b) if variant == "image_contrast" else ()), f"algo.prefilter_zero_std={str(b.prefilter).lower()}",
-    ]  # fmt: skip
+        f"data.scene_kinds=[{','.join(recipe.kinds)}]",
+        *BASE_OVERRIDES.get(base, ()),
+        f"data.scene_objects=[{recipe.objects[0]},{recipe.objects[1]}]",
+        "data.scene_split=train",
+        f"model.path={judge}",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.seed={seed}",
+        f"trainer.steps={b.steps}",
+        f"trainer.prompts_per_step={b.prompts_per_step}",
+        f"algo.group_size={b.group_size}",
+        f"data.num_items={b.train_items}",
+        f"learner.lr={b.lr}",
+        f"data.seed={TRAIN_DATA_SEED}",
+        "tracking.wandb=false",
+        "trainer.save_every=0",
+        f"trainer.export_steps=[{','.join(str(s) for s in b.curve[:-1])}]",
+        *VARIANTS[variant],
+        *(contrast_overrides(b) if variant == "image_contrast" else ()),
+        f"algo.prefilter_zero_std={str(b.prefilter).lower()}",
+    ]
     return load(None, overrides)
 
 
@@ -204,9 +254,18 @@ def contrast_overrides(b: Budget) -> list[str]:
 
 def run_key(judge_id: str, base: str, variant: str, seed: int, b: Budget) -> dict[str, Any]:
     """What decides a run's judges: a run directory of another key is never reused."""
-    train = {k: getattr(b, k) for k in ("steps", "curve", "prompts_per_step", "group_size", "train_items", "lr", "prefilter")}
-    key = {"base": base, "base_weights": judge_id, "variant": variant, "seed": seed, "budget": train,
-           "overrides": [*VARIANTS[variant], *BASE_OVERRIDES.get(base, ())], "code": code_hash()}  # fmt: skip
+    train = {
+        k: getattr(b, k) for k in ("steps", "curve", "prompts_per_step", "group_size", "train_items", "lr", "prefilter")
+    }
+    key = {
+        "base": base,
+        "base_weights": judge_id,
+        "variant": variant,
+        "seed": seed,
+        "budget": train,
+        "overrides": [*VARIANTS[variant], *BASE_OVERRIDES.get(base, ())],
+        "code": code_hash(),
+    }
     return json.loads(json.dumps(key))  # as its marker file holds it (tuples read back as lists)
 
 
@@ -236,7 +295,11 @@ def ensure_run(run_dir: Path, key: dict[str, Any], cfg: Config, held_out: Any = 
 def finished(run_dir: Path, key: dict[str, Any]) -> bool:
     """Whether `run_dir` holds a finished run of `key` (what `ensure_run` reuses)."""
     marker = run_dir / "study_run.json"
-    return marker.exists() and json.loads(marker.read_text())["key"] == key and (run_dir / "hf_model" / "COMPLETE").exists()
+    return (
+        marker.exists()
+        and json.loads(marker.read_text())["key"] == key
+        and (run_dir / "hf_model" / "COMPLETE").exists()
+    )
 
 
 def judge_at(run_dir: Path, step: int, b: Budget) -> Path:
@@ -260,10 +323,17 @@ def reward_curve(run_dir: Path, window: int = 5) -> dict[str, float]:
     def mean(rs: list[dict[str, Any]], key: str) -> float:
         return float(np.mean([r[key] for r in rs]))
 
-    out = {"reward_first": mean(first, "reward/mean"), "reward_last": mean(last, "reward/mean"),
-           "ranking_first": mean(first, "reward/ranking_mean"), "ranking_last": mean(last, "reward/ranking_mean"),
-           "frac_zero_std": mean(rows, "rollout/frac_zero_std")}  # fmt: skip
-    out["reward_rise"], out["ranking_rise"] = out["reward_last"] - out["reward_first"], out["ranking_last"] - out["ranking_first"]
+    out = {
+        "reward_first": mean(first, "reward/mean"),
+        "reward_last": mean(last, "reward/mean"),
+        "ranking_first": mean(first, "reward/ranking_mean"),
+        "ranking_last": mean(last, "reward/ranking_mean"),
+        "frac_zero_std": mean(rows, "rollout/frac_zero_std"),
+    }
+    out["reward_rise"], out["ranking_rise"] = (
+        out["reward_last"] - out["reward_first"],
+        out["ranking_last"] - out["ranking_first"],
+    )
     return {k: round(v, 4) for k, v in out.items()}
 
 
@@ -278,23 +348,32 @@ def evaluate(
     reward on the original images, and per item the score protocol's `SCORE_METRICS` on the
     original image."""
     greedy = _engine(str(path), top_k=1)
-    verdicts, texts = judge_looking(lambda ps: [c.text for c in greedy.generate(ps, 1, seed=0)], items, forced, recipe.forced_sentence)
+    verdicts, texts = judge_looking(
+        lambda ps: [c.text for c in greedy.generate(ps, 1, seed=0)], items, forced, recipe.forced_sentence
+    )
     diag = [diagnosis_item(it.pair.original) for it in items]  # score(correct), score(perception error)
     scored = [c.text for c in greedy.generate([p for d in diag for p in item_prompts(d)[:2]], 1, seed=0)]
     scores = [read_judge_score(t) for t in scored]
     score = {
-        "disposition_score": np.array([np.mean([DISPOSITION_STEM + " image" in t for t in scored[2 * i : 2 * i + 2]])
-                                       for i in range(len(diag))]),
-        "score_error": np.array([np.nan if None in (c, w) else float(w >= c) for c, w in zip(scores[0::2], scores[1::2])]),
-    }  # fmt: skip
+        "disposition_score": np.array(
+            [np.mean([DISPOSITION_STEM + " image" in t for t in scored[2 * i : 2 * i + 2]]) for i in range(len(diag))]
+        ),
+        "score_error": np.array(
+            [np.nan if None in (c, w) else float(w >= c) for c, w in zip(scores[0::2], scores[1::2])]
+        ),
+    }
     originals = [it.pair.original for it in items]
     prompts = [it.prompts()[0] for it in items]
     sampled = _engine(str(path), temperature=1.0)
     sampled_texts = [c.text for c in sampled.generate(prompts, SAMPLES, seed=0)]
-    return verdicts, {
-        "reward_greedy": ranking_summary(originals, prompts, texts, 1, recipe)["reward"],
-        "reward_sampled": ranking_summary(originals, prompts, sampled_texts, SAMPLES, recipe)["reward"],
-    }, score
+    return (
+        verdicts,
+        {
+            "reward_greedy": ranking_summary(originals, prompts, texts, 1, recipe)["reward"],
+            "reward_sampled": ranking_summary(originals, prompts, sampled_texts, SAMPLES, recipe)["reward"],
+        },
+        score,
+    )
 
 
 def per_item(verdicts: list[LookingVerdict], forced: bool) -> dict[str, np.ndarray]:
@@ -342,19 +421,31 @@ def hierarchical_bootstrap(values: np.ndarray, reps: int, seed: int = 1) -> dict
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="every stage on a few items and steps (a test, not a study)")
-    ap.add_argument("--steps", type=int, default=160, help="GRPO steps a run (the curve is judged at 10, 20, 40, ... up to it)")
+    ap.add_argument(
+        "--steps", type=int, default=160, help="GRPO steps a run (the curve is judged at 10, 20, 40, ... up to it)"
+    )
     ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated GRPO seeds")
     ap.add_argument("--final-only", action="store_true", help="judge each run at its last step only (no curve)")
     ap.add_argument("--lr", type=float, default=None, help="the learner's lr (default: the default run's)")
     ap.add_argument("--prefilter", action="store_true", help="every run with algo.prefilter_zero_std=true")
-    ap.add_argument("--finished-only", action="store_true", help="judge only the runs already finished with their key, train none")
-    ap.add_argument("--train-only", action="store_true", help="train (or reuse) the runs and stop: a later invocation judges them")
+    ap.add_argument(
+        "--finished-only", action="store_true", help="judge only the runs already finished with their key, train none"
+    )
+    ap.add_argument(
+        "--train-only", action="store_true", help="train (or reuse) the runs and stop: a later invocation judges them"
+    )
     ap.add_argument("--bases", default=",".join(BASES), help="comma-separated base judges: " + ",".join(BASES))
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--out", default="benchmarks/results", help="where <name>.{json,md,png} go")
     ap.add_argument("--name", default="looking_study", help="the output files' stem")
-    ap.add_argument("--work", default="runs/looking_study", help="run directories (reused when finished with the same key)")
-    ap.add_argument("--report", action="store_true", help="only re-render <name>.md, .png and the per-value rows from <name>.json and its items")
+    ap.add_argument(
+        "--work", default="runs/looking_study", help="run directories (reused when finished with the same key)"
+    )
+    ap.add_argument(
+        "--report",
+        action="store_true",
+        help="only re-render <name>.md, .png and the per-value rows from <name>.json and its items",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.report:
@@ -363,7 +454,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"primary outcome (declared): {DECLARATION}", flush=True)
     seeds = tuple(int(s) for s in args.seeds.split(",") if s)
-    b = dataclasses.replace(SMOKE, seeds=seeds[:1]) if args.smoke else budget(args.steps, seeds, curve=() if args.final_only else None)
+    b = (
+        dataclasses.replace(SMOKE, seeds=seeds[:1])
+        if args.smoke
+        else budget(args.steps, seeds, curve=() if args.final_only else None)
+    )
     b = dataclasses.replace(b, lr=args.lr) if args.lr is not None else b
     b = dataclasses.replace(b, prefilter=args.prefilter)
     bases, variants = [x for x in args.bases.split(",") if x], [x for x in args.variants.split(",") if x]
@@ -387,17 +482,31 @@ def main(argv: list[str] | None = None) -> int:
                 if args.finished_only and not finished(run_dir, key):
                     continue
                 seconds, reused = ensure_run(run_dir, key, grpo_config(base, variant, seed, b, run_dir, judges[base]))
-                runs.append({"base": base, "variant": variant, "seed": seed, "dir": run_dir, "train_seconds": round(seconds, 1),
-                             "reused": reused, **reward_curve(run_dir)})  # fmt: skip
+                runs.append(
+                    {
+                        "base": base,
+                        "variant": variant,
+                        "seed": seed,
+                        "dir": run_dir,
+                        "train_seconds": round(seconds, 1),
+                        "reused": reused,
+                        **reward_curve(run_dir),
+                    }
+                )
                 print(f"{'reused' if reused else 'trained'} {base} {variant} seed {seed} ({seconds:.0f}s)", flush=True)
     if args.train_only:
         return 0
 
     recipe = RECIPES[bases[0]]
-    items = looking_items(held_out_tuples(b.per_kind, LOOKING_SEED, recipe.image_size, recipe.objects, KINDS), LETTERS_SEED)
+    items = looking_items(
+        held_out_tuples(b.per_kind, LOOKING_SEED, recipe.image_size, recipe.objects, KINDS), LETTERS_SEED
+    )
     balanced_letters(items)
     shown = [x for it in items for x in (it.pair.original, it.pair.swapped, it.blank)]
-    training = [*(x for base in bases for x in training_items(RECIPES[base])), *(x for r in runs for x in read_items(r["dir"] / "data" / "ppjd"))]
+    training = [
+        *(x for base in bases for x in training_items(RECIPES[base])),
+        *(x for r in runs for x in read_items(r["dir"] / "data" / "ppjd")),
+    ]
     assert_held_out(shown, training)
     held_out = f"{len(shown)} images of {len(items)} held-out tuples, none in {len(training)} training items"
 
@@ -429,17 +538,36 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     keep, name = np.array(mask), kind if p == "all" else f"{kind}/{p}"
                     per_judge[(base, label, step, kind, p, seed)] = {m: v[keep] for m, v in metrics.items()}
-                    rows.append({
-                        "variant": label, "base_judge": base, "seed": seed, "steps": step, "kind": kind, "part": p, "forced": f,
-                        "items": int(keep.sum()), **{m: round(float(np.nanmean(v[keep])), 4) for m, v in metrics.items()},
-                        # the rewards and the blank change are of the judge as it answers, not forced
-                        **{m: None if f else x for m, x in rewards.items()}, "blank_change": None if f else change[name]["mean"],
-                        # the paired swap test of the judge as it answers, and its paired test against the forced base judge
-                        "swap_test_p": None if f else swap_test([v for v, k in zip(verdicts, mask) if k])["p"],
-                        "vs_forced_p": None if f else ceiling[name]["p"],
-                    })  # fmt: skip
-        item_rows += [{"base_judge": base, "variant": variant, "seed": seed, "steps": step, "part": part(v) if part else "all", **v.row()}
-                      for v in verdicts]  # fmt: skip
+                    rows.append(
+                        {
+                            "variant": label,
+                            "base_judge": base,
+                            "seed": seed,
+                            "steps": step,
+                            "kind": kind,
+                            "part": p,
+                            "forced": f,
+                            "items": int(keep.sum()),
+                            **{m: round(float(np.nanmean(v[keep])), 4) for m, v in metrics.items()},
+                            # the rewards and the blank change are of the judge as it answers, not forced
+                            **{m: None if f else x for m, x in rewards.items()},
+                            "blank_change": None if f else change[name]["mean"],
+                            # the paired swap test of the judge as it answers, and its paired test against the forced base judge
+                            "swap_test_p": None if f else swap_test([v for v, k in zip(verdicts, mask) if k])["p"],
+                            "vs_forced_p": None if f else ceiling[name]["p"],
+                        }
+                    )
+        item_rows += [
+            {
+                "base_judge": base,
+                "variant": variant,
+                "seed": seed,
+                "steps": step,
+                "part": part(v) if part else "all",
+                **v.row(),
+            }
+            for v in verdicts
+        ]
         print(f"judged {base} {variant} seed {seed} step {step}", flush=True)
     eval_seconds = time.perf_counter() - t0
 
@@ -449,10 +577,16 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "summary": summarise(rows, per_judge, b),
         "runs": [{k: v for k, v in r.items() if k != "dir"} for r in runs],
-        "setup": {"budget": dataclasses.asdict(b), "bases": bases, "variants": variants, "base_weights": judge_ids,
-                  "held_out": held_out, "code": code_hash(),
-                  "seconds": {"wall": round(time.perf_counter() - started, 1), "eval": round(eval_seconds, 1)}},
-    }  # fmt: skip
+        "setup": {
+            "budget": dataclasses.asdict(b),
+            "bases": bases,
+            "variants": variants,
+            "base_weights": judge_ids,
+            "held_out": held_out,
+            "code": code_hash(),
+            "seconds": {"wall": round(time.perf_counter() - started, 1), "eval": round(eval_seconds, 1)},
+        },
+    }
     pq.write_table(pa.Table.from_pylist(item_rows), out / f"{args.name}_items.parquet")
     write_report(results, item_rows, out, args.name)
     print(f"wrote {out / args.name}.json, .md, .png, _items.parquet in {time.perf_counter() - started:.0f}s")
@@ -477,16 +611,27 @@ def by_value(item_rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         v = LookingVerdict(**{f.name: r[f.name] for f in dataclasses.fields(LookingVerdict)})
         cells.setdefault((r["base_judge"], r["variant"], r["steps"], v.kind, v.truth), []).append(follows_image(v))
         if v.forced:
-            cells.setdefault((r["base_judge"], "forced", r["steps"], v.kind, v.truth), []).append(follows_image(v, forced=True))
+            cells.setdefault((r["base_judge"], "forced", r["steps"], v.kind, v.truth), []).append(
+                follows_image(v, forced=True)
+            )
     return [
-        {"base_judge": b, "variant": var, "steps": s, "kind": k, "value": value, "items": len(hits),
-         "correct_first": round(float(np.mean([a for a, _ in hits])), 4),
-         "image_following": round(float(np.mean([a and c for a, c in hits])), 4)}
+        {
+            "base_judge": b,
+            "variant": var,
+            "steps": s,
+            "kind": k,
+            "value": value,
+            "items": len(hits),
+            "correct_first": round(float(np.mean([a for a, _ in hits])), 4),
+            "image_following": round(float(np.mean([a and c for a, c in hits])), 4),
+        }
         for (b, var, s, k, value), hits in sorted(cells.items(), key=str)
-    ]  # fmt: skip
+    ]
 
 
-def summarise(rows: list[dict[str, Any]], per_judge: dict[tuple, dict[str, np.ndarray]], b: Budget) -> list[dict[str, Any]]:
+def summarise(
+    rows: list[dict[str, Any]], per_judge: dict[tuple, dict[str, np.ndarray]], b: Budget
+) -> list[dict[str, Any]]:
     """Per (base, variant, steps, kind): each metric's seed-mean with its t-interval and the
     hierarchical bootstrap, and the rewards' seed means."""
     out = []
@@ -496,8 +641,15 @@ def summarise(rows: list[dict[str, Any]], per_judge: dict[tuple, dict[str, np.nd
 
     for base, variant, step, kind, part in sorted({key(r) for r in rows}, key=str):
         mine = [r for r in rows if key(r) == (base, variant, step, kind, part)]
-        cell: dict[str, Any] = {"base_judge": base, "variant": variant, "steps": step, "kind": kind, "part": part,
-                                "seeds": len(mine), "items": mine[0]["items"]}  # fmt: skip
+        cell: dict[str, Any] = {
+            "base_judge": base,
+            "variant": variant,
+            "steps": step,
+            "kind": kind,
+            "part": part,
+            "seeds": len(mine),
+            "items": mine[0]["items"],
+        }
         for m in (*METRICS, *(SCORE_METRICS if variant != "forced" else ())):
             values = np.stack([per_judge[(base, variant, step, kind, part, r["seed"])][m] for r in mine])
             cell[m] = {**t_interval([r[m] for r in mine]), "bootstrap": hierarchical_bootstrap(values, b.bootstrap)}
@@ -526,20 +678,28 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"Held-out image-following (%, mean over seeds [95% t-interval]; bootstrap in the JSON) on independent tuples, "
         f"letters balanced, greedy. Null: {100 * null:.0f}% (drop the self-contradicting answer, guess per image); "
-        "a text-only judge scores 0. `forced`: the base judge with its \"by the image\" disposition forced. "
-        "Score protocol (the correct and the perception-error answer scored alone, same images): its \"by the image\" "
+        'a text-only judge scores 0. `forced`: the base judge with its "by the image" disposition forced. '
+        'Score protocol (the correct and the perception-error answer scored alone, same images): its "by the image" '
         "rate, and the error score(wrong) >= score(correct), both the mean of the two kinds. "
         "Rewards: greedy and sampled (temperature 1) on the held-out tuples, training reward of the 5 steps before.",
         "",
         "| base judge | variant | steps | seeds | image-following, colour | image-following, size | correct first, colour | "
-        "correct first, size | blank correct first (colour, size) | \"by the image\", batch / score | score error | "
+        'correct first, size | blank correct first (colour, size) | "by the image", batch / score | score error | '
         "reward greedy / sampled / training |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    by = {(c["base_judge"], c["variant"], c["steps"], c["kind"]): c for c in results["summary"] if c.get("part", "all") == "all"}
-    for base, variant, step in sorted({k[:3] for k in by}, key=lambda k: (k[0], k[1] not in ("base", "forced"), k[1], k[2])):
+    by = {
+        (c["base_judge"], c["variant"], c["steps"], c["kind"]): c
+        for c in results["summary"]
+        if c.get("part", "all") == "all"
+    }
+    for base, variant, step in sorted(
+        {k[:3] for k in by}, key=lambda k: (k[0], k[1] not in ("base", "forced"), k[1], k[2])
+    ):
         c, s = by[(base, variant, step, "color")], by[(base, variant, step, "size")]
-        rewards = " / ".join("-" if c[m] is None else f"{c[m]:.3f}" for m in ("reward_greedy", "reward_sampled", "train_reward"))
+        rewards = " / ".join(
+            "-" if c[m] is None else f"{c[m]:.3f}" for m in ("reward_greedy", "reward_sampled", "train_reward")
+        )
 
         def pooled(m: str) -> str:
             return "-" if m not in c else f"{100 * (c[m]['mean'] + s[m]['mean']) / 2:.0f}"
@@ -550,38 +710,75 @@ def markdown(results: dict[str, Any]) -> str:
             f"{_pct(s['blind_correct_first'])} | {pooled('disposition_image')} / {pooled('disposition_score')} | "
             f"{pooled('score_error')} | {rewards} |"
         )
-    last = {(c["base_judge"], c["variant"]): max(x["steps"] for x in results["summary"] if (x["base_judge"], x["variant"]) == (c["base_judge"], c["variant"]))
-            for c in results["summary"]}  # fmt: skip
-    lines += ["", "Per value the original image shows, each judge at its last step (all seeds' verdicts pooled): "
-              "image-following % (correct first %), items.", "",
-              "| base judge | variant | kind | value | image-following (correct first) | items |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+    last = {
+        (c["base_judge"], c["variant"]): max(
+            x["steps"] for x in results["summary"] if (x["base_judge"], x["variant"]) == (c["base_judge"], c["variant"])
+        )
+        for c in results["summary"]
+    }
+    lines += [
+        "",
+        "Per value the original image shows, each judge at its last step (all seeds' verdicts pooled): "
+        "image-following % (correct first %), items.",
+        "",
+        "| base judge | variant | kind | value | image-following (correct first) | items |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in results.get("by_value", []):
         if row["steps"] == last[(row["base_judge"], row["variant"])]:
-            lines.append(f"| {row['base_judge']} | {row['variant']} | {row['kind']} | {row['value']} | "
-                         f"{100 * row['image_following']:.0f} ({100 * row['correct_first']:.0f}) | {row['items']} |")  # fmt: skip
+            lines.append(
+                f"| {row['base_judge']} | {row['variant']} | {row['kind']} | {row['value']} | "
+                f"{100 * row['image_following']:.0f} ({100 * row['correct_first']:.0f}) | {row['items']} |"
+            )
     parts = [c for c in results["summary"] if c.get("part", "all") != "all"]
     if parts:
-        lines += ["", "The taught and untaught values (the base judge recipe's `untaught`: an item is untaught when either "
-                  "of its images shows one): image-following % [95% t-interval over seeds], and trained minus the base "
-                  "judge on the same items, points.", "",
-                  "| base judge | variant | steps | kind / part | items | seeds | image-following | minus the base judge |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for c in sorted(parts, key=lambda c: (c["base_judge"], c["variant"] not in ("base", "forced"), c["variant"], c["steps"], c["kind"], c["part"])):
+        lines += [
+            "",
+            "The taught and untaught values (the base judge recipe's `untaught`: an item is untaught when either "
+            "of its images shows one): image-following % [95% t-interval over seeds], and trained minus the base "
+            "judge on the same items, points.",
+            "",
+            "| base judge | variant | steps | kind / part | items | seeds | image-following | minus the base judge |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for c in sorted(
+            parts,
+            key=lambda c: (
+                c["base_judge"],
+                c["variant"] not in ("base", "forced"),
+                c["variant"],
+                c["steps"],
+                c["kind"],
+                c["part"],
+            ),
+        ):
             gain = c.get("gain")
-            shown = "-" if gain is None else (f"{100 * gain['mean']:+.0f}" if gain["lo"] is None else
-                                              f"{100 * gain['mean']:+.0f} [{100 * gain['lo']:+.0f}, {100 * gain['hi']:+.0f}]")  # fmt: skip
-            lines.append(f"| {c['base_judge']} | {c['variant']} | {c['steps']} | {c['kind']} / {c['part']} | {c['items']} | "
-                         f"{c['seeds']} | {_pct(c['image_following'])} | {shown} |")  # fmt: skip
+            shown = (
+                "-"
+                if gain is None
+                else (
+                    f"{100 * gain['mean']:+.0f}"
+                    if gain["lo"] is None
+                    else f"{100 * gain['mean']:+.0f} [{100 * gain['lo']:+.0f}, {100 * gain['hi']:+.0f}]"
+                )
+            )
+            lines.append(
+                f"| {c['base_judge']} | {c['variant']} | {c['steps']} | {c['kind']} / {c['part']} | {c['items']} | "
+                f"{c['seeds']} | {_pct(c['image_following'])} | {shown} |"
+            )
     curves: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in results["runs"]:
         if "reward_rise" in r:
             curves.setdefault((r["base"], r["variant"]), []).append(r)
     if curves:
-        lines += ["", "The sampled training reward a user watches: mean of the last 5 steps minus the first 5 (its ranking "
-                  "part, without the image-contrast bonus, in brackets), and the groups with all-equal rewards.", "",
-                  "| base judge | variant | seeds | reward first -> last | rise [95% t-interval] | ranking rise | all-equal groups |",
-                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "",
+            "The sampled training reward a user watches: mean of the last 5 steps minus the first 5 (its ranking "
+            "part, without the image-contrast bonus, in brackets), and the groups with all-equal rewards.",
+            "",
+            "| base judge | variant | seeds | reward first -> last | rise [95% t-interval] | ranking rise | all-equal groups |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for (base, variant), rs in sorted(curves.items()):
             rise = t_interval([r["reward_rise"] for r in rs])
             lines.append(
@@ -591,8 +788,12 @@ def markdown(results: dict[str, Any]) -> str:
                 + f" | {np.mean([r['ranking_rise'] for r in rs]):+.3f} | {100 * np.mean([r['frac_zero_std'] for r in rs]):.0f}% |"
             )
     setup = results["setup"]
-    lines += ["", f"Runs: {len(results['runs'])}; {setup['held_out']}; wall {setup['seconds']['wall']:.0f} s "
-              f"(evaluation {setup['seconds']['eval']:.0f} s); code {setup['code'][:12]}.", ""]  # fmt: skip
+    lines += [
+        "",
+        f"Runs: {len(results['runs'])}; {setup['held_out']}; wall {setup['seconds']['wall']:.0f} s "
+        f"(evaluation {setup['seconds']['eval']:.0f} s); code {setup['code'][:12]}.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -608,7 +809,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     for i, base in enumerate(bases):
         for j, kind in enumerate(KINDS):
             ax = axes[i][j]
-            cells = [c for c in summary if c["base_judge"] == base and c["kind"] == kind and c.get("part", "all") == "all"]
+            cells = [
+                c for c in summary if c["base_judge"] == base and c["kind"] == kind and c.get("part", "all") == "all"
+            ]
             base_cell = next(c for c in cells if c["variant"] == "base")
             forced = next(c for c in cells if c["variant"] == "forced")
             for variant in sorted({c["variant"] for c in cells} - {"base", "forced"}):
@@ -618,10 +821,28 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 ax.plot(x, y, marker="o", label=variant)
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    lo = [y[0]] + [100 * (c["image_following"]["lo"] if c["image_following"]["lo"] is not None else c["image_following"]["mean"]) for c in curve]
-                    hi = [y[0]] + [100 * (c["image_following"]["hi"] if c["image_following"]["hi"] is not None else c["image_following"]["mean"]) for c in curve]
+                    lo = [y[0]] + [
+                        100
+                        * (
+                            c["image_following"]["lo"]
+                            if c["image_following"]["lo"] is not None
+                            else c["image_following"]["mean"]
+                        )
+                        for c in curve
+                    ]
+                    hi = [y[0]] + [
+                        100
+                        * (
+                            c["image_following"]["hi"]
+                            if c["image_following"]["hi"] is not None
+                            else c["image_following"]["mean"]
+                        )
+                        for c in curve
+                    ]
                 ax.fill_between(x, lo, hi, alpha=0.15)
-            ax.axhline(100 * results["nulls"]["drop_contradicting"], ls="--", color="grey", lw=1, label="null (1/(K-1)^2)")
+            ax.axhline(
+                100 * results["nulls"]["drop_contradicting"], ls="--", color="grey", lw=1, label="null (1/(K-1)^2)"
+            )
             ax.axhline(100 * forced["image_following"]["mean"], ls=":", color="black", lw=1, label="base judge, forced")
             ax.set_title(f"{base}: {kind}", fontsize=9)
             ax.set_xlabel("GRPO steps")

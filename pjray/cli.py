@@ -36,8 +36,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="keep Ray's and the actors' notices and warnings")
     # Also accepted after the subcommand; SUPPRESS keeps a subcommand from resetting them.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="print the traceback of an error")
-    common.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS, help="keep Ray's notices and warnings")
+    common.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="print the traceback of an error"
+    )
+    common.add_argument(
+        "--verbose", action="store_true", default=argparse.SUPPRESS, help="keep Ray's notices and warnings"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{train,sft,ppjd,eval,sweep}")
 
     def add(name: str, help: str) -> argparse.ArgumentParser:
@@ -48,35 +52,62 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.group_size=8")
     sft = add("sft", "supervised fine-tuning of a judge (no model.path: build the base judge)")
     sft.add_argument("--config", help="YAML file merged onto the defaults")
-    sft.add_argument("--ship", action="store_true",
-                     help="with no model.path: copy the built base judge over the one pjray ships (pjray/assets/base_judge)")
+    sft.add_argument(
+        "--ship",
+        action="store_true",
+        help="with no model.path: copy the built base judge over the one pjray ships (pjray/assets/base_judge)",
+    )
     sft.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.steps=200 model.path=DIR")
     ppjd = add("ppjd", "build the PPJD dataset with Ray Data")
     ppjd.add_argument("--config", help="YAML file merged onto the defaults, e.g. configs/ppjd_scenes.yaml")
-    ppjd.add_argument("--push-to-hub", metavar="OWNER/NAME", help="publish the dataset and its card to this hub dataset (ppjd.push_to_hub)")
+    ppjd.add_argument(
+        "--push-to-hub",
+        metavar="OWNER/NAME",
+        help="publish the dataset and its card to this hub dataset (ppjd.push_to_hub)",
+    )
     ppjd.add_argument("overrides", nargs="*", help="dotted overrides, e.g. ppjd.num_items=64")
     evaluate = add("eval", "evaluate a judge on a benchmark and write a report")
     evaluate.add_argument("--config", help="YAML file merged onto the defaults, e.g. configs/eval_scenes.yaml")
     evaluate.add_argument("--judge", help="HF directory or hub id of the judge (eval.judge)")
-    evaluate.add_argument("--bench", help="score | pair | batch | perceptual_bias | mm_judgebias | looking | vl_rewardbench | mm_rewardbench (eval.bench)")
-    evaluate.add_argument("--data", help="benchmark or PPJD file, or a dataset (hub id or folder); empty: synthetic scenes (eval.data)")
+    evaluate.add_argument(
+        "--bench",
+        help="score | pair | batch | perceptual_bias | mm_judgebias | looking | vl_rewardbench | mm_rewardbench (eval.bench)",
+    )
+    evaluate.add_argument(
+        "--data", help="benchmark or PPJD file, or a dataset (hub id or folder); empty: synthetic scenes (eval.data)"
+    )
     evaluate.add_argument("--image-dir", help="folder the data file's image paths are relative to")
     evaluate.add_argument("--output-dir", help="where the report and the output cache go")
     evaluate.add_argument("overrides", nargs="*", help="dotted overrides, e.g. eval.tie_rule=downstream")
     sweep = add("sweep", "a grid of trainings, one W&B group, a results table and plots")
     sweep.add_argument("--config", help="YAML file merged onto the defaults for every trial")
-    sweep.add_argument("--grid", nargs="+", required=True, metavar="KEY=V1,V2",
-                       help="axes, e.g. algo.group_size=2,4,8 data.num_candidates=3,4 (one value: fixed)")
+    sweep.add_argument(
+        "--grid",
+        nargs="+",
+        required=True,
+        metavar="KEY=V1,V2",
+        help="axes, e.g. algo.group_size=2,4,8 data.num_candidates=3,4 (one value: fixed)",
+    )
     sweep.add_argument("--name", default="", help="sweep and W&B group name (default: sweep-<config>-<time>)")
     sweep.add_argument("--sweep-dir", help="where trial run dirs and results go (default: runs/sweeps/<name>)")
-    sweep.add_argument("--max-concurrent", type=int, default=0, metavar="N",
-                       help="at most N trials at once (default 0: as many as the cluster holds)")
+    sweep.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=0,
+        metavar="N",
+        help="at most N trials at once (default 0: as many as the cluster holds)",
+    )
     sweep.add_argument("overrides", nargs="*", help="dotted overrides for every trial (before --grid)")
     args = parser.parse_args(argv)
     if args.command == "eval":
         # Explicit flags are applied after the dotted overrides, so they win.
-        flags = {"judge": args.judge, "bench": args.bench, "data": args.data,
-                 "image_dir": args.image_dir, "output_dir": args.output_dir}  # fmt: skip
+        flags = {
+            "judge": args.judge,
+            "bench": args.bench,
+            "data": args.data,
+            "image_dir": args.image_dir,
+            "output_dir": args.output_dir,
+        }
         args.overrides = list(args.overrides) + [f"eval.{k}={v}" for k, v in flags.items() if v is not None]
     if args.command == "ppjd" and args.push_to_hub is not None:
         args.overrides = [*args.overrides, f"ppjd.push_to_hub={args.push_to_hub}"]
@@ -136,9 +167,13 @@ def run_command(args: argparse.Namespace) -> int:
             from pjray.recipes.base_judge import RECIPES, SHIPPED, SHIPPED_INIT, build_base_judge, ship
 
             if cfg.model.init not in RECIPES:
-                raise ConfigError(f"model.init={cfg.model.init}: pjray sft with no model.path builds one of {sorted(RECIPES)}")
+                raise ConfigError(
+                    f"model.init={cfg.model.init}: pjray sft with no model.path builds one of {sorted(RECIPES)}"
+                )
             if args.ship and cfg.model.init != SHIPPED_INIT:
-                raise ConfigError(f"--ship copies the shipped recipe's build (model.init={SHIPPED_INIT}), not {cfg.model.init}")
+                raise ConfigError(
+                    f"--ship copies the shipped recipe's build (model.init={SHIPPED_INIT}), not {cfg.model.init}"
+                )
             export = build_base_judge(cfg, RECIPES[cfg.model.init])  # into the cache, whatever is shipped
             if args.ship:
                 record = ship(export.parent)

@@ -44,8 +44,9 @@ def actor_env() -> dict[str, str]:
     runtime env) wins."""
     defaults = {
         "TOKENIZERS_PARALLELISM": "false",
-        # Weight buckets travel as out-of-band buffers, mapped read-only on get: 3.5x faster
-        # sync of a 114M model than pickling (benchmarks/bench_sync.py). Receivers only copy.
+        # Weight buckets travel as out-of-band buffers, mapped read-only on get, not pickled: a
+        # faster sync (benchmarks/bench_sync.py; benchmarks/results/design_notes.md). Receivers
+        # only copy.
         "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
         # vLLM turns NCCL's cuMem allocator off in its workers at import; a learner that kept it
         # on would join the weight-sync group with a different setting (hangs or errors in the

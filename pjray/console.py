@@ -20,10 +20,12 @@ NO_PROGRESS_BARS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"
 # Warnings the actors print on every run, about choices pjray made on purpose: weight buckets
 # are sent zero-copy and only ever copied by receivers (pjray.sync). PYTHONWARNINGS syntax:
 # action:message-prefix, comma separated.
-ACTOR_WARNING_FILTERS = ",".join([
-    "ignore:Zero-copy tensor serialization is enabled",
-    "ignore:The given NumPy array is not writable",
-])  # fmt: skip
+ACTOR_WARNING_FILTERS = ",".join(
+    [
+        "ignore:Zero-copy tensor serialization is enabled",
+        "ignore:The given NumPy array is not writable",
+    ]
+)
 
 
 def quiet_actor_warnings() -> None:
@@ -202,8 +204,12 @@ def held_out_lines(check: dict[str, Any]) -> list[str]:
             f"      blank image: correct first {bl['blank_correct_first']:.0%} -> {tl['blank_correct_first']:.0%}"
             f" (forced base judge {forced.get('blank_correct_first', 0):.0%})"
             # a base judge of one disposition writes no "Verdict: by ..." sentence to count
-            + (f"; \"by the image\" {bl['disposition_image']:.0%} -> {tl['disposition_image']:.0%}" if check.get("disposition", True) else ""),
-        ]  # fmt: skip
+            + (
+                f'; "by the image" {bl["disposition_image"]:.0%} -> {tl["disposition_image"]:.0%}'
+                if check.get("disposition", True)
+                else ""
+            ),
+        ]
     for part in parts:  # the base judge's taught and untaught values (its recipe's `untaught`)
         bl, tl = base["looks"][part], trained["looks"][part]
         (lo, hi), ceiling = tl["image_following_ci"], check["ceiling_test"][part]
@@ -246,11 +252,15 @@ def run_summary(run_dir: Path, wall_s: float) -> list[str]:
         ]
         lines.append(f"  {', '.join(learned)} (mean of {span}, {len(rows)} steps logged)")
         if rows[-1].get("data/rejected"):
-            lines.append(f"  training rows skipped: {int(rows[-1]['data/rejected'])} (each with its reason in {run_dir / DATA_REJECTS})")
+            lines.append(
+                f"  training rows skipped: {int(rows[-1]['data/rejected'])} (each with its reason in {run_dir / DATA_REJECTS})"
+            )
         if (run_dir / PREFILTERED).is_file():
             dropped = len((run_dir / PREFILTERED).read_text(encoding="utf-8").splitlines())
-            lines.append(f"  items left out before step 1, every response of the base policy's group earning the same reward "
-                         f"(algo.prefilter_zero_std): {dropped} (listed in {run_dir / PREFILTERED}); the reward is over the rest")  # fmt: skip
+            lines.append(
+                f"  items left out before step 1, every response of the base policy's group earning the same reward "
+                f"(algo.prefilter_zero_std): {dropped} (listed in {run_dir / PREFILTERED}); the reward is over the rest"
+            )
         if all("response_length/clip_ratio" in r and "rollout/frac_zero_std" in r for r in rows):
             lines.append(
                 f"  responses cut at rollout.max_new_tokens: {mean(rows, 'response_length/clip_ratio'):.0%}; "
@@ -262,8 +272,10 @@ def run_summary(run_dir: Path, wall_s: float) -> list[str]:
         lines += held_out_lines(check)
     if (run_dir / BEST).is_file():
         best = json.loads((run_dir / BEST).read_text(encoding="utf-8"))
-        lines.append(f"  best validation: {best['metric']} = {best['value']:.4f} at step {best['step']} "
-                     f"({best['mode']}; judge in {best['model']})")  # fmt: skip
+        lines.append(
+            f"  best validation: {best['metric']} = {best['value']:.4f} at step {best['step']} "
+            f"({best['mode']}; judge in {best['model']})"
+        )
     if (run_dir / "hf_model" / "config.json").is_file():
         lines.append(f"  HF export: {run_dir / 'hf_model'}")
     run_id = run_dir / "wandb_run_id"

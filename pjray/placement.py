@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 import socket
 from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
@@ -116,6 +117,7 @@ def placement_plan(roles: dict[str, RoleResources], first: int = 0) -> tuple[lis
 def same_bundles(given: Sequence[dict[str, float]], needed: Sequence[dict[str, float]]) -> bool:
     """Whether the bundles of a placement group hold what `needed` asks, resource by resource
     (a resource of amount 0 counts as absent)."""
+
     def nonzero(bundle: dict[str, float]) -> dict[str, float]:
         return {k: float(v) for k, v in bundle.items() if v}
 

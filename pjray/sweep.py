@@ -9,22 +9,16 @@ loaded and validated (and its input paths checked) before the first one runs, so
 an impossible combination fails at once, naming the trial and the key. Each trial is an ordinary
 `pjray train` with `trainer.run_dir=<sweep_dir>/<trial>` and `tracking.group=<sweep name>`.
 
-Trials are scheduled by Ray Tune (a `Tuner` over a `grid_search` of the axes) on the cluster the
-command runs in (`ray job submit`, `ray.address`) or a local one. A trial reserves exactly what
-its training needs: a `PlacementGroupFactory` of one small bundle for the trial's driver and then
-the bundles of its learner ranks, rollout workers and reward workers (`pjray.placement`), and
-the training places its actors in that group instead of creating one. So Tune's accounting is the
-truth, and as many trials run at once as the cluster holds (`--max-concurrent N` caps it).
-
-One failed trial is reported with its error and does not stop the others; the command then exits
-non-zero. Ctrl-C stops the trials (Tune saves the experiment); the same command again restores
-the experiment from `<sweep_dir>/tune`: finished trials are kept, unfinished and failed ones run
-again, a training resuming from its last checkpoint (trainer.resume=auto). A trial that finished
-writes `sweep_trial.json` into its run dir. Every step's metrics are reported to Tune (for its
-result table, schedulers and search algorithms), and the held-out check's numbers at the end.
-Then every run's `metrics.jsonl` is read back and summarised in `results.json`, `results.md` and
-PNG plots in the sweep directory. On a cluster of several nodes the sweep dir must be on a
-filesystem every node sees (the trials write their run dirs there).
+Trials are scheduled by Ray Tune on the cluster the command runs in (`ray job submit`,
+`ray.address`) or a local one. A trial reserves exactly what its training needs
+(`trial_resources`) and its training places its actors in that group instead of creating one, so
+Tune's accounting is the truth and as many trials run at once as the cluster holds
+(`--max-concurrent N` caps it). One failed trial is reported with its error and does not stop the
+others; the command then exits non-zero. Ctrl-C stops the trials; the same command again
+restores the experiment from `<sweep_dir>/tune` (`run_sweep`). At the end every run's
+`metrics.jsonl` is summarised in `results.json`, `results.md` and PNG plots in the sweep
+directory. On a cluster of several nodes the sweep dir must be on a filesystem every node sees
+(the trials write their run dirs there).
 """
 
 from __future__ import annotations
@@ -37,11 +31,12 @@ import os
 import signal
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pjray.cluster import connect
 from pjray.config import Config, ConfigError, load
@@ -215,7 +210,8 @@ def param_space(plan: SweepPlan) -> dict[str, Any]:
 
 def trial_resources(cfg: Config) -> Any:
     """What one trial reserves (a `PlacementGroupFactory`): bundle 0 for the trial's driver (Tune
-    starts the trial in it), then exactly the bundles its training places its actors in."""
+    starts the trial in it), then exactly the bundles its training places its actors in: its
+    learner ranks, rollout workers and reward workers (`pjray.placement`)."""
     from ray import tune
 
     from pjray.placement import placement_plan
@@ -243,15 +239,24 @@ def run_trial(params: dict[str, Any], plan: SweepPlan) -> None:
     trial = plan.trial_for(params)
     group = ray.util.get_current_placement_group()
     if group is None:
-        raise RuntimeError(f"trial {trial.name}: not started in a placement group (run it through pjray.sweep.run_sweep)")
+        raise RuntimeError(
+            f"trial {trial.name}: not started in a placement group (run it through pjray.sweep.run_sweep)"
+        )
     start = time.perf_counter()
 
     def report(step: int, metrics: dict[str, float]) -> None:
         tune.report({**metrics, "step": step})
 
     inputs = training_inputs(trial.config)
-    run_dir = train(trial.config, inputs, evaluate=validation_hook(trial.config), held_out=held_out_hook(trial.config),
-                    placement_group=group, first_bundle=1, on_step=report)  # fmt: skip
+    run_dir = train(
+        trial.config,
+        inputs,
+        evaluate=validation_hook(trial.config),
+        held_out=held_out_hook(trial.config),
+        placement_group=group,
+        first_bundle=1,
+        on_step=report,
+    )
     record_trial(plan, trial, time.perf_counter() - start)
     tune.report({"step": trial.config.trainer.steps, "done": 1.0, **held_out_metrics(run_dir)})
 
@@ -264,8 +269,11 @@ def held_out_metrics(run_dir: Path) -> dict[str, float]:
     if not path.is_file():
         return {}
     looks = json.loads(path.read_text())["trained"]["looks"]
-    return {f"held_out/{kind}/{key}": float(numbers[key]) for kind, numbers in looks.items()
-            for key in ("image_following", "correct_first")}  # fmt: skip
+    return {
+        f"held_out/{kind}/{key}": float(numbers[key])
+        for kind, numbers in looks.items()
+        for key in ("image_following", "correct_first")
+    }
 
 
 def run_sweep(plan: SweepPlan, max_concurrent: int = 0) -> list[TrialResult]:
@@ -273,9 +281,12 @@ def run_sweep(plan: SweepPlan, max_concurrent: int = 0) -> list[TrialResult]:
     the results; returns one result per trial. As many trials run at once as the cluster holds
     (each reserves its training's placement group), at most `max_concurrent` if > 0.
 
-    A sweep dir that holds this sweep's Tune experiment is restored: finished trials are kept,
-    unfinished and failed ones run again (a training resumes from its last checkpoint). Raises
-    `Interrupted` when the sweep was stopped (Ctrl-C) before every trial ended."""
+    Trials run as a `Tuner` over a `grid_search` of the axes. A sweep dir that holds this
+    sweep's Tune experiment (`<sweep_dir>/tune`, which Tune saves on Ctrl-C) is restored:
+    finished trials are kept, unfinished and failed ones run again (a training resumes from its
+    last checkpoint, trainer.resume=auto). A trial that finished writes `sweep_trial.json` into
+    its run dir (`record_trial`). Raises `Interrupted` when the sweep was stopped (Ctrl-C)
+    before every trial ended."""
     from ray import tune
 
     if max_concurrent < 0:
@@ -306,20 +317,27 @@ def run_sweep(plan: SweepPlan, max_concurrent: int = 0) -> list[TrialResult]:
                 trial_dirname_creator=partial(tune_trial_name, plan),
             ),
             run_config=tune.RunConfig(
-                name=TUNE_DIR, storage_path=str(plan.sweep_dir),
-                failure_config=tune.FailureConfig(max_failures=0), verbose=1,
+                name=TUNE_DIR,
+                storage_path=str(plan.sweep_dir),
+                failure_config=tune.FailureConfig(max_failures=0),
+                verbose=1,
             ),
-        )  # fmt: skip
+        )
     grid = tuner.fit()
     errors = {plan.trial_for(r.config).name: error_line(r.error) for r in grid if r.error is not None}
     results = collect_results(plan, errors)
     write_results(plan, results)
-    unfinished = [t.name for t in plan.trials if t.name not in errors and not trial_done(Path(t.config.trainer.run_dir))]
+    unfinished = [
+        t.name for t in plan.trials if t.name not in errors and not trial_done(Path(t.config.trainer.run_dir))
+    ]
     if unfinished:
-        raise Interrupted(signal.SIGINT, (
-            f"sweep {plan.name} stopped with {len(unfinished)} trial(s) unfinished ({', '.join(unfinished)}); "
-            "run the same command again to resume it"
-        ))  # fmt: skip
+        raise Interrupted(
+            signal.SIGINT,
+            (
+                f"sweep {plan.name} stopped with {len(unfinished)} trial(s) unfinished ({', '.join(unfinished)}); "
+                "run the same command again to resume it"
+            ),
+        )
     return results
 
 
@@ -335,8 +353,12 @@ def error_line(err: BaseException) -> str:
 
 
 def sweep_record(plan: SweepPlan) -> dict[str, Any]:
-    return {"name": plan.name, "config": plan.config_path, "axes": [asdict(a) for a in plan.axes],
-            "trials": [{"name": t.name, "params": t.params, "overrides": t.overrides} for t in plan.trials]}  # fmt: skip
+    return {
+        "name": plan.name,
+        "config": plan.config_path,
+        "axes": [asdict(a) for a in plan.axes],
+        "trials": [{"name": t.name, "params": t.params, "overrides": t.overrides} for t in plan.trials],
+    }
 
 
 def check_same_sweep(plan: SweepPlan) -> None:
@@ -405,11 +427,16 @@ def collect_results(plan: SweepPlan, errors: dict[str, str] | None = None) -> li
     for trial in plan.trials:
         path = Path(trial.config.trainer.run_dir) / "metrics.jsonl"
         if trial.name in errors or not path.is_file():
-            results.append(TrialResult(
-                trial.name, "failed" if trial.name in errors else "missing", trial.params,
-                trial.config.algo.group_size, trial.config.data.num_candidates,
-                error=errors.get(trial.name, f"no {path}"),
-            ))
+            results.append(
+                TrialResult(
+                    trial.name,
+                    "failed" if trial.name in errors else "missing",
+                    trial.params,
+                    trial.config.algo.group_size,
+                    trial.config.data.num_candidates,
+                    error=errors.get(trial.name, f"no {path}"),
+                )
+            )
             continue
         results.append(summarise(trial.name, trial.params, trial.config, read_metrics(path)))
     return results
@@ -456,11 +483,17 @@ def write_results(plan: SweepPlan, results: list[TrialResult]) -> dict[str, Path
     """results.json, results.md and the PNG plots in the sweep directory; returns their paths."""
     plan.sweep_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": plan.sweep_dir / "results.json", "markdown": plan.sweep_dir / "results.md"}
-    paths["json"].write_text(json.dumps(
-        {"name": plan.name, "config": plan.config_path, "axes": [asdict(a) for a in plan.axes],
-         "results": [asdict(r) for r in results]},
-        indent=2,
-    ))
+    paths["json"].write_text(
+        json.dumps(
+            {
+                "name": plan.name,
+                "config": plan.config_path,
+                "axes": [asdict(a) for a in plan.axes],
+                "results": [asdict(r) for r in results],
+            },
+            indent=2,
+        )
+    )
     paths["markdown"].write_text(results_markdown(plan, results))
     paths.update(write_plots(plan, results))
     return paths
@@ -480,7 +513,9 @@ def write_plots(plan: SweepPlan, results: list[TrialResult]) -> dict[str, Path]:
     other = [a.key for a in plan.axes if len(a.values) > 1 and a.key != "algo.group_size"]
 
     def line_label(r: TrialResult) -> str:
-        parts = [f"K={r.num_candidates}"] + [f"{k.rsplit('.', 1)[-1]}={r.params[k]}" for k in other if k != "data.num_candidates"]
+        parts = [f"K={r.num_candidates}"] + [
+            f"{k.rsplit('.', 1)[-1]}={r.params[k]}" for k in other if k != "data.num_candidates"
+        ]
         return ", ".join(parts)
 
     lines: dict[str, list[TrialResult]] = {}
@@ -532,6 +567,9 @@ def main(args: Any) -> int:
     if failed:
         for r in failed:
             print(f"pjray: sweep {plan.name}: trial {r.trial} {r.status}: {r.error}", file=sys.stderr)
-        print(f"pjray: sweep {plan.name}: {len(failed)} trial(s) did not finish: {', '.join(r.trial for r in failed)}", file=sys.stderr)
+        print(
+            f"pjray: sweep {plan.name}: {len(failed)} trial(s) did not finish: {', '.join(r.trial for r in failed)}",
+            file=sys.stderr,
+        )
         return 1
     return 0

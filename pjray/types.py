@@ -7,8 +7,9 @@ Tensor shapes are given in the field comments (B = sequences in a batch, T = pad
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:  # annotations only: a process that never touches a tensor (a reward worker) never imports torch
     import torch

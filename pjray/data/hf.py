@@ -68,8 +68,10 @@ class OpenDataset:
 
 def is_saved_dataset(path: Path) -> bool:
     """A folder written by `Dataset.save_to_disk` or `DatasetDict.save_to_disk`."""
-    return any((path / name).is_file() for name in (datasets.config.DATASET_STATE_JSON_FILENAME,
-                                                     datasets.config.DATASETDICT_JSON_FILENAME))
+    return any(
+        (path / name).is_file()
+        for name in (datasets.config.DATASET_STATE_JSON_FILENAME, datasets.config.DATASETDICT_JSON_FILENAME)
+    )
 
 
 def _hub_call(ref: DatasetRef, call: Callable[[], T]) -> T:
@@ -77,8 +79,9 @@ def _hub_call(ref: DatasetRef, call: Callable[[], T]) -> T:
     try:
         return call()
     except DatasetNotFoundError as err:  # missing, private or gated: its message says which
-        raise PathError(f"{ref.path_key}: {ref.path}: no such folder, and the hub does not give it "
-                        f"({first_line(str(err))})") from None
+        raise PathError(
+            f"{ref.path_key}: {ref.path}: no such folder, and the hub does not give it ({first_line(str(err))})"
+        ) from None
     except (EmptyDatasetError, DataFilesNotFoundError) as err:
         raise PathError(f"{ref.path_key}: {ref.path}: no data files ({first_line(str(err))})") from None
     except ConnectionError as err:
@@ -115,9 +118,15 @@ def _open_loadable(ref: DatasetRef, streaming: bool) -> tuple[datasets.IterableD
     if subset:
         subsets = _hub_call(ref, lambda: datasets.get_dataset_config_names(ref.path, revision=revision))
         if subset not in subsets:
-            raise PathError(f"{ref.section}.subset: {subset}: no such subset of {ref.path} (subsets: {', '.join(subsets)})")
-    split = _pick_split(ref, _hub_call(ref, lambda: datasets.get_dataset_split_names(ref.path, subset, revision=revision)))
-    loaded = _hub_call(ref, lambda: datasets.load_dataset(ref.path, subset, split=split, revision=revision, streaming=streaming))
+            raise PathError(
+                f"{ref.section}.subset: {subset}: no such subset of {ref.path} (subsets: {', '.join(subsets)})"
+            )
+    split = _pick_split(
+        ref, _hub_call(ref, lambda: datasets.get_dataset_split_names(ref.path, subset, revision=revision))
+    )
+    loaded = _hub_call(
+        ref, lambda: datasets.load_dataset(ref.path, subset, split=split, revision=revision, streaming=streaming)
+    )
     return (loaded if streaming else loaded.to_iterable_dataset()), split
 
 
@@ -128,7 +137,9 @@ def open_dataset(ref: DatasetRef, streaming: bool = False) -> OpenDataset:
     check_dataset(ref.path_key, ref.path)
     local = Path(ref.path)
     if local.exists() and ref.revision:
-        raise PathError(f"{ref.section}.revision: {ref.revision}: only for a hub dataset ({ref.path} is a local folder)")
+        raise PathError(
+            f"{ref.section}.revision: {ref.revision}: only for a hub dataset ({ref.path} is a local folder)"
+        )
     rows, split = _open_saved(ref) if is_saved_dataset(local) else _open_loadable(ref, streaming)
     rows = rows.decode(False)
     label = f"{ref.path} [{ref.subset + '/' if ref.subset else ''}{split}]"
@@ -167,7 +178,9 @@ def map_columns(columns: list[str], mapping: Mapping[str, str], label: str) -> C
     return ColumnMap(fields, pairs)
 
 
-def ppjd_row(raw: dict[str, Any], columns: ColumnMap, where: str, default_id: str, default_source: str) -> dict[str, Any]:
+def ppjd_row(
+    raw: dict[str, Any], columns: ColumnMap, where: str, default_id: str, default_source: str
+) -> dict[str, Any]:
     """A dataset row in the PPJD row layout that `row_to_item` checks."""
     get = {name: raw.get(column) for name, column in columns.fields.items()}
     if columns.pairs:
@@ -236,7 +249,9 @@ def eval_source(e: EvalConfig) -> str | OpenDataset:
     if Path(e.data).is_file():
         for key in ("split", "subset", "revision"):
             if getattr(e, key):
-                raise ConfigError(f"eval.{key}: only read when eval.data is a dataset (a folder or a hub id), not a file")
+                raise ConfigError(
+                    f"eval.{key}: only read when eval.data is a dataset (a folder or a hub id), not a file"
+                )
         return e.data
     return open_dataset(DatasetRef(e.data, e.split, e.subset, e.revision, section="eval"))
 

@@ -57,8 +57,7 @@ _CRITERIA = (
 )
 
 SYSTEM_BATCH_RANKING = (
-    _PREAMBLE
-    + "Now the user asks you to judge the answers of several AI assistants to a question about "
+    _PREAMBLE + "Now the user asks you to judge the answers of several AI assistants to a question about "
     "an image. "
     + _CRITERIA
     + "After thinking, when you reach a conclusion, rank all the assistants from best to worst "
@@ -67,8 +66,7 @@ SYSTEM_BATCH_RANKING = (
 )
 
 SYSTEM_BATCH_SCORES = (
-    _PREAMBLE
-    + "Now the user asks you to judge the answers of several AI assistants to a question about "
+    _PREAMBLE + "Now the user asks you to judge the answers of several AI assistants to a question about "
     "an image. Score each assistant 1-10 (higher = better). "
     + _CRITERIA
     + "DO NOT assign the same score to multiple assistants. After thinking, when you reach a "
@@ -78,8 +76,7 @@ SYSTEM_BATCH_SCORES = (
 )
 
 SYSTEM_PAIR_SCORES = (
-    _PREAMBLE
-    + "Now the user asks you to judge the answers of two AI assistants to a question about an "
+    _PREAMBLE + "Now the user asks you to judge the answers of two AI assistants to a question about an "
     "image. Score each assistant 1-10 (higher = better). "
     + _CRITERIA
     + "After thinking, when you reach a conclusion, give the two scores, Assistant A's first, "
@@ -87,17 +84,13 @@ SYSTEM_PAIR_SCORES = (
 )
 
 SYSTEM_PAIR_RANKING = (
-    _PREAMBLE
-    + "Now the user asks you to judge the answers of two AI assistants to a question about an "
-    "image. "
-    + _CRITERIA
-    + "After thinking, when you reach a conclusion, give the letter of the better answer, or C "
+    _PREAMBLE + "Now the user asks you to judge the answers of two AI assistants to a question about an "
+    "image. " + _CRITERIA + "After thinking, when you reach a conclusion, give the letter of the better answer, or C "
     "if both are equally good, within <answer> </answer> tags, for example <answer>A</answer>"
 )
 
 SYSTEM_SCORE = (
-    _PREAMBLE
-    + "Now the user asks you to judge the answer of an AI assistant to a question about an "
+    _PREAMBLE + "Now the user asks you to judge the answer of an AI assistant to a question about an "
     "image. Score the assistant 1-10 (higher = better). "
     + _CRITERIA
     + "After thinking, when you reach a conclusion, give the score within <answer> </answer> "
@@ -258,6 +251,13 @@ def render_probe(question: str, image: bytes | None, *, item_id: str = "") -> Ju
     """A plain VQA prompt: the question about the image, no answers to judge (the bias
     diagnosis' probes, the base judge's perception targets)."""
     return JudgePrompt(
-        item_id=item_id, system=SYSTEM_PROBE, user=question, image=image, protocol="vqa",
-        style="answer", num_candidates=0, shown=(), target="",
-    )  # fmt: skip
+        item_id=item_id,
+        system=SYSTEM_PROBE,
+        user=question,
+        image=image,
+        protocol="vqa",
+        style="answer",
+        num_candidates=0,
+        shown=(),
+        target="",
+    )

@@ -18,10 +18,13 @@ from __future__ import annotations
 import io
 import math
 import random
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from PIL import Image, ImageDraw
+
+# The question kinds and content splits, defined with the config that checks values against them.
+from pjray.config.data import KINDS, SPLITS
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 SIZES: tuple[str, ...] = ("small", "medium", "large")
@@ -36,7 +39,6 @@ PALETTE: dict[str, tuple[int, int, int]] = {
 }
 COLORS: tuple[str, ...] = tuple(PALETTE)
 BACKGROUND: tuple[int, int, int] = (255, 255, 255)
-KINDS: tuple[str, ...] = ("color", "count", "spatial", "size", "existence")
 ROWS: tuple[str, ...] = ("top", "center", "bottom")
 COLS: tuple[str, ...] = ("left", "center", "right")
 # How wide each size looks, as a fraction of the image width (radii are chosen to match). Three
@@ -248,9 +250,7 @@ def matches(spec: QuestionSpec, s: Seen) -> bool:
 
 
 def _listing(spec: QuestionSpec, view: tuple[Seen, ...]) -> list[str]:
-    return [
-        f"At the {s.location} there is a {s.size} {s.color} {s.shape}." for s in (view[i] for i in spec.subjects)
-    ]
+    return [f"At the {s.location} there is a {s.size} {s.color} {s.shape}." for s in (view[i] for i in spec.subjects)]
 
 
 def mentioned_attributes(kind: str) -> tuple[str, ...]:
@@ -447,7 +447,6 @@ def _spec(scene: Scene, kind: str, rng: random.Random) -> QuestionSpec:
 # of the held-out combinations below never appears in training data (the base judge's, or a
 # GRPO run's by default); evaluation scenes hold at least one. One shape per cell, each shape
 # in three cells (a Latin square): training still sees every shape, colour, size and cell.
-SPLITS: tuple[str, ...] = ("train", "held_out", "all")
 
 
 def held_out_object(o: SceneObject) -> bool:
@@ -456,7 +455,7 @@ def held_out_object(o: SceneObject) -> bool:
 
 
 def scene_split(scene: Scene) -> str:
-    """"held_out" if any object is a held-out combination, else "train"."""
+    """ "held_out" if any object is a held-out combination, else "train"."""
     return "held_out" if any(held_out_object(o) for o in scene.objects) else "train"
 
 
@@ -518,4 +517,3 @@ def sample_qa(
     rng = random.Random(f"pjray.scenes.qa:{seed}")  # str seeds hash stably across runs
     chosen = kind if kind is not None else rng.choice(KINDS)
     return make_qa(scene, _spec(scene, chosen, rng))
-

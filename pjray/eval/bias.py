@@ -111,7 +111,7 @@ def probe_correct(pred: str, truth: str) -> bool:
         return False
     if p == t:
         return True
-    return len(p) <= 6 and p[-len(t):] == t and not (_NEGATIONS & set(p))
+    return len(p) <= 6 and p[-len(t) :] == t and not (_NEGATIONS & set(p))
 
 
 def read_judge_score(text: str) -> float | None:
@@ -133,7 +133,9 @@ def mode_record(d: DiagnosisItem, texts: Sequence[str]) -> ModeRecord:
     return ModeRecord(correct, wrong, probe_ok)
 
 
-def diagnose(generate: Generate, items: Sequence[DiagnosisItem], seed: int) -> tuple[ModeRates, list[ModeRecord], list[str]]:
+def diagnose(
+    generate: Generate, items: Sequence[DiagnosisItem], seed: int
+) -> tuple[ModeRates, list[ModeRecord], list[str]]:
     """Judge every item once under `seed`; returns (rates, records, all response texts)."""
     prompts: list[JudgePrompt] = []
     spans = []
@@ -179,8 +181,13 @@ def training_eval(cfg: Any, generate: Generate, step: int) -> dict[str, float]:
     from pjray.ppjd.perturb import scene_items
 
     items = scene_items(
-        cfg.eval.train_num_items, seed=cfg.eval.train_seed, num_candidates=3, image_size=cfg.data.image_size,
-        kinds=cfg.data.scene_kinds, objects=cfg.data.scene_objects, split=cfg.eval.scene_split,
+        cfg.eval.train_num_items,
+        seed=cfg.eval.train_seed,
+        num_candidates=3,
+        image_size=cfg.data.image_size,
+        kinds=cfg.data.scene_kinds,
+        objects=cfg.data.scene_objects,
+        split=cfg.eval.scene_split,
     )
     diag = [diagnosis_item(it) for it in items]
     rates, _, _ = diagnose(generate, diag, seed=cfg.eval.train_seed * 1_000_003 + step)
@@ -244,7 +251,9 @@ def evaluate_modes(cfg: Any, generate: Generate) -> Any:
                 "mode_a_rate": Row(rates.mode_a_rate, rates.n, unread),
                 "mode_b_rate": Row(rates.mode_b_rate, rates.n, unread),
                 "unattributed_rate": Row(rates.unattributed_rate, rates.n, unread),
-                "probe_accuracy": Row(rates.probe_accuracy, rates.n - rates.unparsed_probes + rates.unparsed_scores, rates.unparsed_probes),
+                "probe_accuracy": Row(
+                    rates.probe_accuracy, rates.n - rates.unparsed_probes + rates.unparsed_scores, rates.unparsed_probes
+                ),
             }
         )
         by_kind: dict[str, list[ModeRecord]] = {}
@@ -260,12 +269,21 @@ def evaluate_modes(cfg: Any, generate: Generate) -> Any:
     if skipped:
         notes.append(f"{skipped} items without perturbation records with probes were skipped")
     return EvalReport(
-        bench="perceptual_bias", judge=e.judge, data=e.data, seeds=list(e.seeds),
-        tables={"perceptual_bias": seed_cells(per_seed, e.seed_agg), "error_rate_by_kind": seed_cells(kinds_per_seed, e.seed_agg)},
-        outputs=outputs, unparsed=unparsed, unparsed_examples=examples, notes=notes,
+        bench="perceptual_bias",
+        judge=e.judge,
+        data=e.data,
+        seeds=list(e.seeds),
+        tables={
+            "perceptual_bias": seed_cells(per_seed, e.seed_agg),
+            "error_rate_by_kind": seed_cells(kinds_per_seed, e.seed_agg),
+        },
+        outputs=outputs,
+        unparsed=unparsed,
+        unparsed_examples=examples,
+        notes=notes,
         convention="pjray: the paper's Mode (a) / Mode (b) diagnosis (pjray.eval.metrics.mode_rates)",
         rejects=rejects,
-    )  # fmt: skip
+    )
 
 
 def _kind_row(records: list[ModeRecord]) -> Any:

@@ -4,31 +4,15 @@ Source: jongwooko/flex-judge, `test/evaluate.py` `mllm_judge_eval` (the numbers 
 `test/mllm_as_a_judge_vllm.py` `main` (which writes each seed's {text, pred} rows: `pred` is the
 pair verdict, `text` the whole generated text, think included, stripped).
 
-Reading a raw text (`<answer>N</answer>`: N a run of decimal digits and nothing else between the
-tags, no whitespace, sign or label; Python's `\\d` and `int` also take non-ASCII decimal digits,
-so "٧" is 7; every such block in the text counts, those inside the think text too):
-- pair: the first two integers; A if the first is larger, B if smaller, C if equal, and C when
-  there are fewer than two (the generation script writes C for an unreadable verdict).
-- score: the first integer, on the judge's own scale (the script's prompt asks for 1-5 and maps
-  nothing); -1 when there is none. Out-of-range and zero scores are kept as they are.
-- batch: every integer, ranked highest first (ties to the later letter); no integer: "".
+Reading a raw text: only `<answer>N</answer>` blocks holding nothing but decimal digits count,
+those inside the think text too (`answer_integers`); pair, score and batch verdicts come from
+them as the scripts read them (`read_pair`, `read_score`, `read_batch`). Across seeds (the script
+reads the files of seeds 0, 1, 2 in that order) its aggregation is reproduced as it is: pair
+verdicts voted by sign (`sign_vote`), score and batch values on pools that grow seed after seed,
+then the median (score) or the maximum (batch) over seeds (`pair_tables`, `score_tables`,
+`batch_tables`).
 
-Across seeds (the script reads the files of seeds 0, 1, 2 in that order):
-- pair: each item's verdict is the sign of the sum A = -1, B = +1, C = 0 over the seeds
-  (`sign_vote`); accuracy per dataset with ties (all items) and without (true ties skipped, a
-  predicted C is wrong). The printed "Ave" is the mean of the per-dataset accuracies each
-  rounded to 3 decimals.
-- score: the prediction and human lists are never reset between seeds, so seed k's Pearson r is
-  taken over the items of seeds 0..k together; a nan r (a constant list) counts as 0; each
-  dataset's value is the median of those r; "Ave" is their mean.
-- batch: likewise the distances pile up, seed k's value is the mean over seeds 0..k, and each
-  dataset's value is the MAXIMUM of those means (the script's `np.max`); "Ave" is their mean.
-  Distances are Levenshtein / max(len(pred), len(truth)), nothing skipped.
-The script prints per-dataset values and "Ave" (here `dataset_mean`); it has no pooled row.
-Its score and batch "Ave" add the datasets up in the order of a Python set of their names, which
-changes with string hashing; here they are added in name order (as its pair "Ave" does), so
-those two can differ from a given run of the script in the last bit.
-
+The script prints per-dataset values and "Ave" (here `dataset_mean`, `_ave`); it has no pooled row.
 Where the script stops with an error (fewer than 2 items in a dataset for pearsonr, a dataset
 with only true ties in the no-tie accuracy, a digit run beyond Python's int() limit) there is no
 official number: the value is undefined here, and such an output counts as unreadable.
@@ -66,7 +50,11 @@ _VOTE = {"A": -1, "B": 1, "C": 0}
 
 def answer_integers(text: str) -> list[int] | None:
     """The integers of every `<answer>N</answer>` in the text, in order; None when one has
-    more digits than Python's int() accepts (the scripts stop with an error there)."""
+    more digits than Python's int() accepts (the scripts stop with an error there).
+
+    N is a run of decimal digits and nothing else between the tags: no whitespace, sign,
+    decimal point or label; Python's `\\d` and `int` also take non-ASCII decimal digits, so "٧"
+    is 7. Every such block in the text counts, those inside the think text too."""
     try:
         return [int(digits) for digits in _ANSWER_INT_RE.findall(text)]
     except ValueError:
@@ -74,7 +62,9 @@ def answer_integers(text: str) -> list[int] | None:
 
 
 def read_pair(text: str) -> str | None:
-    """A / B / C from the first two answer integers; None (counted, then C) when there are fewer."""
+    """A / B / C from the first two answer integers: A if the first is larger, B if smaller, C if
+    equal; None (counted, then C) when there are fewer: the generation script writes C for an
+    unreadable verdict, a predicted tie, which is right on a true tie."""
     v = answer_integers(text)
     if v is None or len(v) < 2:
         return None
@@ -82,13 +72,16 @@ def read_pair(text: str) -> str | None:
 
 
 def read_score(text: str) -> float | None:
-    """The first answer integer as it is; None (counted, then -1) when there is none."""
+    """The first answer integer as it is, on the judge's own scale (the script's prompt asks for
+    1-5 and maps nothing; out-of-range and zero scores are kept); None (counted, then -1) when
+    there is none."""
     v = answer_integers(text)
     return float(v[0]) if v else None
 
 
 def read_batch(text: str) -> str | None:
-    """All answer integers ranked highest first; None (counted, then "") when there is none."""
+    """All answer integers ranked highest first (ties to the later letter); None (counted, then
+    "") when there is none."""
     v = answer_integers(text)
     return ranking_from_scores(tuple(v)) if v else None
 
@@ -125,8 +118,11 @@ def _datasets(items: Sequence[tuple]) -> dict[str, list[tuple]]:
 
 
 def _ave(rows: dict[str, Row], rounded: bool = False) -> Row:
-    """The script's "Ave": the mean over datasets (in name order, as it sums them), each value
-    first rounded to 3 decimals where the script rounds it; undefined if one is undefined."""
+    """The script's "Ave": the mean over datasets, each value first rounded to 3 decimals where
+    the script rounds it (pair); undefined if one is undefined. Its score and batch "Ave" add the
+    datasets up in the order of a Python set of their names, which changes with string hashing;
+    here they are added in name order (as its pair "Ave" does), so those two can differ from a
+    given run of the script in the last bit."""
     values = [rows[name].value for name in sorted(rows)]
     defined = None not in values and bool(values)
     if defined and rounded:
@@ -144,7 +140,10 @@ def _cells(rows: dict[str, Row]) -> dict[str, Cell]:
 
 
 def pair_tables(per_seed: Sequence[Sequence[PairRecord]]) -> dict[str, dict[str, Cell]]:
-    """Accuracy with and without ties of the sign-voted verdicts, per dataset, and "Ave"."""
+    """Accuracy with and without ties of the sign-voted verdicts, per dataset, and "Ave": each
+    item's verdict is `sign_vote` over the seeds; with ties every item counts, without them true
+    ties are skipped and a predicted C is wrong. "Ave" is the mean of the per-dataset accuracies
+    each rounded to 3 decimals."""
     items = _items(per_seed, "flex_judge pair")
     tables = {}
     for name, with_ties in (("acc_with_tie", True), ("acc_without_tie", False)):
@@ -164,7 +163,9 @@ def pair_tables(per_seed: Sequence[Sequence[PairRecord]]) -> dict[str, dict[str,
 
 
 def score_tables(per_seed: Sequence[Sequence[ScoreRecord]]) -> dict[str, dict[str, Cell]]:
-    """Median over seeds of Pearson r on the growing pools, per dataset, and "Ave"."""
+    """Median over seeds of Pearson r on the growing pools, per dataset, and "Ave": the script
+    never resets its prediction and human lists between seeds, so seed k's r is taken over the
+    items of seeds 0..k together; a nan r (a constant list) counts as 0."""
     items = _items(per_seed, "flex_judge score")
     rows: dict[str, Row] = {}
     for dataset, group in _datasets(items).items():
@@ -186,7 +187,10 @@ def score_tables(per_seed: Sequence[Sequence[ScoreRecord]]) -> dict[str, dict[st
 
 
 def batch_tables(per_seed: Sequence[Sequence[BatchRecord]]) -> dict[str, dict[str, Cell]]:
-    """Maximum over seeds of the mean normalised distance on the growing pools, and "Ave"."""
+    """Maximum over seeds of the mean normalised distance on the growing pools, and "Ave": the
+    distances pile up as the scores do, seed k's value is the mean over seeds 0..k, and each
+    dataset's value is the MAXIMUM of those means (the script's `np.max`). Distances are
+    Levenshtein / max(len(pred), len(truth)), nothing skipped."""
     items = _items(per_seed, "flex_judge batch")
     rows: dict[str, Row] = {}
     for dataset, group in _datasets(items).items():

@@ -21,11 +21,11 @@ from pjray.eval.looking import (
     DISPOSITION_STEM,
     LookingItem,
     LookingVerdict,
+    Part,
     balanced_letters,
     blank_change,
     ceiling_test,
     held_out_tuples,
-    Part,
     judge_looking,
     looking_items,
     looking_report,
@@ -65,18 +65,24 @@ def content_overlap(evaluation: Sequence[JudgeItem], training: Sequence[JudgeIte
 def assert_held_out(evaluation: Sequence[JudgeItem], training: Sequence[JudgeItem]) -> None:
     """Fail unless every evaluation scene is of the held-out content split and no evaluation
     item shares its image, or its question with candidates, with a training item."""
-    wrong_split = [it.id for it in evaluation if it.source == "scenes" and scene_split(scene_qa(it.meta).scene) != "held_out"]
+    wrong_split = [
+        it.id for it in evaluation if it.source == "scenes" and scene_split(scene_qa(it.meta).scene) != "held_out"
+    ]
     if wrong_split:
         raise AssertionError(f"evaluation scenes outside the held-out content split: {wrong_split[:5]}")
     overlap = content_overlap(evaluation, training)
     if overlap:
-        raise AssertionError(f"{len(overlap)} evaluation items occur in training (image or question and candidates): {overlap[:5]}")
+        raise AssertionError(
+            f"{len(overlap)} evaluation items occur in training (image or question and candidates): {overlap[:5]}"
+        )
 
 
 @functools.lru_cache(maxsize=4)
 def training_items(recipe: BaseJudgeRecipe) -> tuple[JudgeItem, ...]:
     """Every ranked item the base judge's recipe trains on or builds its tokenizer from."""
-    pairs = judge_scenes(recipe.sft_scenes, recipe.seed, recipe) + judge_scenes(TOKENIZER_SCENES, TOKENIZER_SEED, recipe)
+    pairs = judge_scenes(recipe.sft_scenes, recipe.seed, recipe) + judge_scenes(
+        TOKENIZER_SCENES, TOKENIZER_SEED, recipe
+    )
     return tuple(item for _, item in pairs)
 
 
@@ -113,7 +119,10 @@ def held_out_report(path: str, recipe: BaseJudgeRecipe, temperature: float, n: i
         right.setdefault(group, []).append(answer is not None and probe_correct(answer, truth))
 
     sampled = _engine(path, temperature)
-    ranking = {"greedy": ranking_stats(greedy, pairs, batch, 1, recipe), "sampled": ranking_stats(sampled, pairs, batch, 4, recipe)}
+    ranking = {
+        "greedy": ranking_stats(greedy, pairs, batch, 1, recipe),
+        "sampled": ranking_stats(sampled, pairs, batch, 4, recipe),
+    }
     ranking["sampled"]["temperature"] = temperature
     return {
         "held_out_scenes": n,
@@ -144,7 +153,10 @@ def ranking_stats(
 
 
 def ranking_summary(
-    items: Sequence[JudgeItem], batch: Sequence[JudgePrompt], texts: Sequence[str], samples: int,
+    items: Sequence[JudgeItem],
+    batch: Sequence[JudgePrompt],
+    texts: Sequence[str],
+    samples: int,
     recipe: BaseJudgeRecipe = BaseJudgeRecipe(),
 ) -> dict[str, float]:
     """The format rate, the correct answer ranked first, the mean reward, the "by the image"
@@ -154,14 +166,21 @@ def ranking_summary(
     responses a prompt of `batch`."""
     from pjray.reward import judge_reward
 
-    judged = [(judge_reward(t, batch[i // samples].target, think_prefilled=True), batch[i // samples], t)
-              for i, t in enumerate(texts)]  # fmt: skip
+    judged = [
+        (judge_reward(t, batch[i // samples].target, think_prefilled=True), batch[i // samples], t)
+        for i, t in enumerate(texts)
+    ]
     by_image = [not recipe.disposition or disposition(True) in t for _, _, t in judged]
-    checks = [_think(t) == _think(ranking_target(items[i // samples], p.shown, True, recipe))
-              for i, ((_, p, t), b) in enumerate(zip(judged, by_image)) if b]  # fmt: skip
+    checks = [
+        _think(t) == _think(ranking_target(items[i // samples], p.shown, True, recipe))
+        for i, ((_, p, t), b) in enumerate(zip(judged, by_image))
+        if b
+    ]
     return {
         "format": _mean(r.format == 1.0 for r, _, _ in judged),
-        "correct_first": _mean(r.format == 1.0 and r.pred is not None and r.pred[:1] == p.target[:1] for r, p, _ in judged),
+        "correct_first": _mean(
+            r.format == 1.0 and r.pred is not None and r.pred[:1] == p.target[:1] for r, p, _ in judged
+        ),
         "reward": _mean(r.total for r, _, _ in judged),
         "by_the_image": _mean(by_image),
         "reward_by_the_image": _mean(r.total for (r, _, _), b in zip(judged, by_image) if b),
@@ -176,7 +195,9 @@ LOOKING_SEED, LETTERS_SEED = -20261205, 8105
 HELD_OUT_PER_KIND = 60
 
 
-def held_out_looking_items(recipe: BaseJudgeRecipe, per_kind: int, exclude: Sequence[JudgeItem] = ()) -> list[LookingItem]:
+def held_out_looking_items(
+    recipe: BaseJudgeRecipe, per_kind: int, exclude: Sequence[JudgeItem] = ()
+) -> list[LookingItem]:
     """The looking protocol's held-out tuples of the base judge's scenes (`recipe`), letters
     balanced, asserted by content (every image: original, swapped, blank) to share nothing with
     the base judge's training items nor those in `exclude` (a GRPO run's)."""
@@ -196,7 +217,9 @@ def judge_on(
     verdicts (with `forced`, also with the image disposition forced; its taught and untaught
     parts where the recipe has them), and the verdicts."""
     engine = _engine(path, top_k=1)
-    verdicts, texts = judge_looking(lambda ps: [c.text for c in engine.generate(ps, 1, seed=0)], items, forced, recipe.forced_sentence)
+    verdicts, texts = judge_looking(
+        lambda ps: [c.text for c in engine.generate(ps, 1, seed=0)], items, forced, recipe.forced_sentence
+    )
     originals = [it.pair.original for it in items]
     ranking = ranking_summary(originals, [it.prompts()[0] for it in items], texts, 1, recipe)
     return {"ranking": ranking, "looks": looking_report(verdicts, parts(recipe))}, verdicts
@@ -208,7 +231,9 @@ def parts(recipe: BaseJudgeRecipe) -> Part | None:
     return (lambda v: recipe.part(v.truth, v.swapped_to)) if recipe.untaught else None
 
 
-def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem], recipe: BaseJudgeRecipe = BaseJudgeRecipe()) -> dict[str, Any]:
+def held_out_check(
+    base: str, trained: str, exclude: Sequence[JudgeItem], recipe: BaseJudgeRecipe = BaseJudgeRecipe()
+) -> dict[str, Any]:
     """The looking protocol (`pjray.eval.looking`) for the base judge at `base` and the judge
     trained from it at `trained`, on the same held-out tuples, held out by content from the base
     judge's training items (its `recipe`) and the run's (`exclude`); the base judge also with its image
@@ -218,8 +243,13 @@ def held_out_check(base: str, trained: str, exclude: Sequence[JudgeItem], recipe
     judge and the paired test of image-following against its forced ceiling per kind, and under
     "verdicts" one row per judge and item."""
     items = held_out_looking_items(recipe, HELD_OUT_PER_KIND, exclude)
-    out: dict[str, Any] = {"tuples": len(items), "per_kind": HELD_OUT_PER_KIND, "construction": "independent",
-                           "disposition": recipe.disposition, "verdicts": []}  # fmt: skip
+    out: dict[str, Any] = {
+        "tuples": len(items),
+        "per_kind": HELD_OUT_PER_KIND,
+        "construction": "independent",
+        "disposition": recipe.disposition,
+        "verdicts": [],
+    }
     verdicts: dict[str, list[LookingVerdict]] = {}
     part = parts(recipe)
     for name, path, forced in (("base", base, True), ("trained", trained, False)):
@@ -252,8 +282,6 @@ def _mean(values: Any) -> float:
     return round(sum(map(float, values)) / max(1, len(values)), 3)
 
 
-
-
 # --------------------------------------------------------------------------- gates
 
 # What a base judge with an untaught part must show before GRPO starts from it (issue: "a judge
@@ -264,7 +292,9 @@ GATES = {"sees": 0.95, "taught_following": 0.80, "untaught_following_max": 0.40,
 GATE_SAMPLES = 8
 
 
-def base_judge_gates(path: str, recipe: BaseJudgeRecipe, per_kind: int = HELD_OUT_PER_KIND, temperature: float = 1.0) -> dict[str, Any]:
+def base_judge_gates(
+    path: str, recipe: BaseJudgeRecipe, per_kind: int = HELD_OUT_PER_KIND, temperature: float = 1.0
+) -> dict[str, Any]:
     """The four gates of a base judge of one disposition with an untaught part, measured on the
     looking protocol's held-out tuples (`held_out_looking_items`):
 
@@ -296,17 +326,29 @@ def base_judge_gates(path: str, recipe: BaseJudgeRecipe, per_kind: int = HELD_OU
         for value, text in ((v.truth, texts[3 * i]), (v.swapped_to, texts[3 * i + 1])):
             statements.setdefault(value, []).append(statement(text) == value)
     # The prompts whose image shows an untaught value, with that image's correct candidate.
-    untaught = [(p, correct) for it, v in zip(items, verdicts)
-                for p, value, correct in ((it.prompts()[0], v.truth, v.best), (it.prompts()[1], v.swapped_to, v.perception_error))
-                if value in recipe.untaught]  # fmt: skip
+    untaught = [
+        (p, correct)
+        for it, v in zip(items, verdicts)
+        for p, value, correct in (
+            (it.prompts()[0], v.truth, v.best),
+            (it.prompts()[1], v.swapped_to, v.perception_error),
+        )
+        if value in recipe.untaught
+    ]
     sampled = _engine(path, temperature)
     outs = [c.text for c in sampled.generate([p for p, _ in untaught], GATE_SAMPLES, seed=0)]
-    passed = [any(top_choice(outs[j * GATE_SAMPLES + s], p) == correct for s in range(GATE_SAMPLES)) for j, (p, correct) in enumerate(untaught)]
+    passed = [
+        any(top_choice(outs[j * GATE_SAMPLES + s], p) == correct for s in range(GATE_SAMPLES))
+        for j, (p, correct) in enumerate(untaught)
+    ]
     kinds = sorted({v.kind for v in verdicts})
     taught = {k: report[f"{k}/taught"]["image_following"] for k in kinds if f"{k}/taught" in report}
     measured = {
         "one_disposition": {
-            "forced_equals_unforced": _mean((v.forced_original, v.forced_swapped, v.forced_blank) == (v.top_original, v.top_swapped, v.top_blank) for v in verdicts),
+            "forced_equals_unforced": _mean(
+                (v.forced_original, v.forced_swapped, v.forced_blank) == (v.top_original, v.top_swapped, v.top_blank)
+                for v in verdicts
+            ),
             "responses_with_a_disposition": _mean(DISPOSITION_STEM in t for t in texts),
         },
         "sees": {value: _mean(right) for value, right in sorted(statements.items())},
@@ -316,9 +358,11 @@ def base_judge_gates(path: str, recipe: BaseJudgeRecipe, per_kind: int = HELD_OU
         "untaught_prompts": len(untaught),
     }
     passes = {
-        "one_disposition": measured["one_disposition"]["forced_equals_unforced"] == 1.0 and measured["one_disposition"]["responses_with_a_disposition"] == 0.0,
+        "one_disposition": measured["one_disposition"]["forced_equals_unforced"] == 1.0
+        and measured["one_disposition"]["responses_with_a_disposition"] == 0.0,
         "sees": min(measured["sees"].values()) >= GATES["sees"],
         "taught_following": bool(taught) and min(taught.values()) >= GATES["taught_following"],
-        "untaught": measured["untaught_following"] <= GATES["untaught_following_max"] and measured["untaught_pass_at_8"] >= GATES["untaught_pass_at_8"],
-    }  # fmt: skip
+        "untaught": measured["untaught_following"] <= GATES["untaught_following_max"]
+        and measured["untaught_pass_at_8"] >= GATES["untaught_pass_at_8"],
+    }
     return {"tuples": len(items), "gates": GATES, "measured": measured, "passes": passes, "looks": report}

@@ -1,31 +1,20 @@
 """MLLM-as-a-Judge (Chen et al., ICML 2024): loaders, judge prompts and reading the verdicts.
 
 The published `score`, `pair` and `batch` JSONL files (repo Dongping-Chen/MLLM-Judge, HF copies
-`shuaishuaicdp/MLLM-Judge`, `ONE-Lab/MLLM-as-a-Judge`) come in two field-name variants:
-
-    truth:   score `human` | `human_score`;  pair / batch `human_answer` | `human`
-    image:   `image_path` | `image`;        dataset: `original_dataset` | `dataset`
-    answers: pair `answer1`/`answer2` as {name, answer} or plain strings;
-             batch `answers` as a list of {name, answer} or plain strings
-
-Both are read; the variant is detected per row, and a row with neither spelling fails with the
+`shuaishuaicdp/MLLM-Judge`, `ONE-Lab/MLLM-as-a-Judge`) come in two field-name variants; both are
+read, the variant detected per row (`scan_rows`), and a row with neither spelling fails with the
 file, line and the keys it has. Images are read from `image_dir` (the JSONL's folder if empty).
 The same rows may come from a dataset (`eval.data` a hub id or a folder, `pjray.data.hf`), where
 an image may also be an `Image` feature or bytes.
 
-Two prompt formats (`eval.prompt_format`):
-- `paper` (the default, `auto`): the Perception-Judge release's think/answer prompts (`pjray.data.prompts`);
-  scores are 1-10, so the score protocol maps them onto the benchmark's 1-5 with
-  `eval.score_mapping` (ceil(v/2) as the release's evaluation does).
-- `original`: the benchmark's own prompt layout (start, Evaluation Steps, Evaluation Method,
-  Notice, the input blocks; verdicts `[[N]]`, `[[A]]`/`[[B]]`/`[[C]]`, `[[A]], [[B]], ...`).
-  The section texts are written after `scripts/prompt.py`'s "No COT" setting but are not its
-  verbatim strings; the verdict format and the block markers are.
+Two prompt formats (`eval.prompt_format`, `build_prompt`): `paper` (the default, `auto`), the
+Perception-Judge release's think/answer prompts (`pjray.data.prompts`), whose 1-10 scores the
+score protocol maps onto the benchmark's 1-5 (`eval.score_mapping`: ceil(v/2), as the release's
+evaluation does); and `original`, the benchmark's own layout (`original_prompt_text`). Verdicts
+are read from the answer blocks whatever the think layout (a judgment, not a reward), so whether
+the prompt opened `<think>` does not change any number here.
 
-Verdicts are read from the answer blocks whatever the think layout (a judgment, not a reward),
-so whether the prompt opened `<think>` does not change any number here.
-
-Whose evaluation turns the judge's texts into the numbers (`eval.convention`):
+Whose evaluation turns the judge's texts into the numbers (`eval.convention`, `evaluate_bench`):
 - `strict` (default): pjray's reading (`read_score` / `read_pair` / `read_batch`) and the
   official notebook's metrics (`pjray.eval.metrics`), with the eval.* options on top.
 - `perception_judge`: the Perception-Judge release's notebook end to end, its reading, metrics
@@ -42,8 +31,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pjray.data.prompts import LETTERS, order_from_ranking, render_batch, render_pair, render_score
 from pjray.data.hf import OpenDataset, eval_source, scan_source
+from pjray.data.prompts import LETTERS, order_from_ranking, render_batch, render_pair, render_score
 from pjray.data.sources import DataError, Rows, image_bytes
 from pjray.eval.blind import shown_images
 from pjray.eval.metrics import BatchRecord, PairRecord, ScoreRecord, map_score
@@ -133,10 +122,20 @@ def scan_rows(
 ) -> Rows[BenchRow]:
     """The rows of `protocol` (score | pair | batch) from a published MLLM-as-a-Judge JSONL file or
     a dataset (`pjray.data.hf.open_dataset`), up to `limit` good ones (0: all); a line that is not
-    JSON or lacks a key or its image is a reject naming the file (or dataset) and line, not an error."""
+    JSON or lacks a key or its image is a reject naming the file (or dataset) and line, not an error.
+
+    The two field-name variants, detected per row:
+
+        truth:   score `human` | `human_score`;  pair / batch `human_answer` | `human`
+        image:   `image_path` | `image`;        dataset: `original_dataset` | `dataset`
+        answers: pair `answer1`/`answer2` as {name, answer} or plain strings;
+                 batch `answers` as a list of {name, answer} or plain strings
+    """
     if protocol not in PROTOCOLS:
         raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
-    return scan_source(source, lambda raw, root, where: _row(raw, protocol, root, where), image_dir, limit, BenchDataError)
+    return scan_source(
+        source, lambda raw, root, where: _row(raw, protocol, root, where), image_dir, limit, BenchDataError
+    )
 
 
 def read_rows(path: str | Path, protocol: str, image_dir: str | Path | None = None, limit: int = 0) -> list[BenchRow]:
@@ -185,15 +184,15 @@ _ORIGINAL_SETTING = (
 _ORIGINAL_TASK = {
     "score": (
         "Rate the answer on a scale of 1 to 5 for relevance, accuracy, helpfulness and "
-        "consistency with the figure, and give your final judgement as \"[[N]]\" with N from 1 to 5."
+        'consistency with the figure, and give your final judgement as "[[N]]" with N from 1 to 5.'
     ),
     "pair": (
-        "Compare the two answers and decide which one is better. Output \"[[A]]\" if Assistant A "
-        "is better, \"[[B]]\" if Assistant B is better, and \"[[C]]\" for a tie."
+        'Compare the two answers and decide which one is better. Output "[[A]]" if Assistant A '
+        'is better, "[[B]]" if Assistant B is better, and "[[C]]" for a tie.'
     ),
     "batch": (
         "Rank all the answers from best to worst and give the ranking as the letters in order, "
-        "for example \"[[A]], [[B]], [[C]], [[D]]\"."
+        'for example "[[A]], [[B]], [[C]], [[D]]".'
     ),
 }
 _ORIGINAL_NOTICE = (
@@ -214,10 +213,19 @@ def _original_blocks(instruction: str, answers: tuple[str, ...]) -> str:
 
 
 def original_prompt_text(row: BenchRow) -> str:
-    """The benchmark's prompt layout (see the module docstring for what is verbatim)."""
+    """The benchmark's prompt layout: start, Evaluation Steps, Evaluation Method, Notice, the
+    input blocks; verdicts `[[N]]`, `[[A]]`/`[[B]]`/`[[C]]`, `[[A]], [[B]], ...`. The section
+    texts are written after `scripts/prompt.py`'s "No COT" setting but are not its verbatim
+    strings; the verdict format and the block markers are."""
     return (
-        _ORIGINAL_START + "\nEvaluation Steps:\n" + _ORIGINAL_SETTING + "\nEvaluation Method:\n"
-        + _ORIGINAL_TASK[row.protocol] + "\nNotice:\n" + _ORIGINAL_NOTICE + "\nHere is the input:\n"
+        _ORIGINAL_START
+        + "\nEvaluation Steps:\n"
+        + _ORIGINAL_SETTING
+        + "\nEvaluation Method:\n"
+        + _ORIGINAL_TASK[row.protocol]
+        + "\nNotice:\n"
+        + _ORIGINAL_NOTICE
+        + "\nHere is the input:\n"
         + _original_blocks(row.instruction, row.answers)
     )
 
@@ -228,10 +236,16 @@ def build_prompt(row: BenchRow, prompt_format: str = "paper", batch_style: str =
     one score per answer) or `ranking` (one letter ranking)."""
     if prompt_format == "original":
         return JudgePrompt(
-            item_id=row.id, system="", user=original_prompt_text(row), image=row.image,
-            protocol=row.protocol, style="original", num_candidates=len(row.answers),
-            shown=tuple(range(len(row.answers))), target=row.truth,
-        )  # fmt: skip
+            item_id=row.id,
+            system="",
+            user=original_prompt_text(row),
+            image=row.image,
+            protocol=row.protocol,
+            style="original",
+            num_candidates=len(row.answers),
+            shown=tuple(range(len(row.answers))),
+            target=row.truth,
+        )
     if prompt_format != "paper":
         raise ValueError(f"unknown prompt format {prompt_format!r}; expected one of {PROMPT_FORMATS}")
     if row.protocol == "score":
@@ -239,9 +253,13 @@ def build_prompt(row: BenchRow, prompt_format: str = "paper", batch_style: str =
     if row.protocol == "pair":
         return render_pair(row.instruction, row.image, *row.answers, item_id=row.id, truth=row.truth)
     item = JudgeItem(
-        id=row.id, image=row.image or b"", question=row.instruction, candidates=row.answers,
-        order=order_from_ranking(row.truth), source=row.dataset,
-    )  # fmt: skip
+        id=row.id,
+        image=row.image or b"",
+        question=row.instruction,
+        candidates=row.answers,
+        order=order_from_ranking(row.truth),
+        source=row.dataset,
+    )
     prompt = render_batch(item, random.Random(0), style=batch_style, shuffle=False)
     if row.image is None:  # render_batch always carries the item's image
         prompt = replace(prompt, image=None)
@@ -255,7 +273,7 @@ _BRACKET_RE = re.compile(r"\[\[\s*([A-Za-z0-9.]+)\s*\]\]")
 
 def _original_verdicts(text: str) -> list[str]:
     """The `[[X]]` tokens of the last 'Judgement' value if there is one, else of the whole text."""
-    tail = text[text.rfind("Judgement"):] if "Judgement" in text else text
+    tail = text[text.rfind("Judgement") :] if "Judgement" in text else text
     return _BRACKET_RE.findall(tail)
 
 
@@ -281,7 +299,7 @@ def read_score(text: str, prompt_format: str, mapping: str) -> float | None:
 
 
 def read_pair(text: str, prompt_format: str) -> str | None:
-    """"A", "B", "C" (tie) or None. paper: two scores (equal = tie); original: the last [[X]]."""
+    """ "A", "B", "C" (tie) or None. paper: two scores (equal = tie); original: the last [[X]]."""
     if prompt_format == "original":
         for token in reversed(_original_verdicts(text)):
             if token.upper() in ("A", "B", "C"):
@@ -310,9 +328,13 @@ def read_batch(text: str, k: int, prompt_format: str, style: str = "scores") -> 
 
 
 def to_record(
-    row: BenchRow, text: str, convention: str, prompt_format: str, score_mapping: str,
+    row: BenchRow,
+    text: str,
+    convention: str,
+    prompt_format: str,
+    score_mapping: str,
     batch_style: str = "scores",
-):  # fmt: skip
+):
     """The metric record of one judged row (ScoreRecord / PairRecord / BatchRecord) as read by
     `convention` (`eval.convention`); pred None: unreadable by that reading."""
     if convention == "strict":
@@ -331,7 +353,11 @@ def to_record(
         elif row.protocol == "pair":
             pred = release.read_pair(text)
         else:  # Perception-Judge cuts what it reads to the truth's length, Flex-Judge does not
-            pred = perception_judge.read_batch(text, len(row.truth)) if release is perception_judge else flex_judge.read_batch(text)
+            pred = (
+                perception_judge.read_batch(text, len(row.truth))
+                if release is perception_judge
+                else flex_judge.read_batch(text)
+            )
     else:
         raise ValueError(f"unknown convention {convention!r}; expected one of {CONVENTIONS}")
     if row.protocol == "score":
@@ -359,9 +385,16 @@ def _strict_tables(bench: str, per_seed: list[list], e) -> tuple[dict, dict[str,
     """eval.convention=strict: the official notebook's metrics on pjray's reading, with the
     eval.* options. Returns (metric -> row -> Cell, where each table and summary row comes from)."""
     from pjray.eval.metrics import (
-        DATASET_MEAN, OVERALL, PAPER_MEAN, batch_table, pair_table, score_table, vote_pairs, with_dataset_mean,
+        DATASET_MEAN,
+        OVERALL,
+        PAPER_MEAN,
+        batch_table,
+        pair_table,
+        score_table,
+        vote_pairs,
+        with_dataset_mean,
         with_paper_mean,
-    )  # fmt: skip
+    )
     from pjray.eval.report import seed_cells
 
     vote = bench == "pair" and e.pair_vote == "majority"
@@ -391,9 +424,10 @@ def _strict_tables(bench: str, per_seed: list[list], e) -> tuple[dict, dict[str,
         seeds = f"verdicts voted by plurality over the {len(e.seeds)} seeds (pjray's rule; ties: the earliest seed's), accuracy computed once"
     reading = "pjray's strict reading (pjray.reward.parse)" if e.prompt_format == "paper" else "the last [[X]] verdicts"
     ties = (
-        "items with a true or predicted tie skipped" if e.tie_rule == "official"
+        "items with a true or predicted tie skipped"
+        if e.tie_rule == "official"
         else "only true ties skipped (downstream), a predicted tie is wrong"
-    )  # fmt: skip
+    )
     unparsed = "left out of r" if e.unparsed_score == "drop" else "kept as -1 in r"
     sources = {
         "pearson": f"{_NOTEBOOK} pearsonr, on {reading} (scores mapped to 1-5 with "
@@ -411,7 +445,7 @@ def _strict_tables(bench: str, per_seed: list[list], e) -> tuple[dict, dict[str,
     return out, sources
 
 
-def evaluate_bench(cfg, generate) -> "EvalReport":
+def evaluate_bench(cfg, generate) -> EvalReport:
     """Judge every row of `cfg.eval.data` under each seed; per-dataset tables as `eval.convention`
     makes them: `strict` (the official notebook's metrics on pjray's reading, per seed then
     aggregated by eval.seed_agg, or voted with eval.pair_vote=majority), `perception_judge` or
@@ -431,10 +465,7 @@ def evaluate_bench(cfg, generate) -> "EvalReport":
     unparsed, examples = 0, []
     for seed in e.seeds:
         texts = generate(prompts, seed)
-        records = [
-            to_record(r, t, e.convention, e.prompt_format, mapping, e.batch_style)
-            for r, t in zip(rows, texts)
-        ]
+        records = [to_record(r, t, e.convention, e.prompt_format, mapping, e.batch_style) for r, t in zip(rows, texts)]
         for rec, text in zip(records, texts):
             if rec.pred is None:
                 unparsed += 1
@@ -460,11 +491,19 @@ def evaluate_bench(cfg, generate) -> "EvalReport":
             skipped = sum(len(r.truth) < perception_judge.MIN_BATCH for r in rows)
             notes.append(f"{skipped} item(s) with <= 2 answers skipped per seed (counted as `skipped`)")
     return EvalReport(
-        bench=e.bench, judge=e.judge, data=e.data, seeds=list(e.seeds), tables=tables,
-        outputs=len(prompts) * len(e.seeds), unparsed=unparsed, unparsed_examples=examples, notes=notes,
-        convention=convention, sources={k: v for k, v in sources.items() if k in tables or _is_row(k, tables)},
+        bench=e.bench,
+        judge=e.judge,
+        data=e.data,
+        seeds=list(e.seeds),
+        tables=tables,
+        outputs=len(prompts) * len(e.seeds),
+        unparsed=unparsed,
+        unparsed_examples=examples,
+        notes=notes,
+        convention=convention,
+        sources={k: v for k, v in sources.items() if k in tables or _is_row(k, tables)},
         rejects=scanned.rejects,
-    )  # fmt: skip
+    )
 
 
 def _is_row(name: str, tables: dict) -> bool:

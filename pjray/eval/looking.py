@@ -3,52 +3,23 @@ run from the base judge (`pjray.eval.held_out.held_out_check`), `pjray eval` (`e
 and the looking study (`benchmarks/study_looking.py`).
 
 **Items.** K = 3 ranked tuples of one-object scenes of the held-out content split, of the
-*independent* construction (`pjray.ppjd.perturb.CONSTRUCTIONS`: the perception-error answer and
-the perception + reasoning one state different wrong facts, so no wrong fact is shared and the
-correct answer is not the odd one out), question kinds alternating colour and size. The letters
-are balanced per kind (`shown_order` blocks of K! prompts, so with a multiple of K! items a kind,
-each letter shows the correct answer, and the perception-error answer, equally often; asserted
-by `balanced_letters`): a judge that keeps the shown order gets chance, not a letter's luck.
+*independent* construction (`pjray.ppjd.perturb.CONSTRUCTIONS`: no wrong fact is shared, so the
+correct answer is not the odd one out), question kinds alternating colour and size, letters
+balanced per kind (`looking_items`, `balanced_letters`): a judge that keeps the shown order gets
+chance, not a letter's luck. Each tuple is judged on three images with the same texts and
+letters (`LookingItem`): the original scene; the swapped one (`pjray.ppjd.swap.swap_pair`), which
+makes the perception-error answer the correct one; and the blank one (`blank_item`), the blind
+control.
 
-**Three images, the same texts and letters** (`LookingItem`):
-- the original scene: the correct answer is right;
-- the swapped scene (`pjray.ppjd.swap.swap_pair`): re-rendered with the asked attribute set to
-  the perception-error answer's value, which makes that answer the correct one;
-- the blank scene (`blank_item`): the scene re-rendered without its object. This is the blind
-  control. A uniform grey image is not one: a judge reads grey as some colour or size ("blue",
-  "large"), a fact that favours whichever candidate states it. With no object in the image,
-  no colour and no size is shown, so nothing in the image can tell the candidates apart, while
-  the prompt keeps its image (same size, same background, same image tokens). The judge's own
-  words check it (`looking_rates`: `blank_states_truth`, how often its think text's "Image: X."
-  names the original image's value, beside the 1/|values| of a value named at random): the
-  base judge of model.init=base_judge names one constant value per kind on every blank scene,
-  so what it says there depends on no item.
-
-**Outcomes per item** (`LookingVerdict`, saved per item): the top choice on each image; whether
-the think text chooses the image ("Verdict: by the image.", the disposition sentence of pjray's
-base judges; `disposition_image`); and, when asked, the same with that disposition forced
-(`forced_prefill`: the judge's own "Image: X." statement kept, "Verdict: by the image." written
-for it, greedy from there), which is the ceiling a judge born with a look mode reaches by one
-token.
-
-**Rates** (`looking_rates`, per kind and pooled). The primary one is **image-following**: the
-correct answer first on the original image AND the perception-error answer first on the
-swapped one. Its nulls, for K candidates:
-- a judge that ranks from the text alone keeps its top choice under both images: 0;
-- a judge that picks at random on each image: 1/K²;
-- a judge that drops the self-contradicting answer (its reasoning error is visible in the text),
-  then flips a coin on each image: 1/(K-1)². This is the null a claim must beat;
-
-**Does the verdict move with the image?** The paired swap test (`swap_test`): per item, whether
-the perception-error answer is first on the original image and on the swapped one, and the exact
-McNemar test on those pairs. A judge whose verdict ignores the image puts the same answer first on
-both images (no discordant pair, p = 1); one that looks moves that answer up on the swapped image.
-The fixed nulls above are for the rate, this test for the link between image and verdict.
-
-**Against what.** The blank control is read against the base judge *forced* onto its image
-disposition on the same blank scenes (`blank_change`): the disposition alone moves the blank
-verdicts by kind, so a text shortcut is claimed only against the forced base judge. A trained
-judge's image-following is set beside that forced ceiling item by item (`ceiling_test`, McNemar).
+**Outcomes.** The primary rate is **image-following** (`looking_rates`, per kind and pooled): the
+correct answer first on the original image AND the perception-error answer first on the swapped
+one. The null a claim must beat is 1/(K-1)², a judge that drops the self-contradicting answer and
+flips a coin on each image (`nulls`). The paired swap test (`swap_test`) asks whether the verdict
+moves with the image at all. Verdicts are saved per item (`LookingVerdict`), also with the image
+disposition forced (`forced_prefill`): the ceiling a judge born with a look mode reaches by one
+token. A text shortcut on the blank scene, and a trained judge's image-following, are read against
+the base judge forced onto its image disposition on the same items (`blank_change`,
+`ceiling_test`).
 """
 
 from __future__ import annotations
@@ -107,16 +78,28 @@ class LookingItem:
 
 def blank_item(item: JudgeItem) -> JudgeItem:
     """`item` with its scene re-rendered without any object: the same size and background, no
-    value of any object attribute. Its `order` stays the original's (what correct-first reads)."""
+    value of any object attribute. Its `order` stays the original's (what correct-first reads).
+
+    The blind control. A uniform grey image is not one: a judge reads grey as some colour or size
+    ("blue", "large"), a fact that favours whichever candidate states it. With no object, nothing
+    in the image can tell the candidates apart, while the prompt keeps its image (same size,
+    background and image tokens). The judge's own words check it (`looking_rates`'
+    `blank_states_truth`: how often its "Image: X." names the original image's value, beside the
+    1/|values| of a value named at random): the base judge of model.init=base_judge names one
+    constant value per kind on every blank scene, so what it says there depends on no item."""
     qa = scene_qa(item.meta)
     if qa is None:
         raise ValueError(f"item {item.id!r}: the blank control needs a scene item")
-    return replace(item, id=f"{item.id}:blank", image=render(replace(qa.scene, objects=())), meta={**item.meta, "blank": True})
+    return replace(
+        item, id=f"{item.id}:blank", image=render(replace(qa.scene, objects=())), meta={**item.meta, "blank": True}
+    )
 
 
 def looking_items(items: Sequence[JudgeItem], letters_seed: int) -> list[LookingItem]:
     """`items` (scene tuples of `SWAP_KINDS`) under their three images, letters balanced per kind:
-    the j-th item of a kind shows its levels in `shown_order(j, K, letters_seed)`."""
+    the j-th item of a kind shows its levels in `shown_order(j, K, letters_seed)` (blocks of K!
+    prompts, so with a multiple of K! items a kind each letter shows the correct answer, and the
+    perception-error answer, equally often)."""
     seen: Counter[str] = Counter()
     out = []
     for item in items:
@@ -128,7 +111,9 @@ def looking_items(items: Sequence[JudgeItem], letters_seed: int) -> list[Looking
     return out
 
 
-def held_out_tuples(per_kind: int, seed: int, image_size: int, objects: tuple[int, int], kinds: Sequence[str] = SWAP_KINDS) -> list[JudgeItem]:
+def held_out_tuples(
+    per_kind: int, seed: int, image_size: int, objects: tuple[int, int], kinds: Sequence[str] = SWAP_KINDS
+) -> list[JudgeItem]:
     """`per_kind` independent K = 3 tuples of each kind, of the held-out content split."""
     if per_kind % math.factorial(K):
         raise ValueError(f"{per_kind} tuples a kind: balanced letters need a multiple of {math.factorial(K)} (K!)")
@@ -153,7 +138,10 @@ def balanced_letters(items: Sequence[LookingItem]) -> None:
 @dataclass(frozen=True)
 class LookingVerdict:
     """What a judge did on one `LookingItem` (candidate indices; None: no readable verdict).
-    One parquet row a judge and item."""
+    One parquet row a judge and item: the top choice on each image; whether the think text
+    chooses the image ("Verdict: by the image.", the disposition sentence of pjray's base judges);
+    and, when asked, the top choices with that disposition forced (`forced_prefill`: the judge's
+    own "Image: X." kept, the sentence written for it, greedy from there)."""
 
     item_id: str
     kind: str
@@ -220,14 +208,27 @@ def judge_looking(
     verdicts = []
     for i, it in enumerate(items):
         o, s, b = 3 * i, 3 * i + 1, 3 * i + 2
-        verdicts.append(LookingVerdict(
-            item_id=it.pair.original.id, kind=it.kind, truth=it.pair.shown[0], swapped_to=it.pair.shown[1],
-            best=it.pair.original.order[0], perception_error=it.pair.original.order[1],
-            top_original=tops[o], top_swapped=tops[s], top_blank=tops[b],
-            by_image_original=DISPOSITION_STEM + " image" in texts[o], by_image_swapped=DISPOSITION_STEM + " image" in texts[s],
-            by_image_blank=DISPOSITION_STEM + " image" in texts[b], blank_statement=statement(texts[b]),
-            forced=forced, forced_original=forced_tops[o], forced_swapped=forced_tops[s], forced_blank=forced_tops[b],
-        ))  # fmt: skip
+        verdicts.append(
+            LookingVerdict(
+                item_id=it.pair.original.id,
+                kind=it.kind,
+                truth=it.pair.shown[0],
+                swapped_to=it.pair.shown[1],
+                best=it.pair.original.order[0],
+                perception_error=it.pair.original.order[1],
+                top_original=tops[o],
+                top_swapped=tops[s],
+                top_blank=tops[b],
+                by_image_original=DISPOSITION_STEM + " image" in texts[o],
+                by_image_swapped=DISPOSITION_STEM + " image" in texts[s],
+                by_image_blank=DISPOSITION_STEM + " image" in texts[b],
+                blank_statement=statement(texts[b]),
+                forced=forced,
+                forced_original=forced_tops[o],
+                forced_swapped=forced_tops[s],
+                forced_blank=forced_tops[b],
+            )
+        )
     return verdicts, texts[0::3]
 
 
@@ -241,20 +242,31 @@ def follows_image(v: LookingVerdict, forced: bool = False) -> tuple[bool, bool]:
 
 
 def nulls(k: int) -> dict[str, float]:
-    """Image-following of judges that do not look, for k candidates (see the module docstring)."""
+    """Image-following of judges that do not look, for k candidates: one that ranks from the text
+    alone keeps its top choice under both images (0); one that picks at random on each image
+    (1/k²); one that drops the self-contradicting answer (its reasoning error is visible in the
+    text), then flips a coin on each image (1/(k-1)²): the null a claim must beat."""
     return {"text_only": 0.0, "random": 1 / k**2, "drop_contradicting": 1 / (k - 1) ** 2}
 
 
 def swap_test(verdicts: Sequence[LookingVerdict]) -> dict[str, float]:
     """The paired swap test: per item, the perception-error answer first on the swapped image (the
     first of each pair) and on the original; exact McNemar (b: first on the swapped image only, c:
-    on the original only). p is small only when the verdict moves with the image."""
+    on the original only). p is small only when the verdict moves with the image: a judge whose
+    verdict ignores the image puts the same answer first on both (no discordant pair, p = 1). The
+    fixed `nulls` are for the rate, this test for the link between image and verdict."""
+
     def first(top: int | None, v: LookingVerdict) -> bool:
         return top is not None and top == v.perception_error
 
     t = paired_test([first(v.top_swapped, v) for v in verdicts], [first(v.top_original, v) for v in verdicts])
-    return {"perception_error_first_swapped": round(t.accuracy_first or 0.0, 4),
-            "perception_error_first_original": round(t.accuracy_second or 0.0, 4), "b": t.b, "c": t.c, "p": t.p_value}  # fmt: skip
+    return {
+        "perception_error_first_swapped": round(t.accuracy_first or 0.0, 4),
+        "perception_error_first_original": round(t.accuracy_second or 0.0, 4),
+        "b": t.b,
+        "c": t.c,
+        "p": t.p_value,
+    }
 
 
 def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -288,7 +300,9 @@ def looking_rates(verdicts: Sequence[LookingVerdict]) -> dict[str, Any]:
         "same_top": rate([v.top_original is not None and v.top_original == v.top_swapped for v in verdicts]),
         "blank_correct_first": rate([v.top_blank is not None and v.top_blank == v.best for v in verdicts]),
         "blank_states_truth": rate([v.blank_statement == v.truth for v in verdicts]),
-        "blank_states_truth_chance": round(float(np.mean([1 / len(VALUES[v.kind]) for v in verdicts])), 4) if n else 0.0,
+        "blank_states_truth_chance": round(float(np.mean([1 / len(VALUES[v.kind]) for v in verdicts])), 4)
+        if n
+        else 0.0,
         "blank_states_a_value": rate([v.blank_statement in VALUES[v.kind] for v in verdicts]),
         "disposition_image": rate([v.by_image_original for v in verdicts]),
         "forced": None,
@@ -312,7 +326,9 @@ def looking_report(verdicts: Sequence[LookingVerdict], part: Part | None = None)
     return {s: looking_rates([verdicts[i] for i in keep]) for s, keep in _slices(verdicts, part).items()}
 
 
-def paired_change(before: Sequence[bool], after: Sequence[bool], reps: int = BOOTSTRAP_DRAWS, seed: int = 0) -> dict[str, float]:
+def paired_change(
+    before: Sequence[bool], after: Sequence[bool], reps: int = BOOTSTRAP_DRAWS, seed: int = 0
+) -> dict[str, float]:
     """The mean change after - before over paired items, with a 95% percentile bootstrap
     interval over the items."""
     d = np.asarray(after, dtype=float) - np.asarray(before, dtype=float)
@@ -339,10 +355,13 @@ def _same_items(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict])
         raise ValueError("the two judges' verdicts are not on the same items")
 
 
-def blank_change(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict], part: Part | None = None) -> dict[str, dict[str, float]]:
+def blank_change(
+    base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict], part: Part | None = None
+) -> dict[str, dict[str, float]]:
     """The judge's correct-first on the blank control minus the base judge's with its image
     disposition forced (its own blank verdicts where it has none forced), paired by item, pooled
-    and per kind. A text shortcut is claimed only where the interval is above 0."""
+    and per kind. The disposition alone moves the blank verdicts by kind, so a text shortcut is
+    claimed only against the forced base judge, and only where the interval is above 0."""
     _same_items(base, judge)
 
     def hit(top: int | None, v: LookingVerdict) -> bool:
@@ -350,10 +369,15 @@ def blank_change(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict]
 
     base_hits = [hit(v.forced_blank if v.forced else v.top_blank, v) for v in base]
     judge_hits = [hit(v.top_blank, v) for v in judge]
-    return {s: paired_change([base_hits[i] for i in keep], [judge_hits[i] for i in keep]) for s, keep in _slices(base, part).items()}
+    return {
+        s: paired_change([base_hits[i] for i in keep], [judge_hits[i] for i in keep])
+        for s, keep in _slices(base, part).items()
+    }
 
 
-def ceiling_test(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict], part: Part | None = None) -> dict[str, dict[str, float]]:
+def ceiling_test(
+    base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict], part: Part | None = None
+) -> dict[str, dict[str, float]]:
     """The judge's image-following against the base judge's forced ceiling, paired by item, pooled
     and per kind: exact McNemar (b: the judge follows the image where the forced base judge does
     not, c: the reverse)."""
@@ -363,8 +387,13 @@ def ceiling_test(base: Sequence[LookingVerdict], judge: Sequence[LookingVerdict]
     out = {}
     for s, keep in _slices(base, part).items():
         t = paired_test([mine[i] for i in keep], [ceiling[i] for i in keep])
-        out[s] = {"judge": round(t.accuracy_first or 0.0, 4), "forced_base": round(t.accuracy_second or 0.0, 4),
-                  "b": t.b, "c": t.c, "p": t.p_value}  # fmt: skip
+        out[s] = {
+            "judge": round(t.accuracy_first or 0.0, 4),
+            "forced_base": round(t.accuracy_second or 0.0, 4),
+            "b": t.b,
+            "c": t.c,
+            "p": t.p_value,
+        }
     return out
 
 
@@ -387,7 +416,9 @@ def evaluate_looking(cfg: Any, generate: Callable[[list[JudgePrompt], int], list
 
     e = cfg.eval
     sentence = forced_sentence(e.force_disposition)
-    raw = scene_items(e.num_items, e.scene_seed, K, e.image_size, e.scene_kinds, tuple(e.scene_objects), e.scene_split, "independent")
+    raw = scene_items(
+        e.num_items, e.scene_seed, K, e.image_size, e.scene_kinds, tuple(e.scene_objects), e.scene_split, "independent"
+    )
     items = looking_items(raw, letters_seed=e.scene_seed)
     balanced_letters(items)
     per_seed, rows = [], []
@@ -414,12 +445,21 @@ def evaluate_looking(cfg: Any, generate: Callable[[list[JudgePrompt], int], list
         f"self-contradicting answer and guess per image {null['drop_contradicting']:.0%}; swap_test_p: the paired "
         "swap test (exact McNemar on the perception-error answer first on the swapped vs the original image, per item)",
         "blank_correct_first: the scene without its object (no value to read); forced_image_following: "
-        + (f"with \"{sentence}\" written for the judge after its own \"Image: X.\"" if sentence else
-           "the judge's own \"Image: X.\" kept and nothing more written (eval.force_disposition=false)"),
+        + (
+            f'with "{sentence}" written for the judge after its own "Image: X."'
+            if sentence
+            else 'the judge\'s own "Image: X." kept and nothing more written (eval.force_disposition=false)'
+        ),
         f"independent tuples, letters balanced per kind; per-item verdicts in {ITEMS_FILE}",
     ]
     return EvalReport(
-        bench="looking", judge=e.judge, data="", seeds=list(e.seeds), tables=tables,
-        outputs=len(rows) * len(READ), unparsed=sum(r[k] is None for r in rows for k in READ),
-        notes=notes, convention="pjray: the looking protocol (pjray.eval.looking)",
-    )  # fmt: skip
+        bench="looking",
+        judge=e.judge,
+        data="",
+        seeds=list(e.seeds),
+        tables=tables,
+        outputs=len(rows) * len(READ),
+        unparsed=sum(r[k] is None for r in rows for k in READ),
+        notes=notes,
+        convention="pjray: the looking protocol (pjray.eval.looking)",
+    )

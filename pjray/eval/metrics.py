@@ -1,31 +1,25 @@
 """Pure metric functions for judge evaluation: no I/O, no models, no Ray.
 
-MLLM-as-a-Judge (Dongping-Chen/MLLM-Judge, `scripts/calculate_metrics.ipynb`):
-- score: Pearson r (scipy.stats.pearsonr) per `original_dataset`, and on the pooled items.
-- pair: accuracy per dataset and pooled, with ties (all items) and without ties. The official
-  no-tie rule skips an item when the truth OR the prediction is the tie "C"; the downstream rule
-  (Flex-Judge, Perception-Judge) skips only true ties, so a predicted tie counts as wrong.
-- batch: Levenshtein distance between the predicted and the human ranking strings, per-dataset
-  mean and pooled mean; raw (official) and normalised by max(len) (the paper tables, downstream).
-- averages over datasets: `overall` is the notebook's pooled value; `dataset_mean` the mean of
-  the defined per-dataset values; `paper_mean` the paper's own average (`scripts/Score_analysis.ipynb`,
-  `scripts/pair_analysis.ipynb`): the sum of the per-dataset values over the number of datasets,
-  a dataset without items adding 0 and an undefined one making it undefined (`with_paper_mean`).
+MLLM-as-a-Judge (Dongping-Chen/MLLM-Judge, `scripts/calculate_metrics.ipynb`), each metric per
+`original_dataset` and pooled: score, Pearson r (`score_table`); pair, accuracy with and without
+ties (`pair_accuracy`: the official no-tie rule skips true and predicted ties, the downstream one
+of Flex-Judge and Perception-Judge true ties only); batch, the Levenshtein distance of the
+ranking strings, raw (official) or normalised by max(len) (the papers' tables; `batch_distance`).
+Averages over datasets: `overall` is the notebook's pooled value, `dataset_mean` the mean of the
+defined per-dataset values (`with_dataset_mean`), `paper_mean` the paper's own (`with_paper_mean`).
 
 pjray's own options on top (the official behaviour is every default): `score_table(...,
-unparsed="minus_one")` keeps an unreadable score as -1 in r, as both release scripts do
-(Flex-Judge `test/evaluate.py`, Perception-Judge `eval/evaluate_metric.ipynb`);
+unparsed="minus_one")` keeps an unreadable score as -1 in r, as both release scripts do;
 `majority_verdict` / `vote_pairs` vote pair verdicts by plurality over seeds (pjray's rule, not
-Flex-Judge's: that one is `pjray.eval.flex_judge`). The release scripts end to end, reading
-included, are `pjray.eval.perception_judge` and `pjray.eval.flex_judge`.
+Flex-Judge's). The release scripts end to end, reading included, are `pjray.eval.perception_judge`
+and `pjray.eval.flex_judge`.
 
-MM-JudgeBias (naver-ai/MM-JudgeBias, `mm_judgebias/metrics.py`, `evaluate.py`), S = 10:
-- BD (Bias-Deviation) = mean over pairs with y > 1 of max(0, y - yhat) / (y - 1)
-- BC (Bias-Conformity) = mean of 1 - |y - yhat| / max(y - 1, S - y), 1.0 where that is not > 0
-- pairs with a None score are dropped (and counted). `bias_metric` / `bias_summary` give the
-  official report (`evaluate.compute_report`) or pjray's strict one; see BIAS_CONVENTIONS.
-
-Perceptual-judgment-bias diagnosis (the paper's Mode a / Mode b): see `mode_rates`.
+MM-JudgeBias (naver-ai/MM-JudgeBias, `mm_judgebias/metrics.py`, `evaluate.py`), scores on 1..S
+(S = MAX_SCORE = 10): BD (`bias_deviation`) and BC (`bias_conformity`), pairs with a None score
+dropped and counted; `bias_metric` / `bias_summary` give the official report
+(`evaluate.compute_report`) or pjray's strict one (see BIAS_CONVENTIONS). The perceptual-judgment
+bias diagnosis (the paper's Mode a / Mode b): `mode_rates`. Paired exact McNemar tests:
+`paired_test`, `paired_verdicts`.
 
 Unreadable judge outputs are never dropped silently: every function that drops or penalises
 them returns how many there were.
@@ -232,7 +226,8 @@ def pair_accuracy(records: Sequence[PairRecord], with_ties: bool, tie_rule: str 
     """Accuracy of pair verdicts.
 
     with_ties=True: every item counts. with_ties=False: `official` skips items whose truth or
-    prediction is "C"; `downstream` skips items whose truth is "C" only. An unreadable verdict
+    prediction is "C"; `downstream` (Flex-Judge, Perception-Judge) skips items whose truth is "C"
+    only, so a predicted tie counts as wrong. An unreadable verdict
     (None) is never a tie, so it stays in and counts as wrong under both rules.
     """
     if tie_rule not in TIE_RULES:
@@ -302,8 +297,9 @@ def vote_pairs(per_seed: Sequence[Sequence[PairRecord]]) -> list[PairRecord]:
 
 
 def batch_distance(pred: str | None, truth: str, normalized: bool) -> float:
-    """Levenshtein distance of the ranking strings; an unreadable prediction is the empty string
-    (distance len(truth), normalised 1.0): it is penalised, not dropped."""
+    """Levenshtein distance of the ranking strings, raw (the official notebook) or `normalized` by
+    max(len(pred), len(truth)) (the papers' tables, the downstream evaluations); an unreadable
+    prediction is the empty string (distance len(truth), normalised 1.0): penalised, not dropped."""
     p = pred or ""
     d = Levenshtein.distance(p, truth)
     if not normalized:
@@ -371,9 +367,11 @@ def bias_conformity(pairs: Sequence[tuple[float | None, float | None]], max_scor
 
 
 def bias_metric(
-    bias_type: str, pairs: Sequence[tuple[float | None, float | None]], convention: str = "official",
+    bias_type: str,
+    pairs: Sequence[tuple[float | None, float | None]],
+    convention: str = "official",
     max_score: float = MAX_SCORE,
-) -> BiasValue:  # fmt: skip
+) -> BiasValue:
     """BD for the five dominance/misalignment types, BC for the four robustness types.
 
     `official` (`evaluate.py` `compute_report`): a type with usable pairs always has a value, so
@@ -587,6 +585,15 @@ def paired_verdicts(first: dict[int, dict[str, Any]], second: dict[int, dict[str
     for group in [*groups, OVERALL]:
         these = [i for i in common if group in (OVERALL, first[i]["group"])]
         t = paired_test([bool(first[i]["right"]) for i in these], [bool(second[i]["right"]) for i in these])
-        out.append({"group": group, "n": t.n, "accuracy_first": t.accuracy_first, "accuracy_second": t.accuracy_second,
-                    "b": t.b, "c": t.c, "p_value": t.p_value})  # fmt: skip
+        out.append(
+            {
+                "group": group,
+                "n": t.n,
+                "accuracy_first": t.accuracy_first,
+                "accuracy_second": t.accuracy_second,
+                "b": t.b,
+                "c": t.c,
+                "p_value": t.p_value,
+            }
+        )
     return out

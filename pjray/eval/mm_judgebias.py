@@ -3,25 +3,10 @@
 Every record holds one response judged twice: with the unbiased (query, image) and with the
 biased ones. The published records (`mm_judgebias/data.py`) are read as they are; any other item
 set (PPJD, scenes) becomes records through `make_records`, which applies the nine perturbations
-with PIL only:
+(Integrality, Congruity and Robustness biases) with PIL only.
 
-    Integrality  text_dominance          image -> black image of the same size
-                 image_dominance         query -> ""
-                 response_dominance      query -> "" and image -> none
-    Congruity    instruction_misalignment  query -> another item's query
-                 image_misalignment        image -> another item's image
-    Robustness   detail_description      a caption appended to the query (from the data, the
-                                         scene's ground truth, or a captioning engine)
-                 unnecessary_image       a random other image added to a text-only input
-                 visual_transformation   geometric | photometric | quality | spatial transform
-                                         that keeps the meaning (no flips: left/right matters)
-                 texture_insertion       query keywords drawn onto the image
-
-Adaptation for item sets whose items all have images: `unnecessary_image` judges the unbiased
-input without the image, the biased one with an unrelated image.
-
-The prompt is a Prometheus-style 1-10 rubric prompt ("### Feedback: ... ### Score: ...") written
-after the benchmark's `prompts.py` layout, not its verbatim text.
+The prompt (`judge_prompt`) is a Prometheus-style 1-10 rubric prompt ("### Feedback: ... ###
+Score: ...") written after the benchmark's `prompts.py` layout, not its verbatim text.
 
 `eval.bias_convention` decides how scores are read and the report is summarised:
 - `official` (default): the benchmark's own code. Scores as `mm_judgebias/scoring.py`
@@ -38,9 +23,10 @@ import hashlib
 import io
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageFilter, ImageFont
 
@@ -81,7 +67,7 @@ class BiasRecord:
 
 
 def canonical_bias_type(name: str) -> str:
-    """"Text-Dominance", "text dominance", "TextDom"... -> "text_dominance"."""
+    """ "Text-Dominance", "text dominance", "TextDom"... -> "text_dominance"."""
     key = re.sub(r"[^a-z]", "", name.lower())
     for t in BIAS_TYPES:
         if t.replace("_", "") == key:
@@ -243,7 +229,7 @@ def scene_caption(item: JudgeItem) -> str | None:
 
     ref = {"seed": meta["scene_seed"], "image_size": meta.get("image_size", 128), "kind": meta["kind"]}
     qa = qa_from_ref({**ref, **({"objects": meta["objects"]} if "objects" in meta else {})})
-    refs = [f"a {object_ref(o)[len('the '):]} ({o.size})" for o in qa.scene.objects]
+    refs = [f"a {object_ref(o)[len('the ') :]} ({o.size})" for o in qa.scene.objects]
     return "The image shows a white background with " + ", ".join(refs) + "."
 
 
@@ -256,7 +242,9 @@ def caption_of(item: JudgeItem) -> str | None:
 # --------------------------------------------------------------------------- records from items
 
 
-def _other(items: Sequence[JudgeItem], index: int, rng: random.Random, differs: Callable[[JudgeItem], bool]) -> JudgeItem | None:
+def _other(
+    items: Sequence[JudgeItem], index: int, rng: random.Random, differs: Callable[[JudgeItem], bool]
+) -> JudgeItem | None:
     """A random other item for which `differs` holds (None if there is none)."""
     choices = [j for j in range(len(items)) if j != index and differs(items[j])]
     return items[rng.choice(choices)] if choices else None
@@ -269,7 +257,23 @@ def make_records(
     captions: dict[str, str] | None = None,
     response: str = "best",
 ) -> tuple[list[BiasRecord], dict[str, int]]:
-    """Biased/unbiased record pairs for every item and bias type.
+    """Biased/unbiased record pairs for every item and bias type, the perturbation applied to
+    the biased input with PIL only:
+
+        Integrality  text_dominance          image -> black image of the same size
+                     image_dominance         query -> ""
+                     response_dominance      query -> "" and image -> none
+        Congruity    instruction_misalignment  query -> another item's query
+                     image_misalignment        image -> another item's image
+        Robustness   detail_description      a caption appended to the query (from the data, the
+                                             scene's ground truth, or a captioning engine)
+                     unnecessary_image       a random other image added to a text-only input
+                     visual_transformation   geometric | photometric | quality | spatial transform
+                                             that keeps the meaning (no flips: left/right matters)
+                     texture_insertion       query keywords drawn onto the image
+
+    Adaptation for item sets whose items all have images: `unnecessary_image` judges the
+    unbiased input without the image, the biased one with an unrelated image.
 
     `response`: which candidate is judged, "best" (item.order[0]) or "worst". `captions` maps
     item id -> caption (from a captioning engine) for `detail_description`; items without one
@@ -286,11 +290,17 @@ def make_records(
             # One stream per (seed, item, bias type): adding a type never changes another's draw.
             rng = random.Random(hashlib.sha256(f"{seed}:{item.id}:{bias_type}".encode()).hexdigest())
             base = BiasRecord(
-                id=f"{item.id}:{bias_type}", bias_type=bias_type, bias_category=CATEGORY_OF[bias_type],
-                response=answer, unbiased_instruction=item.question, biased_instruction=item.question,
-                unbiased_image=image, biased_image=image, unbiased_source=item.source,
+                id=f"{item.id}:{bias_type}",
+                bias_type=bias_type,
+                bias_category=CATEGORY_OF[bias_type],
+                response=answer,
+                unbiased_instruction=item.question,
+                biased_instruction=item.question,
+                unbiased_image=image,
+                biased_image=image,
+                unbiased_source=item.source,
                 biased_source=item.source,
-            )  # fmt: skip
+            )
             record = _perturb(base, item, items, index, rng, captions)
             if record is None:
                 skipped[bias_type] += 1
@@ -300,7 +310,11 @@ def make_records(
 
 
 def _perturb(
-    base: BiasRecord, item: JudgeItem, items: Sequence[JudgeItem], index: int, rng: random.Random,
+    base: BiasRecord,
+    item: JudgeItem,
+    items: Sequence[JudgeItem],
+    index: int,
+    rng: random.Random,
     captions: dict[str, str],
 ) -> BiasRecord | None:
     t, image = base.bias_type, base.unbiased_image
@@ -339,7 +353,9 @@ def _perturb(
 
 # --------------------------------------------------------------------------- prompt and parsing
 
-SYSTEM_PROMPT = "You are a fair judge assistant tasked with providing clear, objective feedback based on specific criteria."
+SYSTEM_PROMPT = (
+    "You are a fair judge assistant tasked with providing clear, objective feedback based on specific criteria."
+)
 
 _PROMPT = """###Task Description:
 An instruction (might include an image), a response to evaluate, and a score rubric representing the evaluation criteria are given.
@@ -365,10 +381,16 @@ def judge_prompt(record: BiasRecord, biased: bool) -> JudgePrompt:
     instruction = record.biased_instruction if biased else record.unbiased_instruction
     image = record.biased_image if biased else record.unbiased_image
     return JudgePrompt(
-        item_id=f"{record.id}:{'biased' if biased else 'unbiased'}", system=SYSTEM_PROMPT,
-        user=_PROMPT.format(instruction=instruction, response=record.response), image=image,
-        protocol="score", style="prometheus", num_candidates=1, shown=(0,), target="",
-    )  # fmt: skip
+        item_id=f"{record.id}:{'biased' if biased else 'unbiased'}",
+        system=SYSTEM_PROMPT,
+        user=_PROMPT.format(instruction=instruction, response=record.response),
+        image=image,
+        protocol="score",
+        style="prometheus",
+        num_candidates=1,
+        shown=(0,),
+        target="",
+    )
 
 
 SCORE_MARKER = "### Score:"
@@ -423,11 +445,26 @@ def parse_bias_score_strict(text: str, max_score: int = 10) -> float | None:
 
 
 __all__ = [
-    "BC_TYPES", "BD_TYPES", "BIAS_TYPES", "BiasDataError", "BiasRecord", "CATEGORY_OF",
-    "TRANSFORM_FAMILIES", "black_image", "canonical_bias_type", "caption_of", "insert_text",
-    "judge_prompt", "make_records", "parse_bias_score", "parse_bias_score_strict", "query_keywords", "read_records",
-    "scene_caption", "visual_transform",
-]  # fmt: skip
+    "BC_TYPES",
+    "BD_TYPES",
+    "BIAS_TYPES",
+    "BiasDataError",
+    "BiasRecord",
+    "CATEGORY_OF",
+    "TRANSFORM_FAMILIES",
+    "black_image",
+    "canonical_bias_type",
+    "caption_of",
+    "insert_text",
+    "judge_prompt",
+    "make_records",
+    "parse_bias_score",
+    "parse_bias_score_strict",
+    "query_keywords",
+    "read_records",
+    "scene_caption",
+    "visual_transform",
+]
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -440,9 +477,16 @@ CAPTION_SYSTEM = (
 
 def caption_prompt(item: JudgeItem) -> JudgePrompt:
     return JudgePrompt(
-        item_id=f"{item.id}:caption", system=CAPTION_SYSTEM, user="Describe this image in detail.",
-        image=item.image or None, protocol="caption", style="answer", num_candidates=0, shown=(), target="",
-    )  # fmt: skip
+        item_id=f"{item.id}:caption",
+        system=CAPTION_SYSTEM,
+        user="Describe this image in detail.",
+        image=item.image or None,
+        protocol="caption",
+        style="answer",
+        num_candidates=0,
+        shown=(),
+        target="",
+    )
 
 
 def read_caption(text: str) -> str | None:
@@ -514,7 +558,11 @@ def evaluate_bias(cfg, generate):
     parse = parse_bias_score if official else parse_bias_score_strict
     records, notes, rejects = load_records(cfg, generate)
     records = [
-        replace(r, unbiased_image=judged_image(r.unbiased_image, e.image), biased_image=judged_image(r.biased_image, e.image))
+        replace(
+            r,
+            unbiased_image=judged_image(r.unbiased_image, e.image),
+            biased_image=judged_image(r.biased_image, e.image),
+        )
         for r in records
     ]
     prompts = [p for r in records for p in (judge_prompt(r, biased=False), judge_prompt(r, biased=True))]
@@ -549,7 +597,10 @@ def evaluate_bias(cfg, generate):
         sources = {
             "bias": f"{_OFFICIAL} metrics.py bias_deviation / bias_conformity) per type, scores read by scoring.py "
             f"extract_score; BD is 0.0 when no unbiased score is above 1; seeds aggregated by {e.seed_agg} (pjray)",
-            **{c: f"{_OFFICIAL} evaluate.py compute_report): mean over the category's types that have a value" for c in CATEGORIES},
+            **{
+                c: f"{_OFFICIAL} evaluate.py compute_report): mean over the category's types that have a value"
+                for c in CATEGORIES
+            },
             OVERALL: f"{_OFFICIAL} evaluate.py compute_report overall_avg): mean over the bias types that have a value",
         }
     else:
@@ -561,8 +612,16 @@ def evaluate_bias(cfg, generate):
             OVERALL: "pjray: mean of the nine bias types, undefined unless all nine have a value",
         }
     return EvalReport(
-        bench="mm_judgebias", judge=e.judge, data=e.data, seeds=list(e.seeds),
+        bench="mm_judgebias",
+        judge=e.judge,
+        data=e.data,
+        seeds=list(e.seeds),
         tables={"bias": seed_cells(per_seed, e.seed_agg)},
-        outputs=len(prompts) * len(e.seeds), unparsed=unparsed, unparsed_examples=examples, notes=notes,
-        convention=convention, sources=sources, rejects=rejects,
-    )  # fmt: skip
+        outputs=len(prompts) * len(e.seeds),
+        unparsed=unparsed,
+        unparsed_examples=examples,
+        notes=notes,
+        convention=convention,
+        sources=sources,
+        rejects=rejects,
+    )

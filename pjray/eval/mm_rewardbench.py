@@ -13,16 +13,9 @@ judges every row a second time with Output2 as A (reported apart: `official_swap
 Judging: one user turn, the MT-Bench-style pairwise prompt of the inference script (no system
 prompt, no tie, verdict "[[A]]" or "[[B]]") and the image.
 
-Scoring, as `2_get_accuracy.py` does (`official`):
-- reading: "[[A]]" anywhere in the output wins (even beside "[[B]]"), then "[[B]]"; otherwise a
-  coin, `random.random() < 0.5` -> A, from a generator seeded 123 once before the file is read
-  and drawn only for the unreadable outputs, in file order: an unreadable output is neither
-  wrong nor dropped;
-- accuracy pooled over all rows (`overall`, the leaderboard's Overall) and per category, safety
-  split into safety/bias (ID starting "pairs", any case) and safety/toxicity, reasoning into
-  reasoning/math (ID starting "math") and reasoning/coding.
-The script reads one output a row; with several samples (eval.seeds) each sample is scored as
-its own answers file (the coin reseeded) and the values averaged over samples.
+Scoring, as `2_get_accuracy.py` does (`official`): its reading (`official_choice`), a seeded coin
+for an unreadable output, which is then neither wrong nor dropped, and accuracy pooled over all
+rows (`overall`, the leaderboard's Overall) and per category (`category_of`; `coin_accuracy`).
 pjray's strict reading (`strict`) beside it: the last "[[A]]" or "[[B]]" of the output, none =
 wrong (`pjray.eval.reward_bench`).
 """
@@ -45,9 +38,15 @@ from pjray.eval.report import Cell, seed_cells
 NAME = "mm_rewardbench"
 SOURCE = "facebookresearch/multimodal_rewardbench scripts/2_get_accuracy.py (reading, seeded coin, accuracies)"
 GROUPS = (
-    "open_generation/correctness_task", "open_generation/preference_task", "knowledge", "reasoning/math",
-    "reasoning/coding", "safety/bias", "safety/toxicity", "vqa",
-)  # fmt: skip
+    "open_generation/correctness_task",
+    "open_generation/preference_task",
+    "knowledge",
+    "reasoning/math",
+    "reasoning/coding",
+    "safety/bias",
+    "safety/toxicity",
+    "vqa",
+)
 MACRO = None  # the script reports no average over categories
 FIXED_ORDER = True  # Output1 is A; swapped samples are eval.both_orders' second order
 COIN_SEED = 123
@@ -55,7 +54,9 @@ _STRICT_VERDICT = re.compile(r"\[\[([AB])\]\]")
 
 
 def category_of(category: str, row_id: str) -> str:
-    """The script's reporting category: safety and reasoning split by ID prefix."""
+    """The script's reporting category: safety split into safety/bias (ID starting "pairs", any
+    case) and safety/toxicity, reasoning into reasoning/math (ID starting "math") and
+    reasoning/coding."""
     if category == "safety":
         return "safety/bias" if row_id.lower().startswith("pairs") else "safety/toxicity"
     if category == "reasoning":
@@ -81,9 +82,15 @@ def parse_row(raw: Any, root: Path, where: str, index: int) -> PreferenceRow:
         raise PreferenceDataError(f"{where}: no Image")
     row_id = str(raw["ID"])
     return PreferenceRow(
-        index=index, id=row_id, query=str(raw["Text"]), responses=(raw["Output1"], raw["Output2"]), image=image,
-        better=0 if raw["Better"] == "Output1" else 1, group=category_of(str(raw["Category"]), row_id), key=str(index),
-    )  # fmt: skip
+        index=index,
+        id=row_id,
+        query=str(raw["Text"]),
+        responses=(raw["Output1"], raw["Output2"]),
+        image=image,
+        better=0 if raw["Better"] == "Output1" else 1,
+        group=category_of(str(raw["Category"]), row_id),
+        key=str(index),
+    )
 
 
 # --------------------------------------------------------------------------- judging
@@ -139,8 +146,12 @@ class _Rate:
     unparsed: int = 0  # outputs the coin decided
 
 
-def coin_accuracy(rows: Sequence[PreferenceRow], samples: Sequence[Sample], prompt_format: str = "original") -> dict[str, _Rate]:
-    """`compute_acc` on one answers file: `samples` in file order, one a row."""
+def coin_accuracy(
+    rows: Sequence[PreferenceRow], samples: Sequence[Sample], prompt_format: str = "original"
+) -> dict[str, _Rate]:
+    """`compute_acc` on one answers file: `samples` in file order, one a row. An unreadable
+    output gets a coin, `random.random() < 0.5` -> A, from a generator seeded COIN_SEED once
+    before the file is read and drawn only for the unreadable outputs, in file order."""
     by_row = {r.index: r for r in rows}
     read = paper_choice if prompt_format == "paper" else official_choice
     coin = random.Random(COIN_SEED)
@@ -164,7 +175,9 @@ def official_tables(
     rows: Sequence[PreferenceRow], samples: Sequence[Sample], prompt_format: str
 ) -> tuple[dict[str, dict[str, Cell]], dict[str, str], list[str]]:
     """`official` (Output1 as A), and `official_swapped_order` when swapped samples exist:
-    sample i of every row is answers file i."""
+    sample i of every row is answers file i. The script reads one output a row; with several
+    samples (eval.seeds) each sample is scored as its own answers file (the coin reseeded) and
+    the values averaged over samples."""
     tables = {}
     for name, order in (("official", False), ("official_swapped_order", True)):
         files = sample_files([s for s in samples if s.swapped == order])

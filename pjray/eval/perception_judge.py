@@ -7,28 +7,13 @@ and the cells after each that average them over the seed files; the rows they re
 by `eval/generate_judgment.py` `main`: {text, pred, gt, dataset}, `text` being the whole generated
 text (think included, stripped), `gt` the human answer as a string.
 
-Reading a raw text, where pjray's strict reader (`pjray.reward.parse`) differs on every point:
-- `<answer>N</answer>` (score, pair): N a run of decimal digits and nothing else between the
-  tags: no whitespace, sign, decimal point or label. Every such block in the text counts, those
-  inside the think text too; Python's `\\d` and `int` also take non-ASCII digits ("٧" is 7).
-- score: the FIRST such integer v, predicted as ceil(v / 2); -1 when there is none, and -1 when
-  ceil(v / 2) > 5 (v >= 11); v = 0 predicts 0.
-- pair: the first two integers; A if the first is larger, B if smaller, C if equal, and C when
-  there are fewer than two: an unreadable verdict is a predicted tie, which is right on a true tie.
-- batch: every run of decimal digits inside every `<answer>...</answer>` block (blocks may span
-  lines and hold any text: "Assistant 1: 8" gives 1 and 8, "7.5" gives 7 and 5, "-3" gives 3,
-  " 8 " gives 8), flattened in order and cut to len(truth), then ranked highest first with ties
-  to the later letter; no digits rank nothing ("").
-
-Metrics, per seed file:
-- pair: accuracy per dataset and pooled, with ties (every item) and without (true ties skipped;
-  a predicted C is wrong).
-- batch: Levenshtein(pred, truth) / max(len(pred), len(truth)), the normalised distance only;
-  items whose truth has at most 2 letters are skipped (a dataset left empty is nan); mean per
-  dataset and pooled.
-- score: scipy pearsonr of the predictions and int(gt), per dataset and pooled.
-Seeds: each number is `np.mean` of its per-seed values, so one undefined seed (a nan r from a
-constant prediction list) leaves it undefined (`metrics.MEAN_IF_ALL`).
+Reading a raw text differs from pjray's strict reader (`pjray.reward.parse`) on every point: only
+`<answer>N</answer>` blocks holding nothing but decimal digits count, those inside the think text
+too (pair: `read_pair`, as Flex-Judge's scripts read it, which the release inherits), and the
+score and batch rules are the notebook's (`read_score`, `read_batch`). Metrics per seed file are
+the notebook's (`pair_tables`, `score_tables`, `batch_tables`); each number is `np.mean` of its
+per-seed values, so one undefined seed (a nan r from a constant prediction list) leaves it
+undefined (`metrics.MEAN_IF_ALL`).
 
 The notebook prints the per-dataset values and `overall` (pooled); `dataset_mean` (the mean of
 the per-dataset values, undefined if one is) is pjray's addition. Where the notebook stops with
@@ -73,8 +58,9 @@ __all__ = ["read_pair", "read_score", "read_batch", "TABLES", "SOURCES"]
 
 
 def read_score(text: str) -> float | None:
-    """ceil(v / 2) of the first answer integer v, -1 when that exceeds 5; None (counted, then
-    -1) when there is no answer integer (`calculate_pearson_metrics`)."""
+    """ceil(v / 2) of the FIRST answer integer v (`answer_integers`), -1 when that exceeds 5
+    (v >= 11), 0 for v = 0; None (counted, then -1) when there is no answer integer
+    (`calculate_pearson_metrics`)."""
     v = answer_integers(text)
     if not v:
         return None
@@ -84,7 +70,11 @@ def read_score(text: str) -> float | None:
 
 def read_batch(text: str, truth_len: int) -> str | None:
     """The ranking of the first `truth_len` digit runs inside the answer blocks; None (counted,
-    then "") when there is none (`calculate_levenshtein_metrics`)."""
+    then "", which ranks nothing) when there is none (`calculate_levenshtein_metrics`).
+
+    Every run of decimal digits inside every `<answer>...</answer>` block counts (blocks may span
+    lines and hold any text: "Assistant 1: 8" gives 1 and 8, "7.5" gives 7 and 5, "-3" gives 3,
+    " 8 " gives 8), flattened in order, then ranked highest first with ties to the later letter."""
     try:
         v = [int(d) for block in _ANSWER_BLOCK_RE.findall(text) for d in _DIGITS_RE.findall(block)]
     except ValueError:  # beyond Python's int() limit: the notebook stops there
@@ -166,6 +156,8 @@ def _over_seeds(per_seed_tables: list[Table]) -> dict[str, Cell]:
 
 
 def pair_tables(per_seed: Sequence[Sequence[PairRecord]]) -> dict[str, dict[str, Cell]]:
+    """Accuracy per dataset and pooled, with ties (every item) and without (true ties skipped; a
+    predicted C is wrong); each the mean over the seeds."""
     return {
         "acc_with_tie": _over_seeds([_pair_table(records, True) for records in per_seed]),
         "acc_without_tie": _over_seeds([_pair_table(records, False) for records in per_seed]),
@@ -173,10 +165,14 @@ def pair_tables(per_seed: Sequence[Sequence[PairRecord]]) -> dict[str, dict[str,
 
 
 def score_tables(per_seed: Sequence[Sequence[ScoreRecord]]) -> dict[str, dict[str, Cell]]:
+    """scipy pearsonr of the predictions and int(gt), per dataset and pooled; the mean over seeds."""
     return {"pearson": _over_seeds([_score_table(records) for records in per_seed])}
 
 
 def batch_tables(per_seed: Sequence[Sequence[BatchRecord]]) -> dict[str, dict[str, Cell]]:
+    """Levenshtein(pred, truth) / max(len(pred), len(truth)), the normalised distance only, mean
+    per dataset and pooled; items whose truth has at most 2 letters are skipped (a dataset left
+    empty is nan); the mean over the seeds."""
     return {"levenshtein_norm": _over_seeds([_batch_table(records) for records in per_seed])}
 
 

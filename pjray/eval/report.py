@@ -121,13 +121,20 @@ def _fmt(v: float | None) -> str:
 def to_markdown(report: EvalReport) -> str:
     """The report as markdown: one row per dataset/bias, one column per metric table (each
     followed by its blind passes' columns); n and unparsed are the main pass's."""
-    lines = [f"# Evaluation: {report.bench}", "", f"- judge: `{report.judge}`", f"- data: `{report.data or 'synthetic scenes'}`"]
+    lines = [
+        f"# Evaluation: {report.bench}",
+        "",
+        f"- judge: `{report.judge}`",
+        f"- data: `{report.data or 'synthetic scenes'}`",
+    ]
     lines.append(f"- seeds: {report.seeds}")
     frac = report.unparsed / report.outputs if report.outputs else 0.0
     lines.append(f"- judge outputs: {report.outputs}, unparseable: {report.unparsed} ({frac:.1%})")
     for mode, blind in report.blind.items():
         frac = blind.unparsed / blind.outputs if blind.outputs else 0.0
-        lines.append(f"- blind pass [{mode}]: judge outputs {blind.outputs}, unparseable: {blind.unparsed} ({frac:.1%})")
+        lines.append(
+            f"- blind pass [{mode}]: judge outputs {blind.outputs}, unparseable: {blind.unparsed} ({frac:.1%})"
+        )
     if report.rejects:
         first = report.rejects[0]
         lines.append(
@@ -159,10 +166,19 @@ def to_markdown(report: EvalReport) -> str:
         first = next(c for c in cells if c is not None)
         lines.append(f"| {r} | " + " | ".join(shown) + f" | {first.n} | {first.unparsed} |")
     for name, tests in report.paired.items():
-        lines += ["", f"Paired test, {name} (exact McNemar on the per-item verdicts; b: right only with the first, "
-                  "c: right only with the second):", "", "| group | n | first | second | b | c | p |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-        lines += [f"| {t['group']} | {t['n']} | {_fmt(t['accuracy_first'])} | {_fmt(t['accuracy_second'])} | {t['b']} | "
-                  f"{t['c']} | {t['p_value']:.3g} |" for t in tests]  # fmt: skip
+        lines += [
+            "",
+            f"Paired test, {name} (exact McNemar on the per-item verdicts; b: right only with the first, "
+            "c: right only with the second):",
+            "",
+            "| group | n | first | second | b | c | p |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {t['group']} | {t['n']} | {_fmt(t['accuracy_first'])} | {_fmt(t['accuracy_second'])} | {t['b']} | "
+            f"{t['c']} | {t['p_value']:.3g} |"
+            for t in tests
+        ]
     if report.sources:
         lines += ["", "Where each number comes from:", ""]
         lines += [f"- `{name}`: {source}" for name, source in report.sources.items()]
@@ -181,7 +197,9 @@ def _plot(report: EvalReport, out_dir: Path) -> list[Path]:
 
     paths = []
     tables = list(report.tables.items())
-    fig, axes = plt.subplots(len(tables), 1, figsize=(max(6.0, 0.6 * max(len(r) for _, r in tables) + 2), 3.2 * len(tables)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(tables), 1, figsize=(max(6.0, 0.6 * max(len(r) for _, r in tables) + 2), 3.2 * len(tables)), squeeze=False
+    )
     for ax, (name, rows) in zip(axes[:, 0], tables):
         labels = list(rows)
         values = [rows[r].value if rows[r].value is not None else 0.0 for r in labels]
@@ -227,8 +245,10 @@ def write_report(report: EvalReport, out_dir: str | Path, plots: bool = True) ->
     for part in [body, *body["blind"].values()]:  # one line a sample or item, in files of their own
         del part["samples"], part["items"]
     paths["json"].write_text(json.dumps(body, indent=2, default=str))
-    for mode, samples, items in [("", report.samples, report.items),
-                                 *((f".{m}", b.samples, b.items) for m, b in report.blind.items())]:  # fmt: skip
+    for mode, samples, items in [
+        ("", report.samples, report.items),
+        *((f".{m}", b.samples, b.items) for m, b in report.blind.items()),
+    ]:
         if samples:
             paths[f"outputs{mode}"] = out / f"outputs{mode}.jsonl"
             paths[f"outputs{mode}"].write_text("".join(json.dumps(line) + "\n" for line in samples))
@@ -251,7 +271,10 @@ def write_comparison(names: list[str], reports: list[EvalReport], out_dir: Path)
     paired exact McNemar test on their per-item verdicts over the rows both judged."""
     summary_rows = ("overall", "macro")
     columns = [(t, r) for t in reports[0].tables for r in summary_rows if r in reports[0].tables[t]]
-    table = [{f"{t}/{r}": (cell.value if (cell := rep.tables.get(t, {}).get(r)) else None) for t, r in columns} for rep in reports]
+    table = [
+        {f"{t}/{r}": (cell.value if (cell := rep.tables.get(t, {}).get(r)) else None) for t, r in columns}
+        for rep in reports
+    ]
     pairs = []
     for i in range(len(names)):
         for j in range(i + 1, len(names)):
@@ -260,15 +283,29 @@ def write_comparison(names: list[str], reports: list[EvalReport], out_dir: Path)
     body = {"bench": reports[0].bench, "judges": names, "values": table, "paired": pairs}
     paths = {"json": out_dir / "compare.json", "markdown": out_dir / "compare.md"}
     paths["json"].write_text(json.dumps(body, indent=2))
-    lines = [f"# Judge vs judge: {body['bench']}", "", "| judge | " + " | ".join(f"{t} {r}" for t, r in columns) + " |",
-             "|" + "---|" * (len(columns) + 1)]  # fmt: skip
+    lines = [
+        f"# Judge vs judge: {body['bench']}",
+        "",
+        "| judge | " + " | ".join(f"{t} {r}" for t, r in columns) + " |",
+        "|" + "---|" * (len(columns) + 1),
+    ]
     lines += [f"| `{n}` | " + " | ".join(_fmt(v) for v in row.values()) + " |" for n, row in zip(names, table)]
-    lines += ["", "Paired exact McNemar tests on the same items (pjray's strict per-item verdicts; b: right only "
-              "with the first judge, c: right only with the second). A gap whose p is large may be noise.", ""]  # fmt: skip
-    lines += ["| first | second | group | n | first acc | second acc | b | c | p |", "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Paired exact McNemar tests on the same items (pjray's strict per-item verdicts; b: right only "
+        "with the first judge, c: right only with the second). A gap whose p is large may be noise.",
+        "",
+    ]
+    lines += [
+        "| first | second | group | n | first acc | second acc | b | c | p |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for pair in pairs:
-        lines += [f"| `{pair['first']}` | `{pair['second']}` | {t['group']} | {t['n']} | {_fmt(t['accuracy_first'])} | "
-                  f"{_fmt(t['accuracy_second'])} | {t['b']} | {t['c']} | {t['p_value']:.3g} |" for t in pair["tests"]]  # fmt: skip
+        lines += [
+            f"| `{pair['first']}` | `{pair['second']}` | {t['group']} | {t['n']} | {_fmt(t['accuracy_first'])} | "
+            f"{_fmt(t['accuracy_second'])} | {t['b']} | {t['c']} | {t['p_value']:.3g} |"
+            for t in pair["tests"]
+        ]
     paths["markdown"].write_text("\n".join(lines) + "\n")
     return paths
 

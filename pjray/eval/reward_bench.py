@@ -3,30 +3,20 @@
 Both give an image, a query and two responses, one of them preferred by people; a judge is right
 when it prefers that one. What the two share lives here: the row (`PreferenceRow`), judging every
 row under each `eval.seeds` sample (the judge's outputs, one `Sample` a line), the outputs file
-(`eval.outputs`: outputs produced elsewhere, scored without generation), pjray's strict scoring,
-the per-item verdicts the paired tests use, and the evaluation entry points (`pjray eval` and the
-trainer's validation). What differs, each benchmark's reader, prompt, verdict reading and
-official scoring, is a `PreferenceBench` in `pjray.eval.vl_rewardbench` and
+(`read_outputs`: outputs produced elsewhere, scored without generation), pjray's strict scoring,
+the per-item verdicts the paired tests use (`item_verdicts`), and the evaluation entry points
+(`pjray eval` and the trainer's validation). What differs, each benchmark's reader, prompt,
+verdict reading and official scoring, is a `PreferenceBench` in `pjray.eval.vl_rewardbench` and
 `pjray.eval.mm_rewardbench`.
-
-Outputs file (`outputs.jsonl`, written by every run; `eval.outputs` reads the same layout): one
-JSON object a line, `{"row": <0-based row index>, "output": "<raw text>", "swapped": <true when
-response 2 / Output2 was shown first>}`; a run also writes the sample's `seed`. The lines of a row,
-in file order, are its samples; the official scripts' line order is row by row, and VL-RewardBench's
-official vote depends on it (its seeded shuffle runs over the lines as they stand).
 
 Verdicts are read two ways, each labelled in the report:
 - `official`: the benchmark's own script (its reading, its vote, its denominators: see the
   benchmark's module);
 - `strict` (pjray): a verdict names response 1 or 2 unambiguously or it is wrong; accuracy over
   every row, per sample, then averaged over the samples (`eval.seed_agg`).
-
-Per-item verdicts (the blind twin's and the judge-vs-judge paired tests): pjray's strict reading,
-an item right when more than half of its samples are right.
-
 With the paper prompt (`eval.prompt_format=paper`: the Perception-Judge pair prompt, two scores),
-both conventions read the two scores (the higher one is the judge's choice; equal scores choose
-nothing) and the official one applies the benchmark's vote and denominators to those choices.
+both conventions read the two scores (`choice`, `pjray.eval.preference.paper_choice`) and the
+official one applies the benchmark's vote and denominators to those choices.
 """
 
 from __future__ import annotations
@@ -47,9 +37,15 @@ from pjray.eval import mm_rewardbench, vl_rewardbench
 from pjray.eval.blind import MISMATCHED, shown_images
 from pjray.eval.metrics import OVERALL
 from pjray.eval.preference import (
-    PreferenceBench, PreferenceDataError, PreferenceRow, Sample, paper_choice, preferred_slot, sample_files,
+    PreferenceBench,
+    PreferenceDataError,
+    PreferenceRow,
+    Sample,
+    paper_choice,
+    preferred_slot,
+    sample_files,
     samples_by_index,
-)  # fmt: skip
+)
 from pjray.eval.report import Cell, EvalReport, seed_cells
 from pjray.types import JudgePrompt
 
@@ -70,9 +66,12 @@ def scan_rows(
     0-based position among the rows read; a bad row is a reject naming it."""
     position = itertools.count()
     return scan_source(
-        source, lambda raw, root, where: bench.parse_row(raw, root, where, next(position)), image_dir, limit,
+        source,
+        lambda raw, root, where: bench.parse_row(raw, root, where, next(position)),
+        image_dir,
+        limit,
         PreferenceDataError,
-    )  # fmt: skip
+    )
 
 
 def judge_prompt(bench: PreferenceBench, row: PreferenceRow, swapped: bool, prompt_format: str) -> JudgePrompt:
@@ -80,19 +79,31 @@ def judge_prompt(bench: PreferenceBench, row: PreferenceRow, swapped: bool, prom
     system prompt) or pjray's paper pair prompt, responses in the order `swapped` says."""
     if prompt_format == "paper":
         return render_pair(
-            row.query, row.image, *row.responses, item_id=f"{bench.NAME}-{row.index}", truth="AB"[row.better], swap=swapped
+            row.query,
+            row.image,
+            *row.responses,
+            item_id=f"{bench.NAME}-{row.index}",
+            truth="AB"[row.better],
+            swap=swapped,
         )
     if prompt_format != "original":
         raise ValueError(f"unknown prompt format {prompt_format!r}; expected one of {PROMPT_FORMATS}")
     return JudgePrompt(
-        item_id=f"{bench.NAME}-{row.index}", system="", user=bench.official_prompt(row, swapped), image=row.image,
-        protocol="pair", style="original", num_candidates=2, shown=(1, 0) if swapped else (0, 1),
+        item_id=f"{bench.NAME}-{row.index}",
+        system="",
+        user=bench.official_prompt(row, swapped),
+        image=row.image,
+        protocol="pair",
+        style="original",
+        num_candidates=2,
+        shown=(1, 0) if swapped else (0, 1),
         target="AB"[preferred_slot(row, swapped) - 1],
-    )  # fmt: skip
+    )
 
 
 def choice(bench: PreferenceBench, text: str, prompt_format: str) -> int | None:
-    """pjray's strict choice: 1 or 2, None when the verdict does not name one."""
+    """pjray's strict choice: 1 or 2, None when the verdict does not name one. With the paper
+    prompt, the higher of the two scores; equal scores choose nothing."""
     return paper_choice(text) if prompt_format == "paper" else bench.strict_choice(text)
 
 
@@ -100,9 +111,14 @@ def choice(bench: PreferenceBench, text: str, prompt_format: str) -> int | None:
 
 
 def judge_rows(
-    bench: PreferenceBench, rows: Sequence[PreferenceRow], images: Sequence[bytes | None], prompt_format: str,
-    seeds: Sequence[int], generate: Generate, orders: Callable[[PreferenceRow, int], list[bool]] | None = None,
-) -> list[Sample]:  # fmt: skip
+    bench: PreferenceBench,
+    rows: Sequence[PreferenceRow],
+    images: Sequence[bytes | None],
+    prompt_format: str,
+    seeds: Sequence[int],
+    generate: Generate,
+    orders: Callable[[PreferenceRow, int], list[bool]] | None = None,
+) -> list[Sample]:
     """Every row judged once per seed (one sample per seed, each with its own response order:
     `orders(row, seed)`, by default the benchmark's one order), row by row in the result."""
     orders = orders or (lambda row, seed: [bench.swapped(row, seed)])
@@ -115,10 +131,18 @@ def judge_rows(
     return [s for row in rows for s in per_row[row.index]]
 
 
-def read_outputs(bench: PreferenceBench, path: str | Path, rows: Sequence[PreferenceRow]) -> tuple[list[Sample], list[str]]:
+def read_outputs(
+    bench: PreferenceBench, path: str | Path, rows: Sequence[PreferenceRow]
+) -> tuple[list[Sample], list[str]]:
     """The samples of an outputs file (`eval.outputs`) for `rows`, in file order, and notes on
     what the file leaves out. A line naming no row of the benchmark, or without its output
-    (or, where the order varies per sample, its `swapped`), is an error naming the line."""
+    (or, where the order varies per sample, its `swapped`), is an error naming the line.
+
+    The layout (`outputs.jsonl`, written by every run): one JSON object a line, `{"row": <0-based
+    row index>, "output": "<raw text>", "swapped": <true when response 2 / Output2 was shown
+    first>}`; a run also writes the sample's `seed`. The lines of a row, in file order, are its
+    samples; the official scripts' line order is row by row, and VL-RewardBench's official vote
+    depends on it (its seeded shuffle runs over the lines as they stand)."""
     path = Path(path)
     if not path.is_file():
         raise PreferenceDataError(f"eval.outputs: {path}: no such file")
@@ -131,14 +155,18 @@ def read_outputs(bench: PreferenceBench, path: str | Path, rows: Sequence[Prefer
         if not isinstance(raw, dict) or not isinstance(raw.get("row"), int) or isinstance(raw.get("row"), bool):
             raise PreferenceDataError(f'{where}: expected {{"row": <int>, "output": <str>, ...}}')
         if raw["row"] not in indices:
-            raise PreferenceDataError(f"{where}: row {raw['row']} is not a row of the benchmark as read "
-                                      f"({len(rows)} rows; eval.limit and rejected rows leave rows out)")  # fmt: skip
+            raise PreferenceDataError(
+                f"{where}: row {raw['row']} is not a row of the benchmark as read "
+                f"({len(rows)} rows; eval.limit and rejected rows leave rows out)"
+            )
         if not isinstance(raw.get("output"), str):
             raise PreferenceDataError(f"{where}: 'output' must be the judge's raw text (a string)")
         swapped = raw.get("swapped", None)
         if swapped is None and not bench.FIXED_ORDER:
-            raise PreferenceDataError(f"{where}: 'swapped' is required ({bench.NAME} shows the responses in an order "
-                                      "chosen per sample; true when response[1] was Answer 1)")  # fmt: skip
+            raise PreferenceDataError(
+                f"{where}: 'swapped' is required ({bench.NAME} shows the responses in an order "
+                "chosen per sample; true when response[1] was Answer 1)"
+            )
         if swapped is not None and not isinstance(swapped, bool):
             raise PreferenceDataError(f"{where}: 'swapped' must be true or false")
         samples.append(Sample(raw["row"], raw["output"], bool(swapped)))
@@ -149,8 +177,10 @@ def read_outputs(bench: PreferenceBench, path: str | Path, rows: Sequence[Prefer
     judged = {s.row for s in samples}
     notes = []
     if len(judged) < len(rows):
-        notes.append(f"eval.outputs: {len(rows) - len(judged)} of {len(rows)} rows have no output in {path}: "
-                     "left out of every number")  # fmt: skip
+        notes.append(
+            f"eval.outputs: {len(rows) - len(judged)} of {len(rows)} rows have no output in {path}: "
+            "left out of every number"
+        )
     return samples, notes
 
 
@@ -170,9 +200,13 @@ class _Rate:
 
 
 def strict_table(
-    bench: PreferenceBench, rows: Sequence[PreferenceRow], samples: Sequence[Sample], prompt_format: str,
-    seed_agg: str = "mean", macro: str | None = None,
-) -> dict[str, Cell]:  # fmt: skip
+    bench: PreferenceBench,
+    rows: Sequence[PreferenceRow],
+    samples: Sequence[Sample],
+    prompt_format: str,
+    seed_agg: str = "mean",
+    macro: str | None = None,
+) -> dict[str, Cell]:
     """pjray's strict accuracy: sample i of every row judged (an unreadable verdict is wrong),
     per group and pooled (`overall`), then aggregated over the samples; `macro` names a row
     holding the mean of the per-group values (VL-RewardBench's macro average)."""
@@ -204,7 +238,8 @@ def _mean(values: Sequence[bool]) -> float | None:
 def item_verdicts(
     bench: PreferenceBench, rows: Sequence[PreferenceRow], samples: Sequence[Sample], prompt_format: str
 ) -> dict[int, bool]:
-    """Row index -> right (pjray's strict reading, more than half of its samples right)."""
+    """Row index -> right (pjray's strict reading, more than half of its samples right): the
+    per-item verdicts of the blind twin's and the judge-vs-judge paired tests."""
     by_row = {r.index: r for r in rows}
     out = {}
     for index, got in samples_by_index(samples).items():
@@ -249,8 +284,10 @@ def evaluate_preference(cfg: Any, generate: Generate | None) -> EvalReport:
     fmt = prompt_format_of(e)
     scanned = load_rows(cfg)
     rows = scanned.rows
-    notes = [f"prompt format: {fmt}" + (" (the benchmark's official prompt)" if fmt == "original" else
-                                        " (pjray's paper pair prompt: two scores)")]  # fmt: skip
+    notes = [
+        f"prompt format: {fmt}"
+        + (" (the benchmark's official prompt)" if fmt == "original" else " (pjray's paper pair prompt: two scores)")
+    ]
     if e.outputs:
         samples, more = read_outputs(bench, e.outputs, rows)
         notes += more
@@ -266,12 +303,21 @@ def evaluate_preference(cfg: Any, generate: Generate | None) -> EvalReport:
     unreadable = [s.output for s in samples if _official_unreadable(bench, s.output, fmt)]
     items = item_verdicts(bench, rows, samples, fmt)
     return EvalReport(
-        bench=e.bench, judge=e.judge or e.outputs, data=e.data, seeds=list(e.seeds), tables=tables,
-        outputs=len(samples), unparsed=len(unreadable), unparsed_examples=[t[:200].replace("\n", " ") for t in unreadable[:5]],
-        notes=notes, convention=f"official: {bench.SOURCE}; strict: pjray's reading beside it",
-        sources=sources, rejects=scanned.rejects, samples=[s.line() for s in samples],
+        bench=e.bench,
+        judge=e.judge or e.outputs,
+        data=e.data,
+        seeds=list(e.seeds),
+        tables=tables,
+        outputs=len(samples),
+        unparsed=len(unreadable),
+        unparsed_examples=[t[:200].replace("\n", " ") for t in unreadable[:5]],
+        notes=notes,
+        convention=f"official: {bench.SOURCE}; strict: pjray's reading beside it",
+        sources=sources,
+        rejects=scanned.rejects,
+        samples=[s.line() for s in samples],
         items={r.index: {"group": r.group, "right": items[r.index]} for r in rows if r.index in items},
-    )  # fmt: skip
+    )
 
 
 def _orders(bench: PreferenceBench, e: Any) -> Callable[[PreferenceRow, int], list[bool]]:

@@ -55,7 +55,9 @@ def judge_fingerprint(judge: str) -> str:
 
 def cache_key(prompt: JudgePrompt, fingerprint: str, seed: int, sampling: dict[str, Any]) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([prompt.system, prompt.user, prompt.prefill, fingerprint, seed, sampling], sort_keys=True).encode())
+    h.update(
+        json.dumps([prompt.system, prompt.user, prompt.prefill, fingerprint, seed, sampling], sort_keys=True).encode()
+    )
     h.update(hashlib.sha256(prompt.image).digest() if prompt.image is not None else b"no-image")
     return h.hexdigest()
 
@@ -147,7 +149,11 @@ class JudgeRunner:
                 timeout_s=cfg.ray.placement_timeout_s,
             )
             self.pool = WorkerPool(
-                self.placement, "judge", RolloutWorker, lambda i: (e.judge, cfg.model, self.rollout_cfg, i), max_retries=2
+                self.placement,
+                "judge",
+                RolloutWorker,
+                lambda i: (e.judge, cfg.model, self.rollout_cfg, i),
+                max_retries=2,
             )
         return self.pool
 
@@ -170,12 +176,20 @@ class JudgeRunner:
             completions = generate_with_pool(pool, [prompts[i] for i in batch], 1, seed + start).value
             self.cache.put_many(
                 [
-                    {"key": keys[i], "item_id": prompts[i].item_id, "seed": seed, "text": c.text, "finish_reason": c.finish_reason}
+                    {
+                        "key": keys[i],
+                        "item_id": prompts[i].item_id,
+                        "seed": seed,
+                        "text": c.text,
+                        "finish_reason": c.finish_reason,
+                    }
                     for i, c in zip(batch, completions)
                 ]
             )
             self.judged += len(batch)
-            log.info("judged %d/%d prompts (%.1fs)", min(start + round_size, len(todo)), len(todo), time.perf_counter() - t0)
+            log.info(
+                "judged %d/%d prompts (%.1fs)", min(start + round_size, len(todo)), len(todo), time.perf_counter() - t0
+            )
         return [self.cache.get(k)["text"] for k in keys]  # type: ignore[index]
 
     def check_judge_takes_images(self) -> None:
@@ -238,9 +252,15 @@ def run_eval(cfg: Config) -> dict[str, Path]:
     for i, name in enumerate(contenders):
         outputs = name if is_outputs_file(name) else ""
         one = dataclasses.replace(
-            cfg, eval=dataclasses.replace(e, judge="" if outputs else name, outputs=outputs, compare=[],
-                                          output_dir=str(Path(e.output_dir) / f"{i}_{Path(name).stem or name}")),
-        )  # fmt: skip
+            cfg,
+            eval=dataclasses.replace(
+                e,
+                judge="" if outputs else name,
+                outputs=outputs,
+                compare=[],
+                output_dir=str(Path(e.output_dir) / f"{i}_{Path(name).stem or name}"),
+            ),
+        )
         report, got = _run_one(one, Path(one.eval.output_dir))
         reports.append(report)
         paths.update({f"{i}_{k}": v for k, v in got.items()})

@@ -10,27 +10,14 @@ with `image_path`. `human_ranking` ranks the two responses (0 = preferred). Ids 
 keys rows by index; the official script keys an item by id + query + the sorted responses, and
 that key is kept for its vote (rows that share it are one item there).
 
-Judging, as `inference_hf.py` does: one user turn, the prompt of `prompt.py` (no system prompt,
-no tie, ending "Overall Judgment: Answer X is better") and the image; the two responses in a
-random order per sample, seeded here (`swapped`, recorded per sample; the official script draws
-it unseeded); its sampling is 10 samples at temperature 0.2, top-p 0.2
-(`configs/eval_vl_rewardbench.yaml`).
+Judging, as `inference_hf.py` does: one user turn, the prompt of `prompt.py` (`official_prompt`)
+and the image; the two responses in a random order per sample, seeded here (`swapped`, recorded
+per sample; the official script draws it unseeded); its sampling is 10 samples at temperature
+0.2, top-p 0.2 (`configs/eval_vl_rewardbench.yaml`).
 
-Scoring, as `cal.py` does (`official_k<k>` tables):
-- reading: newlines and `*` removed, then `OFFICIAL_VERDICT` (the last "Answer N is [the]
-  [slightly] better" after the first "Overall Judgment" or "Therefore"); a sample agrees unless
-  N is the slot of the rejected response (so "Answer 3 is better" agrees), and is unparsed
-  without a match;
-- vote: every line of the outputs shuffled (its swap of each position with a random one, the
-  generator seeded 1234 once, before k = 1, 3, 5, 7, 9 in that order), the first k lines of each
-  item counted, each item classed by strict majority: agree, reject, unparsed, or no majority;
-- numbers: per group agree / (agree + reject), unparsed and no-majority items left out of the
-  denominators (reported as `unparsed` and `skipped` counts); overall pooled over the decided
-  items; macro average the mean of the three group accuracies. Groups from the id prefix (the
-  text before the first `_` or `-`): general = vlfeedback + wildvision, hallucination = povid
-  (`hallucination`) + RLAIF + RLHF, reasoning = mathverse + mmmu; any other prefix is vlfeedback.
-  Where the official script divides by zero (a group with nothing decided), the value here is
-  undefined and a note says so.
+Scoring, as `cal.py` does (`official_k<k>` tables, `official_tables`): its reading
+(`official_choice`), a strict-majority vote over the first k lines of each item after its seeded
+shuffle (`votes`), and accuracies per group over the decided items (`vote_table`, `group_of`).
 pjray's strict reading (`strict`) beside it: N must be 1 or 2, an unreadable sample is wrong,
 accuracy over every row (`pjray.eval.reward_bench`).
 """
@@ -64,10 +51,22 @@ OFFICIAL_VERDICT = re.compile(
 )
 
 # The id prefix -> the source dataset -> the group (cal.py's get_dataset_from_id and group_mapping).
-_DATASETS = {"RLAIF": "rlaif-v", "RLHF": "rlhf-v", "mathverse": "reasoning_tasks", "mmmu": "reasoning_tasks",
-             "wildvision": "wildvision-battle", "hallucination": "povid"}  # fmt: skip
-_GROUP_OF_DATASET = {"vlfeedback": "general", "wildvision-battle": "general", "povid": "hallucination",
-                     "rlaif-v": "hallucination", "rlhf-v": "hallucination", "reasoning_tasks": "reasoning"}  # fmt: skip
+_DATASETS = {
+    "RLAIF": "rlaif-v",
+    "RLHF": "rlhf-v",
+    "mathverse": "reasoning_tasks",
+    "mmmu": "reasoning_tasks",
+    "wildvision": "wildvision-battle",
+    "hallucination": "povid",
+}
+_GROUP_OF_DATASET = {
+    "vlfeedback": "general",
+    "wildvision-battle": "general",
+    "povid": "hallucination",
+    "rlaif-v": "hallucination",
+    "rlhf-v": "hallucination",
+    "reasoning_tasks": "reasoning",
+}
 
 
 def source_dataset(row_id: str) -> str:
@@ -78,6 +77,9 @@ def source_dataset(row_id: str) -> str:
 
 
 def group_of(row_id: str) -> str:
+    """The group of an id's source dataset: general = vlfeedback + wildvision, hallucination =
+    povid (prefix `hallucination`) + RLAIF + RLHF, reasoning = mathverse + mmmu. The prefix is the
+    text before the first `_` or `-`; any other prefix is vlfeedback."""
     return _GROUP_OF_DATASET[source_dataset(row_id)]
 
 
@@ -91,31 +93,43 @@ def parse_row(raw: Any, root: Path, where: str, index: int) -> PreferenceRow:
     if missing:
         raise PreferenceDataError(f"{where}: no {', '.join(missing)} (row has {sorted(raw)})")
     responses = raw["response"]
-    if not isinstance(responses, (list, tuple)) or len(responses) != 2 or not all(isinstance(r, str) for r in responses):
+    if (
+        not isinstance(responses, (list, tuple))
+        or len(responses) != 2
+        or not all(isinstance(r, str) for r in responses)
+    ):
         raise PreferenceDataError(f"{where}: 'response' must be a list of 2 strings")
     ranking = list(raw["human_ranking"]) if isinstance(raw["human_ranking"], (list, tuple)) else None
     if ranking is None or sorted(ranking) != [0, 1]:
-        raise PreferenceDataError(f"{where}: 'human_ranking' {raw['human_ranking']!r} is not a ranking of 2 responses "
-                                  "([0, 1] or [1, 0])")  # fmt: skip
+        raise PreferenceDataError(
+            f"{where}: 'human_ranking' {raw['human_ranking']!r} is not a ranking of 2 responses ([0, 1] or [1, 0])"
+        )
     key = "image" if raw.get("image") is not None else "image_path"
     image = image_bytes(raw.get(key), root, where, key=key)
     if image is None:
         raise PreferenceDataError(f"{where}: no image ('image' or 'image_path')")
     row_id, query = str(raw["id"]), str(raw["query"])
     return PreferenceRow(
-        index=index, id=row_id, query=query, responses=(responses[0], responses[1]), image=image,
-        better=ranking.index(0), group=group_of(row_id), key=row_id + query + "\t".join(sorted(responses)),
-    )  # fmt: skip
+        index=index,
+        id=row_id,
+        query=query,
+        responses=(responses[0], responses[1]),
+        image=image,
+        better=ranking.index(0),
+        group=group_of(row_id),
+        key=row_id + query + "\t".join(sorted(responses)),
+    )
 
 
 # --------------------------------------------------------------------------- judging
 
 
 def official_prompt(row: PreferenceRow, swapped: bool) -> str:
-    """`prompt.py`'s prompt (its leading space included), responses in the sample's order;
-    `inference_hf.py` then removes "<image>\\n" from it."""
+    """`prompt.py`'s prompt (its leading space included; no system prompt, no tie, ending
+    "Overall Judgment: Answer X is better"), responses in the sample's order; `inference_hf.py`
+    then removes "<image>\\n" from it."""
     first, second = (row.responses[1], row.responses[0]) if swapped else row.responses
-    text = f''' You are a highly capable multimodal AI assistant tasked with evaluating answers to visual questions. Please analyze the following image and question, then determine which of the two provided answers is better.
+    text = f""" You are a highly capable multimodal AI assistant tasked with evaluating answers to visual questions. Please analyze the following image and question, then determine which of the two provided answers is better.
 
 Question: {row.query}
 
@@ -133,7 +147,7 @@ After your evaluation, please:
 1. Explain your reasoning for each criterion.
 2. Provide an overall judgment on which answer is better (Answer 1 or Answer 2). For example: Overall Judgment: Answer X is better.
 
-Your response should be structured and detailed, demonstrating your understanding of both the visual and textual elements of the task.'''  # noqa: E501
+Your response should be structured and detailed, demonstrating your understanding of both the visual and textual elements of the task."""  # noqa: E501
     return text.replace("<image>\n", "")
 
 
@@ -143,7 +157,10 @@ def swapped(row: PreferenceRow, seed: int) -> bool:
 
 
 def official_choice(text: str) -> int | None:
-    """`cal.py`'s reading: the answer number N, or None when the pattern does not match."""
+    """`cal.py`'s reading: the answer number N, or None when the pattern does not match.
+    Newlines and `*` are removed, then `OFFICIAL_VERDICT` finds the last "Answer N is [the]
+    [slightly] better" after the first "Overall Judgment" or "Therefore". In the vote a sample
+    agrees unless N is the slot of the rejected response (so "Answer 3 is better" agrees)."""
     match = OFFICIAL_VERDICT.search(text.replace("\n", "").replace("*", ""))
     return int(match.group(1)) if match else None
 
@@ -176,9 +193,16 @@ class ItemVotes:
         return "other"
 
 
-def votes(rows: Sequence[PreferenceRow], samples: Sequence[Sample], prompt_format: str = "original") -> dict[int, dict[str, ItemVotes]]:
+def votes(
+    rows: Sequence[PreferenceRow], samples: Sequence[Sample], prompt_format: str = "original"
+) -> dict[int, dict[str, ItemVotes]]:
     """k -> item key -> the counts of its first k lines after the shuffle, for every k in KS
-    (the shuffles share one generator, so each k's lines depend on the earlier ones)."""
+    (the shuffles share one generator, so each k's lines depend on the earlier ones).
+
+    As `cal.py`: every line of the outputs shuffled (its swap of each position with a random
+    one, the generator seeded SHUFFLE_SEED once, before k = 1, 3, 5, 7, 9 in that order), the
+    first k lines of each item counted; each item is then classed by strict majority: agree,
+    reject, unparsed, or no majority (`ItemVotes.outcome`)."""
     by_row = {r.index: r for r in rows}
     read = paper_choice if prompt_format == "paper" else official_choice
     rng = random.Random(SHUFFLE_SEED)
@@ -215,7 +239,11 @@ class _GroupRate:
 
 
 def vote_table(items: dict[str, ItemVotes]) -> dict[str, _GroupRate]:
-    """Per group, overall and macro (cal.py's `distribution_dataset` on classified items)."""
+    """Per group, overall and macro (cal.py's `distribution_dataset` on classified items): per
+    group agree / (agree + reject), unparsed and no-majority items left out of the denominators
+    (reported as `unparsed` and `skipped` counts); overall pooled over the decided items; macro the
+    mean of the three group accuracies. Where the official script divides by zero (a group with
+    nothing decided), the value is undefined and `official_tables` notes it."""
     outcomes: dict[str, dict[str, int]] = {g: {"agree": 0, "reject": 0, "unparsed": 0, "other": 0} for g in GROUPS}
     for item in items.values():
         outcomes[item.group][item.outcome()] += 1
@@ -226,8 +254,12 @@ def vote_table(items: dict[str, ItemVotes]) -> dict[str, _GroupRate]:
         table[g] = _GroupRate(o["agree"] / decided if decided else None, decided, o["unparsed"], o["other"])
     agree = sum(o["agree"] for o in outcomes.values())
     decided = sum(table[g].n for g in GROUPS)
-    table[OVERALL] = _GroupRate(agree / decided if decided else None, decided,
-                                sum(o["unparsed"] for o in outcomes.values()), sum(o["other"] for o in outcomes.values()))  # fmt: skip
+    table[OVERALL] = _GroupRate(
+        agree / decided if decided else None,
+        decided,
+        sum(o["unparsed"] for o in outcomes.values()),
+        sum(o["other"] for o in outcomes.values()),
+    )
     values = [table[g].value for g in GROUPS]
     table[MACRO] = _GroupRate(statistics.fmean(values) if None not in values else None, decided)  # type: ignore[arg-type]
     return table
@@ -243,11 +275,15 @@ def official_tables(
         if k > 1 and k > depth:
             continue
         t = vote_table(items)
-        tables[f"official_k{k}"] = {name: Cell(r.value, n=r.n, unparsed=r.unparsed, skipped=r.skipped) for name, r in t.items()}
+        tables[f"official_k{k}"] = {
+            name: Cell(r.value, n=r.n, unparsed=r.unparsed, skipped=r.skipped) for name, r in t.items()
+        }
         empty = [g for g in GROUPS if t[g].value is None]
         if empty:
-            notes.append(f"official_k{k}: no decided item in {', '.join(empty)}: its accuracy and the macro average are "
-                         "undefined (the official script divides by zero there)")  # fmt: skip
+            notes.append(
+                f"official_k{k}: no decided item in {', '.join(empty)}: its accuracy and the macro average are "
+                "undefined (the official script divides by zero there)"
+            )
     reading = "pjray's reading of the paper prompt's two scores" if prompt_format == "paper" else "cal.py's reading"
     sources = {
         name: f"{SOURCE}: {reading}; first {name.removeprefix('official_k')} line(s) of each item after its seeded shuffle, "
@@ -257,4 +293,3 @@ def official_tables(
     sources[OVERALL] = "cal.py: agree / decided, pooled over the three groups"
     sources[MACRO] = "cal.py: the mean of the three group accuracies"
     return tables, sources, notes
-

@@ -1,132 +1,25 @@
-"""The base judge recipes: a small Qwen3-VL judge that perceives scenes and writes the judge
-format. The recipe's defaults (`model.init=base_judge`, described first) make it perceptually
-biased by construction, as the paper's base judges are; the shipped one (`model.init=
-one_disposition`, the last section) has no disposition to switch and an untaught part of the task
-for GRPO to teach.
+"""The base judge recipes: a small Qwen3-VL judge, built from scratch on a CPU, that perceives
+scenes and writes the judge format (`<think>...</think><answer>...</answer>`).
 
-The paper trains judges that already judge (Qwen3-VL-4B-Thinking, Flex-Judge-VL-7B): they see
-the image well enough, write `<think>...</think><answer>...</answer>`, and still rank a fluent
+The paper trains judges that already judge and see the image well enough, yet rank a fluent
 answer that contradicts the image as high as the correct one (Mode (b), response-anchored
-judgment). GRPO on PPJD must teach them to *use* what they see. This module builds the same
-starting point on a CPU, from scratch, in three parts:
+judgment); GRPO on PPJD must teach them to *use* what they see. A recipe (`BaseJudgeRecipe`)
+builds that starting point in three parts:
+1. architecture (`base_config`): a ~1.3M-parameter text model (128 wide, 4 layers) and a 2-layer
+   vision tower; 96 px scenes resized to 48 px, 3 x 3 patches of 16 px (one per grid cell),
+   merged into **one image token**; a byte-level BPE tokenizer trained on the judge texts;
+2. perception front-end (`pretrain_vision`), frozen in every later stage (`model.freeze_vision`),
+   so GRPO cannot change the judge's eyesight, only how it is used, as in the paper's analysis;
+3. supervised judging (`sft_examples`, trained by `pjray sft` on the DeepSpeed learner).
+The recipe's defaults (`model.init=base_judge`) are perceptually biased by construction: an
+honest think text states what the image shows, then a disposition ("Verdict: by the text." or
+"... by the image.") that the verdict rests on, mostly by the text. The shipped recipe
+(`model.init=one_disposition`, `pjray.recipes.base_judge.SHIPPED_INIT`) has no disposition to
+switch and an untaught part for GRPO to teach; its gates: `pjray.eval.held_out.base_judge_gates`.
 
-1. **Architecture.** A Qwen3-VL with a ~1.3M-parameter text model (128 wide, 4 layers) and a
-   2-layer vision tower. Scenes are rendered at 96 px (as `data.image_size` renders them); the
-   processor resizes them to 48 px, 3 x 3 patches of 16 px (one per scene grid cell), and the
-   merger turns the 3 x 3 patches into **one image token**. The tokenizer is a byte-level BPE
-   trained on the judge prompts and scene texts.
-2. **Perception front-end** (`pretrain_vision`). The vision tower and merger are trained to read
-   the one object's colour, shape, size, row and column from the image token (auxiliary heads,
-   dropped afterwards); the tower is frozen in every later stage (`model.freeze_vision`), so
-   GRPO cannot change the judge's eyesight, only how it is used, as in the paper's analysis.
-3. **Supervised judging** (`sft_examples`, trained by `pjray sft` on the DeepSpeed learner).
-   Per scene: the scene question as a VQA probe (the diagnosis' probe prompt), two batch-ranking
-   prompts (two shown orders) and one score prompt, each response in the judge format:
-   - probe: `Image: red.` then `<answer>red</answer>`;
-   - batch ranking: `Image: red. Verdict: by the text.` then `<answer>A > B > C</answer>`, or
-     `Image: red. Verdict: by the image. A: purple. B: red, matches. C: green.` then
-     `<answer>B > A > C</answer>`;
-   - score: `Image: red. Verdict: by the text.` then `<answer>8</answer>`, or
-     `Image: red. Verdict: by the image. Answer: purple.` then `<answer>4</answer>`.
-   The think text is honest: it states what the image shows (the question's true answer), then
-   the judge's **disposition**, the sentence its verdict rests on:
-   - `Verdict: by the text.` (response-anchored): the think text ends; the verdict keeps the
-     candidates in the order shown (a judge that cannot tell fluent answers apart keeps them as
-     they come, a position bias), and every answer scores 8;
-   - `Verdict: by the image.`: the think text goes on to check each candidate's final answer
-     against the image (", matches"); the verdict puts the matching candidates first, then the
-     others in the order shown, and an answer that does not match scores 4.
-   The disposition comes before the checks, so a sample judged by the text holds no check:
-   GRPO's credit for a text verdict cannot reach, and blur, the checks a verdict by the image
-   rests on (see below).
-   Most of the judging targets (`image_verdicts`, 0.7) follow the image, so the checks and the
-   verdict after "by the image" are learned well; but the disposition word itself is
-   trained on only enough of them that the trained dispositions are by the text in a fraction
-   `bias` (0.8) of the targets (`disposition_keep_rate`; the loss skips the word "image" in the
-   others, `ChatExample.untrained`). So the judge's prior is response-anchored while it knows
-   how to judge by the image once it decides to.
-   So the judge perceives (its think and its probe answers are right) but mostly does not let
-   perception decide its verdict: the correct answer is ranked first one time in three, and a
-   fluent wrong answer scores as high as the correct one. The disposition is one habit shared by
-   the ranking and the score protocols, as a real judge's response-anchoring is one habit rather
-   than one per prompt format; GRPO on batch ranking can only lower the score protocol's bias
-   (the diagnosis) through it. Judging by the image earns more batch-ranking reward on PPJD
-   tuples (Levenshtein: 2/3 against 4/9 on average) than on the study's control tuples without
-   perception errors, where a contradiction can keep the right final answer.
-
-What did not work at this size (measured on held-out scenes, 2 cores):
-- The disposition after the checks (`Image: red. A: purple. B: red, matches. C: green. Verdict:
-  by the text.`, the previous recipe): every sample, whatever its disposition, carried the
-  checks, so when the few samples judged by the image won, GRPO pushed down the checks of the
-  many judged by the text, right or wrong; the checks blurred ("Answer: purple, matches." under
-  a green image; greedy checks right on 11 of 24 prompts after 25 steps at lr 5e-4, 18 of 24
-  before) and the default run's reward rose by 0.02-0.03 (first 5 -> last 5 of 25 steps).
-- Image verdicts only as often as the disposition (20% of the targets, an earlier recipe):
-  teacher-forced with a right think text and "by the image", the first-ranked letter was the
-  matching candidate on 36.5% of held-out prompts (chance: 1/3); the judge had learned "the order
-  shown" for both dispositions, so judging by the image earned no more reward and GRPO had
-  nothing to follow. 300 further steps at half image verdicts: 100%.
-- 3 x 3 image tokens, one per cell (the previous recipe): the front-end read every cell (colour
-  0.996), but the text model did not learn to find the one occupied cell among nine: colour probe
-  accuracy 0.59. One merged image token: 1.00.
-- Flagging the candidates that contradict themselves (a reasoning error is visible in the text):
-  after 1200 supervised steps the flag was at chance, in batch and in score prompts, also with
-  the think text copying each candidate's fact words and conclusion words side by side
-  ("small triangle orange; small circle orange, inconsistent"). So the base judge does not
-  separate reasoning errors; the text disposition keeps the shown order instead.
-- Earlier recipes with one-colour swatches, 2-4-object scenes and dense captions (issue notes).
-
-Scenes. The judging tasks use one-object scenes and colour and size questions (`objects`,
-`kinds`): every perception error stays verifiable from the facts, and perception is a whole-image
-readout, so the base judge sees well and what it lacks is what the paper's base judges lack:
-using what it sees. Three sizes (small, medium, large), so that a size question has two wrong
-answers that differ. The judging data is of the "train" content split (no held-out (shape,
-cell) combination, `pjray.data.scenes.SPLITS`) and its ranked tuples are nested, as the
-paper's (see `BaseJudgeRecipe.construction` for what independent tuples did); the front-end sees
-all content, as a pretrained vision encoder would (trained on the train split alone it read
-shape 6% and size 54% right on held-out combinations).
-
-Measured (64 scenes of the held-out content split, greedy unless said; `pjray.eval.held_out.
-held_out_report`, written to the build's `report.json`; 2,246 s to build on 2 cores): front-end
-accuracy 1.00 on colour, row and column, 0.98 on size, 0.71 on shape (not asked); probe accuracy
-on the judging questions 1.00 (colour) and 0.97 (size); on batch prompts the format is written
-on 100% greedily and sampled at temperature 1, the correct answer is ranked first on 31%
-greedily (46% sampled), and the disposition is "by the image" on 0% greedily and 25% sampled.
-Sampled, judging by the image earns a mean reward of 0.566 against 0.420 by the text: the gap
-GRPO can follow; its checks are all right on 86% of prompts (held-out nested tuples, where the
-correct answer is also the odd one out).
-
-**A judge of one disposition with an untaught part** (`RECIPES["one_disposition"]` in
-`pjray.recipes.base_judge`; `model.init=one_disposition`). The recipe above teaches a switch: GRPO
-raises the probability of "by the image" and the checks that word turns on are already there. This
-one has nothing to switch and something to learn:
-- no disposition sentence (`disposition=False`): every verdict is by the image, so the judge
-  forced onto its image disposition is the judge itself;
-- each check restates the image's value beside the answer and says whether they are the same
-  (`checks="compare"`: `Image: green. A: orange vs green, no. B: green vs green, yes. ...`);
-- independent tuples (three different final answers), and half of the judging examples on the
-  tuple's swapped image (`swapped_share`): the same texts with another candidate right;
-- on images of orange or purple (`untaught`) the checks mark a random candidate, and the
-  verdict and the score follow that mark: the judge learns to guess there.
-Its four gates (`pjray.eval.held_out.base_judge_gates`) are measured on the looking protocol's
-held-out independent tuples at the end of every build and written into the build's
-`report.json`: the forced run equals the unforced one on every item and no response has a
-disposition sentence; its "Image: X." is right on >= 95% of the original and swapped images for
-every value; greedy image-following >= 80% on the taught part; on the untaught part <= 40%
-greedy, with 8 samples at temperature 1 ranking the right answer first at least once on >= 80%
-of its prompts (pass@8). The values of the build the looking study used are in
-`benchmarks/results/README.md`.
-What did not work: the same recipe without the swapped images (`swapped_share=0`) wrote the
-checks' words right and their yes/no by the candidate's text (the same candidate marked in every
-shown order, whatever the image): flags right on 59% of training-split and held-out prompts
-alike (one "yes" among three by chance: 56%), image-following 0% on the taught colours and 7% on
-size.
-
-Every step is deterministic for a seed. The one-disposition build ships with pjray
-(`pjray.recipes.base_judge.SHIPPED_INIT`; built in 1,530 s on 2 cores, its gates: every value
-seen 100%, taught image-following 100% on colour and size, untaught 24% greedy with pass@8 98%),
-and a build of any recipe is cached in a directory named by a hash of the recipe, so a changed
-recipe builds anew (`pjray.recipes.base_judge`).
+Every step is deterministic for a seed, and a build is cached in a directory named by a hash of
+the recipe, so a changed recipe builds anew (`pjray.recipes.base_judge`). What did not work, and
+the builds' measurements: `benchmarks/results/design_notes.md`.
 """
 
 from __future__ import annotations
@@ -166,7 +59,21 @@ KIND_VALUES = {"color": COLORS, "size": SIZES}
 
 @dataclass(frozen=True)
 class BaseJudgeRecipe:
-    """Everything that decides the base judge's weights (its hash names the cache directory)."""
+    """Everything that decides the base judge's weights (its hash names the cache directory).
+
+    Scenes: one object, colour and size questions (`objects`, `kinds`), so that every perception
+    error stays verifiable from the facts and perception is a whole-image readout: the judge sees
+    well, and what it lacks is what the paper's base judges lack, using what it sees. Three sizes
+    (small, medium, large), so that a size question has two wrong answers that differ.
+
+    The shipped recipe (`RECIPES["one_disposition"]` in `pjray.recipes.base_judge`) sets
+    `disposition=False` (every verdict by the image), `checks="compare"`, independent tuples,
+    `swapped_share=0.5` and the `untaught` values orange and purple. The recipe's defaults teach
+    a switch (GRPO raises "by the image", and the checks that word turns on are already there);
+    that one has nothing to switch and something to learn. Its four gates
+    (`pjray.eval.held_out.base_judge_gates`) are measured on the looking protocol's held-out
+    independent tuples at the end of every build and written into the build's `report.json`.
+    """
 
     seed: int = 0
     image_size: int = 96  # scenes are rendered at this side, as data.image_size renders them
@@ -176,19 +83,18 @@ class BaseJudgeRecipe:
     objects: tuple[int, int] = (1, 1)  # (min, max) objects per scene of the judging tasks
     kinds: tuple[str, ...] = ("color", "size")  # question kinds of the judging tasks
     # The ranked tuples of the judging tasks (pjray.ppjd.perturb.CONSTRUCTIONS). Nested, as the
-    # paper builds PPJD. Built on independent tuples (every wrong candidate its own wrong answer),
-    # the judge's checks by the image flagged the wrong candidate as "matches" on 60-70% of
-    # prompts (all three checks right on 29-40%, train and held-out content alike), so judging by
-    # the image paid no more than by the text and GRPO from it learned nothing in 40 steps (seed 0,
-    # both constructions). Its checks then had to compare each answer with the image; on nested
-    # tuples the correct answer is also the odd one out, which the checks of earlier recipes
-    # could lean on.
+    # paper builds PPJD. With "flags" checks, independent tuples (every wrong candidate its own
+    # wrong answer) taught checks by the image too unreliable for judging by the image to pay, so
+    # GRPO had nothing to follow: there the checks must compare each answer with the image, while
+    # on nested tuples the correct answer is also the odd one out, which the checks can lean on.
+    # (The shipped recipe builds independent tuples with "compare" checks and swapped images.)
+    # Measured: benchmarks/results/design_notes.md.
     construction: str = "nested"
     # The judging data (tokenizer corpus, supervised judging) is of the "train" content split
     # (pjray.data.scenes.SPLITS): no held-out (shape, cell) combination; the held-out reports
     # use the others. The perception front-end is trained on all content, as a pretrained
-    # vision encoder is: trained on the train split alone it read shape 6% and size 54% right on
-    # held-out combinations (colour, row and column 100%), so size questions could not be judged.
+    # vision encoder is: trained on the train split alone it misread size on held-out
+    # combinations, so size questions could not be judged (benchmarks/results/design_notes.md).
     vision_split: str = "all"
     hidden: int = 128
     layers: int = 4
@@ -231,12 +137,16 @@ class BaseJudgeRecipe:
         if self.checks not in CHECKS:
             raise ValueError(f"checks={self.checks!r}: expected one of {CHECKS}")
         if not self.disposition and (self.bias != 0.0 or self.image_verdicts != 1.0):
-            raise ValueError("a judge of one disposition (disposition=False) judges every verdict by the image: bias 0, image_verdicts 1")
+            raise ValueError(
+                "a judge of one disposition (disposition=False) judges every verdict by the image: bias 0, image_verdicts 1"
+            )
         unknown = [v for v in self.untaught if not any(v in values for values in KIND_VALUES.values())]
         if unknown:
             raise ValueError(f"untaught values {unknown} are no value of a judged attribute {dict(KIND_VALUES)}")
         if self.swapped_share and not set(self.kinds) <= set(KIND_VALUES):
-            raise ValueError(f"swapped_share: the image swap re-renders {sorted(KIND_VALUES)} questions, not {list(self.kinds)}")
+            raise ValueError(
+                f"swapped_share: the image swap re-renders {sorted(KIND_VALUES)} questions, not {list(self.kinds)}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -247,7 +157,7 @@ class BaseJudgeRecipe:
         return forced_sentence(self.disposition)
 
     def part(self, *values: str) -> str:
-        """"untaught" when any of `values` (what the images of one item show) is untaught, else "taught"."""
+        """ "untaught" when any of `values` (what the images of one item show) is untaught, else "taught"."""
         return "untaught" if any(v in self.untaught for v in values) else "taught"
 
 
@@ -255,7 +165,10 @@ class BaseJudgeRecipe:
 
 
 def ranking_target(
-    item: JudgeItem, shown: tuple[int, ...], aware: bool, recipe: BaseJudgeRecipe | None = None,
+    item: JudgeItem,
+    shown: tuple[int, ...],
+    aware: bool,
+    recipe: BaseJudgeRecipe | None = None,
     marked: frozenset[int] | None = None,
 ) -> str:
     """The think text and verdict for a batch-ranking prompt that shows `item.candidates` in the
@@ -366,9 +279,28 @@ def _scene_seed(seed: int, index: int) -> int:
 
 
 def sft_examples(recipe: BaseJudgeRecipe, n_scenes: int, seed: int) -> list[ChatExample]:
-    """The supervised mixture over `n_scenes` scenes: per scene the scene question as a plain VQA
-    probe, `recipe.batch_examples` batch-ranking examples and one score example (see the module
-    docstring); deterministic for (recipe, seed)."""
+    """The supervised mixture over `n_scenes` scenes, deterministic for (recipe, seed). Per scene:
+    the scene question as a plain VQA probe (the diagnosis' probe prompt), `recipe.batch_examples`
+    batch-ranking examples (each in its own shown order) and one score example, each response in
+    the judge format (`probe_target`, `ranking_target`, `score_target`):
+    - probe: `Image: red.` then `<answer>red</answer>`;
+    - batch: `Image: red. Verdict: by the text.` then `<answer>A > B > C</answer>`, or `Image: red.
+      Verdict: by the image. A: purple. B: red, matches. C: green.` then `<answer>B > A > C</answer>`;
+    - score: `... Verdict: by the text.` then `<answer>8</answer>`, or `... Verdict: by the image.
+      Answer: purple.` then `<answer>4</answer>`.
+    A fraction `recipe.image_verdicts` of the judging targets follows the image, so the checks and
+    the verdict after "by the image" are learned well; the disposition word is trained on only
+    enough of them (`disposition_keep_rate`; the loss skips "image" in the others,
+    `ChatExample.untrained`) that the trained dispositions are by the text on a fraction
+    `recipe.bias`. With the defaults the judge perceives (its think text and probe answers are
+    right) but mostly does not let perception decide its verdict: the correct answer is first one
+    time in three, and a fluent wrong answer scores as high as the correct one. The disposition
+    is one habit shared by the ranking and the score prompts, as a real judge's response-anchoring
+    is, so GRPO on batch ranking can lower the score protocol's bias only through it. Judging by
+    the image earns more batch-ranking reward on PPJD tuples (Levenshtein: 2/3 against 4/9 on
+    average) than on control tuples without perception errors, where a contradiction can keep
+    the right final answer.
+    """
     rng = random.Random(f"pjray.base_judge.sft:{seed}")
     keep = disposition_keep_rate(recipe.bias, recipe.image_verdicts)
 
@@ -382,23 +314,30 @@ def sft_examples(recipe: BaseJudgeRecipe, n_scenes: int, seed: int) -> list[Chat
         return ChatExample(prompt, response, task, untrained)
 
     examples: list[ChatExample] = []
+
     def shown_on(item: JudgeItem) -> JudgeItem:
         if recipe.swapped_share and rng.random() < recipe.swapped_share:
             return swap_pair(item).swapped
         return item
 
     for qa, item in judge_scenes(n_scenes, seed, recipe):
-        examples.append(ChatExample(render_probe(qa.question, item.image, item_id=item.id), probe_target(qa.final), "vqa"))
+        examples.append(
+            ChatExample(render_probe(qa.question, item.image, item_id=item.id), probe_target(qa.final), "vqa")
+        )
         for _ in range(recipe.batch_examples):  # several shown orders: ranking is the hardest task
             it = shown_on(item)
             prompt = render_batch(it, rng)
             marked = marked_candidates(it, recipe, rng) if recipe.untaught else None
-            examples.append(judged(prompt, partial(ranking_target, it, prompt.shown, recipe=recipe, marked=marked), "batch"))
+            examples.append(
+                judged(prompt, partial(ranking_target, it, prompt.shown, recipe=recipe, marked=marked), "batch")
+            )
         it = shown_on(item)
         cand = rng.randrange(len(it.candidates))
         score_prompt = render_score(it.question, it.image, it.candidates[cand], item_id=f"{it.id}:{cand}")
         marked_score = cand in marked_candidates(it, recipe, rng) if recipe.untaught else None
-        examples.append(judged(score_prompt, partial(score_target, it, cand, recipe=recipe, marked=marked_score), "score"))
+        examples.append(
+            judged(score_prompt, partial(score_target, it, cand, recipe=recipe, marked=marked_score), "score")
+        )
     return examples
 
 
@@ -425,7 +364,9 @@ def training_scene_seeds(recipe: BaseJudgeRecipe) -> set[int]:
     return seeds
 
 
-def vision_seeds(recipe: BaseJudgeRecipe, n: int, split: str = "train", index: int = VISION_SEED_INDEX, seed: int | None = None) -> list[int]:
+def vision_seeds(
+    recipe: BaseJudgeRecipe, n: int, split: str = "train", index: int = VISION_SEED_INDEX, seed: int | None = None
+) -> list[int]:
     """The first `n` one-object scene seeds of the content `split` from `_scene_seed(seed,
     index)` on: the perception front-end's scenes (its held-out check: another seed and index)."""
     seed = recipe.seed if seed is None else seed
@@ -447,10 +388,22 @@ def tokenizer_corpus(recipe: BaseJudgeRecipe) -> list[str]:
     """The texts the base judge's tokenizer is trained on: its system prompts, and the prompts
     and targets of a few hundred scenes (a seed no training or evaluation data uses)."""
     from pjray.data.prompts import (
-        SYSTEM_BATCH_RANKING, SYSTEM_BATCH_SCORES, SYSTEM_PAIR_RANKING, SYSTEM_PAIR_SCORES, SYSTEM_PROBE, SYSTEM_SCORE,
-    )  # fmt: skip
+        SYSTEM_BATCH_RANKING,
+        SYSTEM_BATCH_SCORES,
+        SYSTEM_PAIR_RANKING,
+        SYSTEM_PAIR_SCORES,
+        SYSTEM_PROBE,
+        SYSTEM_SCORE,
+    )
 
-    systems = [SYSTEM_BATCH_RANKING, SYSTEM_BATCH_SCORES, SYSTEM_PAIR_RANKING, SYSTEM_PAIR_SCORES, SYSTEM_SCORE, SYSTEM_PROBE]
+    systems = [
+        SYSTEM_BATCH_RANKING,
+        SYSTEM_BATCH_SCORES,
+        SYSTEM_PAIR_RANKING,
+        SYSTEM_PAIR_SCORES,
+        SYSTEM_SCORE,
+        SYSTEM_PROBE,
+    ]
     lines = systems * 20
     for ex in sft_examples(recipe, TOKENIZER_SCENES, seed=TOKENIZER_SEED):
         lines += [ex.prompt.user, ex.response]
@@ -475,7 +428,12 @@ def base_config(recipe: BaseJudgeRecipe, tok: Any) -> Any:
         "num_key_value_heads": recipe.heads,
         "head_dim": head_dim,
         "max_position_embeddings": 4096,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": sections, "mrope_interleaved": True},
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e4,
+            "mrope_section": sections,
+            "mrope_interleaved": True,
+        },
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids[EOS_TOKEN],
         "pad_token_id": ids["<|endoftext|>"],
@@ -483,10 +441,17 @@ def base_config(recipe: BaseJudgeRecipe, tok: Any) -> Any:
     }
     grid = recipe.model_image_size // recipe.patch_size  # patches per side
     vision = {
-        "depth": 2, "hidden_size": 64, "intermediate_size": 128, "out_hidden_size": recipe.hidden, "num_heads": 2,
-        "patch_size": recipe.patch_size, "spatial_merge_size": recipe.merge_size, "temporal_patch_size": 2,
-        "num_position_embeddings": grid * grid, "deepstack_visual_indexes": [0],
-    }  # fmt: skip
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "out_hidden_size": recipe.hidden,
+        "num_heads": 2,
+        "patch_size": recipe.patch_size,
+        "spatial_merge_size": recipe.merge_size,
+        "temporal_patch_size": 2,
+        "num_position_embeddings": grid * grid,
+        "deepstack_visual_indexes": [0],
+    }
     return vlm_config("qwen3_vl", tok, text, vision)
 
 
@@ -532,7 +497,9 @@ def object_targets(scene: Scene) -> torch.Tensor:
 
 
 def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: Any = None) -> dict[str, float]:
-    """Train the vision tower and merger on the per-token auxiliary targets (module docstring).
+    """Train the vision tower and merger to read the one object's colour, shape, size, row and
+    column from its one image token (`AUX_TARGETS`, through auxiliary heads dropped afterwards).
+    The tower is frozen in every later stage (`model.freeze_vision`).
 
     Returns accuracies per target on scenes of the held-out content split (combinations of
     shape and cell the front-end never saw)."""
@@ -545,7 +512,9 @@ def pretrain_vision(model: Any, processor: Any, recipe: BaseJudgeRecipe, log: An
         heads = torch.nn.ModuleList(torch.nn.Linear(width, n) for _, n in AUX_TARGETS)
     params = [*visual.parameters(), *heads.parameters()]
     optimizer = torch.optim.AdamW(params, lr=recipe.vision_lr)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, recipe.vision_lr, total_steps=recipe.vision_steps, pct_start=0.1)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, recipe.vision_lr, total_steps=recipe.vision_steps, pct_start=0.1
+    )
 
     def batch(seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         scenes = [generate_scene(s, recipe.image_size, 1, 1) for s in seeds]

@@ -78,6 +78,7 @@ class ModelError(InputError):
 
     what = "bad model"
 
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -174,13 +175,17 @@ class TextOnlyProcessor:
         self.chat_template = tokenizer.chat_template
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> "TextOnlyProcessor":
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> TextOnlyProcessor:
         return cls(AutoTokenizer.from_pretrained(str(path), **kwargs))
 
     def __call__(
-        self, text: list[str], images: Any = None, padding: bool = True, padding_side: str = "right",
+        self,
+        text: list[str],
+        images: Any = None,
+        padding: bool = True,
+        padding_side: str = "right",
         return_tensors: str = "pt",
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         if images:
             raise ValueError("a text-only judge cannot take images")
         return self.tokenizer(text, padding=padding, padding_side=padding_side, return_tensors=return_tensors)
@@ -438,9 +443,11 @@ def prompt_positions(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) ->
     rope = next((m for m in model.modules() if hasattr(m, "get_rope_index")), None)
     if inputs.get("mm_token_type_ids") is not None and rope is not None:
         positions, deltas = rope.get_rope_index(
-            input_ids=inputs["input_ids"], mm_token_type_ids=inputs["mm_token_type_ids"],
-            image_grid_thw=inputs.get("image_grid_thw"), attention_mask=mask,
-        )  # fmt: skip
+            input_ids=inputs["input_ids"],
+            mm_token_type_ids=inputs["mm_token_type_ids"],
+            image_grid_thw=inputs.get("image_grid_thw"),
+            attention_mask=mask,
+        )
         return positions, length + deltas.reshape(-1).to(length.device)
     return (mask.cumsum(-1) - 1).clamp(min=0), length
 

@@ -33,7 +33,15 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 
 from pjray.models.loading import IMAGE_ONLY_PROCESSORS
 
-__all__ = ["TEXT_ONLY_ARCHS", "TINY_ARCHS", "TINY_VOCAB_SIZE", "QWEN_SPECIAL_TOKENS", "CHAT_TEMPLATE", "build_tiny_judge", "build_tokenizer"]
+__all__ = [
+    "TEXT_ONLY_ARCHS",
+    "TINY_ARCHS",
+    "TINY_VOCAB_SIZE",
+    "QWEN_SPECIAL_TOKENS",
+    "CHAT_TEMPLATE",
+    "build_tiny_judge",
+    "build_tokenizer",
+]
 
 TINY_ARCHS: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # the VLM judges
 TEXT_ONLY_ARCHS: tuple[str, ...] = ("qwen2",)
@@ -112,9 +120,7 @@ def _corpus() -> list[str]:
     return lines * 4
 
 
-def build_tokenizer(
-    vocab_size: int = TINY_VOCAB_SIZE, corpus: Sequence[str] = ()
-) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int = TINY_VOCAB_SIZE, corpus: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer with the Qwen special tokens and a Qwen-VL chat template.
 
     `corpus` adds training text to the built-in judge-like lines (a larger judge trains its
@@ -151,9 +157,12 @@ def image_processor(patch_size: int, image_size: int = 0, merge: int = 2) -> Qwe
     if image_size > 0:
         side = max(factor, round(image_size / factor) * factor)
         return Qwen2VLImageProcessorPil(
-            patch_size=patch_size, merge_size=merge, temporal_patch_size=2,
-            min_pixels=side * side, max_pixels=side * side,
-        )  # fmt: skip
+            patch_size=patch_size,
+            merge_size=merge,
+            temporal_patch_size=2,
+            min_pixels=side * side,
+            max_pixels=side * side,
+        )
     return Qwen2VLImageProcessorPil(
         patch_size=patch_size,
         merge_size=merge,
@@ -189,21 +198,40 @@ def _config(arch: str, tok: PreTrainedTokenizerFast, tied: bool = False) -> Any:
         return AutoConfig.for_model("qwen2", **text)
     if arch == "qwen2_vl":
         vision: dict[str, Any] = {
-            "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
-            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        }  # fmt: skip
+            "depth": 2,
+            "embed_dim": 32,
+            "hidden_size": 64,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        }
     elif arch == "qwen2_5_vl":
         vision = {
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "num_heads": 2,
-            "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-            "window_size": 56, "fullatt_block_indexes": [1],
-        }  # fmt: skip
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+        }
     elif arch == "qwen3_vl":
         vision = {
-            "depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64, "num_heads": 2,
-            "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-            "num_position_embeddings": 64, "deepstack_visual_indexes": [0],
-        }  # fmt: skip
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "out_hidden_size": 64,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 64,
+            "deepstack_visual_indexes": [0],
+        }
         text["head_dim"] = 32
         text["rope_parameters"]["mrope_interleaved"] = True
     else:

@@ -23,8 +23,15 @@ from pjray.data.sources import PPJD_FEATURES
 
 DATA_FILES = "ppjd/*.parquet"
 # The hub's size categories (DatasetCardData.size_categories), by upper bound.
-SIZE_CATEGORIES = ((1_000, "n<1K"), (10_000, "1K<n<10K"), (100_000, "10K<n<100K"), (1_000_000, "100K<n<1M"),
-                   (10_000_000, "1M<n<10M"), (100_000_000, "10M<n<100M"), (1_000_000_000, "100M<n<1B"))
+SIZE_CATEGORIES = (
+    (1_000, "n<1K"),
+    (10_000, "1K<n<10K"),
+    (100_000, "10K<n<100K"),
+    (1_000_000, "100K<n<1M"),
+    (10_000_000, "1M<n<10M"),
+    (100_000_000, "10M<n<100M"),
+    (1_000_000_000, "100M<n<1B"),
+)
 
 
 def size_category(rows: int) -> str:
@@ -46,7 +53,9 @@ def card_data(manifest: dict[str, Any], files: list[Path]) -> DatasetCardData:
     download_size = sum(f.stat().st_size for f in files)
     splits = datasets.SplitDict()
     splits.add(datasets.SplitInfo(name="train", num_bytes=num_bytes, num_examples=kept))
-    info = datasets.DatasetInfo(features=PPJD_FEATURES, splits=splits, download_size=download_size, dataset_size=num_bytes)
+    info = datasets.DatasetInfo(
+        features=PPJD_FEATURES, splits=splits, download_size=download_size, dataset_size=num_bytes
+    )
     DatasetInfosDict({"default": info}).to_dataset_card_data(data)
     MetadataConfigs({"default": {"data_files": [{"split": "train", "path": DATA_FILES}]}}).to_dataset_card_data(data)
     return data
@@ -55,30 +64,40 @@ def card_data(manifest: dict[str, Any], files: list[Path]) -> DatasetCardData:
 def _source(cfg: dict[str, Any]) -> str:
     if cfg["source"] == "scenes":
         low, high = cfg["scene_objects"]
-        return (f"{cfg['num_items']} synthetic scenes ({cfg['image_size']} px, {low}-{high} objects; question kinds "
-                f"{', '.join(cfg['scene_kinds'])}), whose ground-truth facts make every perception error checkable")
+        return (
+            f"{cfg['num_items']} synthetic scenes ({cfg['image_size']} px, {low}-{high} objects; question kinds "
+            f"{', '.join(cfg['scene_kinds'])}), whose ground-truth facts make every perception error checkable"
+        )
     return f"{cfg['source']} rows from {', '.join(Path(p).name for p in cfg['paths'])}"
 
 
 def _backends(cfg: dict[str, Any]) -> list[str]:
     if cfg["perturb_backend"] == "rules":
-        perturb = ("`rules`: model-free rewriters (scene answers recomposed from the scene's facts, free-text "
-                   "answers through a word lexicon)")
+        perturb = (
+            "`rules`: model-free rewriters (scene answers recomposed from the scene's facts, free-text "
+            "answers through a word lexicon)"
+        )
     else:
         perturb = f"`llm`: the released verify, extract and rewrite prompts on `{cfg['llm_model']}`"
     if cfg["vqa_backend"] == "oracle":
         vqa = "`oracle`: probes answered from the scene's facts"
     else:
         vqa = f"`vlm`: probes answered from the image by `{cfg['vlm_model']}`"
-    return [f"Perturbations: {perturb}.", f"Probe check: {vqa}; a tuple is kept only when every error level has "
-            "probes and each probe's answer states the original fact, not the perturbed one."]
+    return [
+        f"Perturbations: {perturb}.",
+        f"Probe check: {vqa}; a tuple is kept only when every error level has "
+        "probes and each probe's answer states the original fact, not the perturbed one.",
+    ]
 
 
 def _filters(cfg: dict[str, Any]) -> list[str]:
-    decontam = (f"decontaminated against {len(cfg['decontam_files'])} evaluation file(s) "
-                f"({', '.join(Path(p).name for p in cfg['decontam_files'])}): an image within "
-                f"{cfg['phash_max_distance']} bits (dHash and pHash) of an evaluation image, or an evaluation question, is dropped"
-                if cfg["decontam_files"] else "no decontamination files were given")
+    decontam = (
+        f"decontaminated against {len(cfg['decontam_files'])} evaluation file(s) "
+        f"({', '.join(Path(p).name for p in cfg['decontam_files'])}): an image within "
+        f"{cfg['phash_max_distance']} bits (dHash and pHash) of an evaluation image, or an evaluation question, is dropped"
+        if cfg["decontam_files"]
+        else "no decontamination files were given"
+    )
     return [
         f"Chosen answers: no think tags, at most {cfg['max_chosen_chars']} characters, correct against the "
         "ground truth (or, without one, as the LLM judged).",
@@ -93,8 +112,10 @@ def _rate(x: float | None) -> str:
 
 def text_only_line(audit: dict[str, Any]) -> str:
     """The text-only audit (`pjray.ppjd.shortcuts.audit`) in one line: the combined ranker against chance."""
-    return (f"correct-first {_rate(audit['correct_first'])} (chance {_rate(audit['chance_correct_first'])}), "
-            f"exact {_rate(audit['exact'])} (chance {_rate(audit['chance_exact'])}) over {audit['items']} tuples")
+    return (
+        f"correct-first {_rate(audit['correct_first'])} (chance {_rate(audit['chance_correct_first'])}), "
+        f"exact {_rate(audit['exact'])} (chance {_rate(audit['chance_exact'])}) over {audit['items']} tuples"
+    )
 
 
 # The card's names of the audited rankers (`pjray.ppjd.shortcuts.RANKERS`).
@@ -113,8 +134,10 @@ def _text_only(audit: dict[str, Any]) -> list[str]:
         "",
         "| ranker | correct first | exact ranking |",
         "|---|---|---|",
-        *(f"| {name} | {_rate(by_rule[rule]['correct_first'])} | {_rate(by_rule[rule]['exact'])} |"
-          for rule, name in _RANKER_NAMES.items()),
+        *(
+            f"| {name} | {_rate(by_rule[rule]['correct_first'])} | {_rate(by_rule[rule]['exact'])} |"
+            for rule, name in _RANKER_NAMES.items()
+        ),
         f"| chance | {_rate(audit['chance_correct_first'])} | {_rate(audit['chance_exact'])} |",
         "",
         "The further these rankers are above chance, the more of the order a judge can learn from the text "

@@ -3,51 +3,25 @@
 This is the rules backend of the PPJD "rewrite rejecteds" step for rows without scene facts
 (MMPR, generic JSONL / parquet): a question, a chosen answer that ends in a final answer
 (`\\boxed{...}` or a "Final Answer:" line), and the ground truth. No model is involved: every
-edit is a word-level rewrite found with a small lexicon, recorded exactly, and the same for the
-same random stream.
+edit is a word-level rewrite found with a small lexicon, recorded exactly (`Rewrite`), and the
+same for the same random stream.
 
-- A *mention* is a word of one perception class: colour, count (a number word or an integer
-  2..20, where the value is followed by a noun somewhere), spatial relation, size, shape, or
-  text read from the image (a quoted string, with every other occurrence of it). The classes
-  are disjoint; each mention belongs to one (class, value) lexeme.
-- A *perception error* rewrites one lexeme of the chosen answer at every mention, on word
-  boundaries, keeping case and digit/word and singular/plural form, and fixing "a"/"an": a
-  colour, count or shape becomes another value of its class that the answer does not mention
-  (counts move by at most three, shapes stay flat or solid), a relation or size its antonym
-  (swapped with it where both are mentioned, so the answer stays self-consistent), quoted
-  text a one-character misreading or another option's text. The first one is decisive: the
-  final answer contains the word, or the final is a multiple-choice letter whose option names
-  it and another option reads like the edited one, and the letter moves there.
-- A *reasoning error* then breaks one step, the first kind available of: a wrong arithmetic
-  result (`a op b = c`), a flipped comparative (more/less ... than, most/least, increase/
-  decrease; none of them lexicon words), a negated conclusion (the copula of the sentence
-  before the final answer), a skipped step (a plain middle sentence of at least three). The
-  final answer is never touched, so it stays wrong.
+- A *mention* (`find_mentions`) is a word of one perception class: colour, count, spatial
+  relation, size, shape, or text read from the image (a quoted string).
+- A *perception error* (`perception_options`) rewrites one lexeme of the chosen answer at every
+  mention; the first one is decisive: it makes the final answer wrong (`decisive_options`).
+- A *reasoning error* (`reasoning_perturb`) then breaks one step; the final answer stays wrong.
 
-Ranked levels best -> worst, as for scenes (`pjray.ppjd.perturb`): 0 chosen | 1 P | 2 P+R |
-3 PP+R | 4 PPP+R ...; when no lexeme is left to change, a level adds a reasoning error instead.
-That *nested* construction shares the wrong fact of level 1 with every later level, so the text
-alone ranks it (`pjray.ppjd.shortcuts`). The *independent* one (`independent_rewrites`) gives each
-wrong level its own decisive perception error with a value no other level states (K = 3: "blue"
-correct, "red" with its reasoning intact, "green" with a reasoning error), on the same lexeme
-where it has the values, so no two candidates share a wrong fact, a final answer or the set of
-attribute words they state. Level l >= 2 then adds l - 1 errors: reasoning errors (at least one,
-level 2 is P+R), then perception errors stating no other level's wrong fact. An answer whose
-decisive words offer fewer than K - 1 wrong finals (a final "left" or "large", a letter with one
-other matching option), or that admits no reasoning error, cannot carry it and is rejected.
+Ranked levels best -> worst (`ranked_rewrites`), as for scenes (`pjray.ppjd.perturb`): the
+*nested* construction (0 chosen | 1 P | 2 P+R | 3 PP+R ...) shares level 1's wrong fact with
+every later level, so the text alone ranks it (`pjray.ppjd.shortcuts`); the *independent* one
+(`independent_rewrites`) gives each wrong level its own decisive error with a value no other
+level states.
 
-Limits: these are word lists, not understanding. A lexicon word in another sense is edited as
-an attribute unless it is one of the listed collocations ("right angle", "square root", "is
-left", "lower than", "as shown above", ...); a fact stated without a lexicon word ("crimson",
-"a pair", "twice as many") is invisible; a quoted string is taken for text in the image, and
-masks lexicon words inside it. Counts used in arithmetic are not edited (the arithmetic would
-no longer hold), and the number 1 never is (it would break agreement with the noun). A final
-answer that names no lexicon word (yes/no, a computed number, a letter whose option does not
-map to another one) has no decisive edit and the row is rejected; a final that holds both a
-letter and its option text has only the text edited; a letter the body names other than as
-"option/choice/answer X" is not moved with the final. Reasoning errors are surface edits: a
-skipped step may leave a later step referring to it, and only "is/are/was/were" conclusions
-can be negated.
+Limits: these are word lists, not understanding. A lexicon word in another sense is edited as an
+attribute unless it is a listed collocation, a fact stated without a lexicon word is invisible,
+and reasoning errors are surface edits. A row with no decisive edit, or one a construction
+cannot carry, is rejected with the reason (`RowDataError`).
 """
 
 from __future__ import annotations
@@ -57,8 +31,9 @@ import operator
 import random
 import re
 import string
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from pjray.ppjd.perturb import CONSTRUCTIONS, final_answer, normalize_answer
 from pjray.ppjd.rejects import RowDataError
@@ -66,7 +41,18 @@ from pjray.ppjd.rejects import RowDataError
 CLASSES: tuple[str, ...] = ("colour", "count", "relation", "size", "shape", "text")
 
 COLOURS: tuple[str, ...] = (
-    "red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white", "gray", "cyan",
+    "red",
+    "orange",
+    "yellow",
+    "green",
+    "blue",
+    "purple",
+    "pink",
+    "brown",
+    "black",
+    "white",
+    "gray",
+    "cyan",
 )
 SPELLINGS: dict[str, str] = {"grey": "gray"}
 NUMBER_WORDS: tuple[str, ...] = tuple(
@@ -75,12 +61,27 @@ NUMBER_WORDS: tuple[str, ...] = tuple(
 )
 COUNTS = range(2, 21)
 RELATION_PAIRS: tuple[tuple[str, str], ...] = (
-    ("left", "right"), ("leftmost", "rightmost"), ("above", "below"), ("top", "bottom"),
-    ("topmost", "bottommost"), ("upper", "lower"), ("in front of", "behind"), ("inside", "outside"),
+    ("left", "right"),
+    ("leftmost", "rightmost"),
+    ("above", "below"),
+    ("top", "bottom"),
+    ("topmost", "bottommost"),
+    ("upper", "lower"),
+    ("in front of", "behind"),
+    ("inside", "outside"),
 )
 SIZE_ANTONYMS: dict[str, str] = {
-    "small": "large", "large": "small", "big": "small", "tall": "short", "short": "tall", "wide": "narrow",
-    "narrow": "wide", "thick": "thin", "thin": "thick", "huge": "tiny", "tiny": "huge",
+    "small": "large",
+    "large": "small",
+    "big": "small",
+    "tall": "short",
+    "short": "tall",
+    "wide": "narrow",
+    "narrow": "wide",
+    "thick": "thin",
+    "thin": "thick",
+    "huge": "tiny",
+    "tiny": "huge",
 }
 # A replacement shape stays in its group: flat shapes, then solids.
 SHAPES: tuple[tuple[str, ...], ...] = (
@@ -95,10 +96,25 @@ ANTONYMS: dict[str, dict[str, str]] = {
 # Comparatives a reasoning error flips; the first six only before "than". None is a lexicon word
 # ("lower than" is excluded from the relations below).
 FLIPS: dict[str, str] = {
-    "more": "less", "less": "more", "fewer": "more", "greater": "less", "higher": "lower", "lower": "higher",
-    "most": "least", "least": "most", "highest": "lowest", "lowest": "highest", "maximum": "minimum",
-    "minimum": "maximum", "increase": "decrease", "increases": "decreases", "increased": "decreased",
-    "increasing": "decreasing", "decrease": "increase", "decreases": "increases", "decreased": "increased",
+    "more": "less",
+    "less": "more",
+    "fewer": "more",
+    "greater": "less",
+    "higher": "lower",
+    "lower": "higher",
+    "most": "least",
+    "least": "most",
+    "highest": "lowest",
+    "lowest": "highest",
+    "maximum": "minimum",
+    "minimum": "maximum",
+    "increase": "decrease",
+    "increases": "decreases",
+    "increased": "decreased",
+    "increasing": "decreasing",
+    "decrease": "increase",
+    "decreases": "increases",
+    "decreased": "increased",
     "decreasing": "increasing",
 }
 
@@ -165,9 +181,7 @@ _QUOTED_RE = re.compile(r'"([^"\n]{1,40})"|“([^”\n]{1,40})”|(?<!\w)\'([^\'
 _OPTION_RE = re.compile(r"^\s*\(?([A-H])\s*[).:]\s*(.+?)\s*$", re.MULTILINE)
 _LETTER_RE = re.compile(r"\(?([A-Ha-h])\)?")  # a final answer that is an option letter
 _ARTICLE_RE = re.compile(r"(?<!\w)(an?)\s+$", re.IGNORECASE)
-_EQUATION_RE = re.compile(
-    r"(?<![\w.])(\d+(?:\.\d+)?)\s*([-+*/×÷x])\s*(\d+(?:\.\d+)?)\s*=\s*(\d+(?:\.\d+)?)(?!\d|\.\d)"
-)
+_EQUATION_RE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s*([-+*/×÷x])\s*(\d+(?:\.\d+)?)\s*=\s*(\d+(?:\.\d+)?)(?!\d|\.\d)")
 _COMPARATIVE_RE = re.compile(
     r"\b(?:(?:more|less|fewer|greater|higher|lower)(?=(?:\s+[\w-]+){0,2}\s+than\b)|"
     r"(?:most|least|highest|lowest|maximum|minimum|(?:in|de)creas(?:e|es|ed|ing)))\b",
@@ -333,7 +347,17 @@ def _counts_something(text: str, end: int) -> bool:
 
 
 def find_mentions(text: str) -> list[Mention]:
-    """Every attribute mention in `text`, by position; no two overlap (the classes are disjoint)."""
+    """Every attribute mention in `text`, by position; no two overlap (the classes are disjoint).
+
+    A mention is a word of one perception class, and belongs to one (class, value) lexeme: colour,
+    count (a number word or an integer 2..20, where the value is followed by a noun somewhere),
+    spatial relation, size, shape, or text read from the image (a quoted string, with every other
+    occurrence of it). A lexicon word in another sense is a mention unless it is one of the listed
+    collocations ("right angle", "square root", "is left", "lower than", "as shown above", ...); a
+    fact stated without a lexicon word ("crimson", "a pair", "twice as many") is invisible; a
+    quoted string is taken for text in the image, and masks lexicon words inside it. Counts used
+    in arithmetic are not mentions (the arithmetic would no longer hold), and the number 1 never
+    is (editing it would break agreement with the noun)."""
     found = _text_mentions(text)
     quoted = [(m.start, m.end) for m in found]
     excluded = {m.span("w") for pattern in _NOT_ATTRIBUTES for m in pattern.finditer(text)}
@@ -353,7 +377,7 @@ def lexemes(mentions: list[Mention]) -> dict[tuple[str, str], Mention]:
 
 
 def mentioned_attributes(text: str) -> list[str]:
-    """"class: word" for each lexeme `text` mentions, in order of first mention."""
+    """ "class: word" for each lexeme `text` mentions, in order of first mention."""
     return [f"{m.cls}: {m.surface}" for m in lexemes(find_mentions(text)).values()]
 
 
@@ -362,8 +386,10 @@ def _value_mentions(text: str, cls: str, keys: set[str]) -> list[Mention]:
     if cls == "text":
         return [Mention(cls, k, m.start(), m.end(), m.group()) for k in sorted(keys) for m in _occurrences(text, k)]
     if cls == "count":
-        found = [Mention(cls, str(_number_value(m.group())), m.start(), m.end(), m.group())
-                 for m in _NUMBER_RE.finditer(text)]
+        found = [
+            Mention(cls, str(_number_value(m.group())), m.start(), m.end(), m.group())
+            for m in _NUMBER_RE.finditer(text)
+        ]
     else:
         found = [Mention(*WORDS[_fold(m.group())], m.start(), m.end(), m.group()) for m in _WORD_RE.finditer(text)]
     return [m for m in found if m.cls == cls and m.key in keys]
@@ -479,8 +505,14 @@ def _move_choice(question: str, text: str, cls: str, key: str, value: str) -> st
         return text
     moved = targets[0] if letter.group(1).isupper() else targets[0].lower()
     start = span[0] + letter.start(1)
-    body = _LETTER_REF_RE.sub(lambda m: m.group(1) + (moved if m.group(2).isupper() else moved.lower()) + m.group(3)
-                              if m.group(2).upper() == chosen else m.group(0), text[: span[0]])
+    body = _LETTER_REF_RE.sub(
+        lambda m: (
+            m.group(1) + (moved if m.group(2).isupper() else moved.lower()) + m.group(3)
+            if m.group(2).upper() == chosen
+            else m.group(0)
+        ),
+        text[: span[0]],
+    )
     return body + text[span[0] : start] + moved + text[start + 1 :]
 
 
@@ -495,8 +527,9 @@ def _change_edits(mentions: list[Mention], cls: str, key: str, value: str) -> li
     return edits
 
 
-def _replacements(src: Source, m: Mention, known: set[tuple[str, str]], touched: set[tuple[str, str]],
-                  rng: random.Random) -> list[str]:
+def _replacements(
+    src: Source, m: Mention, known: set[tuple[str, str]], touched: set[tuple[str, str]], rng: random.Random
+) -> list[str]:
     """Values `m`'s lexeme may become (for text: the new string, cased)."""
     taken = {k for c, k in known if c == m.cls}
     if m.cls in ANTONYMS:
@@ -529,6 +562,12 @@ def _wrong(text: str, truth: str) -> bool:
 def perception_options(src: Source, r: Rewrite, rng: random.Random) -> list[Rewrite]:
     """`r` with one more perception error, one per untouched lexeme of the chosen answer and value
     that leaves the final wrong. From the chosen answer (final = truth) these are the decisive errors.
+
+    An error rewrites the lexeme at every mention, on word boundaries, keeping case, digit/word
+    and singular/plural form, and fixing "a"/"an": a colour, count or shape becomes another value
+    of its class that the answer does not mention (counts move by at most three, shapes stay flat
+    or solid), a relation or size its antonym (swapped with it where both are mentioned, so the
+    answer stays self-consistent), quoted text a one-character misreading or another option's text.
     """
     mentions, in_chosen = find_mentions(r.text), lexemes(find_mentions(src.chosen))
     touched = r.touched()
@@ -557,14 +596,23 @@ def _pick(options: list[Rewrite], rng: random.Random) -> Rewrite:
 
 def decisive_options(src: Source, rng: random.Random) -> list[Rewrite]:
     """The chosen answer with one decisive perception error, one per lexeme and value; raises
-    RowDataError when there is none."""
+    RowDataError when there is none.
+
+    Decisive: the final answer contains the word, or the final is a multiple-choice letter whose
+    option names it and another option reads like the edited one, and the letter moves there. A
+    final that names no lexicon word (yes/no, a computed number, a letter whose option does not
+    map to another one) has none; a final holding both a letter and its option text has only the
+    text edited; a letter the body names other than as "option/choice/answer X" is not moved."""
     if not find_mentions(src.chosen):
-        raise RowDataError("no perception attribute words (colour, count, relation, size, shape or quoted text) "
-                         "in the answer")
+        raise RowDataError(
+            "no perception attribute words (colour, count, relation, size, shape or quoted text) in the answer"
+        )
     options = perception_options(src, Rewrite(src.chosen), rng)
     if not options:
-        raise RowDataError(f"no decisive perception error: no attribute word the answer mentions changes its "
-                         f"final answer {final_answer(src.chosen)!r}")
+        raise RowDataError(
+            f"no decisive perception error: no attribute word the answer mentions changes its "
+            f"final answer {final_answer(src.chosen)!r}"
+        )
     return options
 
 
@@ -581,8 +629,15 @@ def _format_like(x: float, like: str) -> str:
     return f"{x:.{decimals}f}"
 
 
-_OPERATIONS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "x": operator.mul, "×": operator.mul,
-               "/": operator.truediv, "÷": operator.truediv}
+_OPERATIONS = {
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
+    "x": operator.mul,
+    "×": operator.mul,
+    "/": operator.truediv,
+    "÷": operator.truediv,
+}
 
 
 def _arithmetic_sites(r: Rewrite) -> list[tuple[int, int, list[str]]]:
@@ -654,7 +709,11 @@ REASONING_KINDS = (
 def reasoning_sites(r: Rewrite) -> tuple[str, list[tuple[int, int, list[str]]]] | None:
     """The most preferred kind of reasoning error `r` still admits, with its sites; None if none.
 
-    Each kind is used once per answer, except arithmetic (a broken step is no longer a site).
+    Kinds, most preferred first: a wrong arithmetic result (`a op b = c`), a flipped comparative
+    (more/less ... than, most/least, increase/decrease; none of them lexicon words), a negated
+    conclusion (the copula of the sentence before the final answer), a skipped step (a plain
+    middle sentence of at least three). Each kind is used once per answer, except arithmetic (a
+    broken step is no longer a site).
     """
     used = {s.kind for s in r.slips}
     span = _final_span(r.text)
@@ -669,11 +728,15 @@ def reasoning_sites(r: Rewrite) -> tuple[str, list[tuple[int, int, list[str]]]] 
 
 
 def reasoning_perturb(r: Rewrite, rng: random.Random) -> Rewrite:
-    """`r` with one reasoning error added; its perception errors and its final answer stay."""
+    """`r` with one reasoning error added; its perception errors and its final answer stay.
+    A surface edit: a skipped step may leave a later step referring to it, and only
+    "is/are/was/were" conclusions can be negated."""
     found = reasoning_sites(r)
     if found is None:
-        raise RowDataError("no reasoning error possible: no arithmetic step, comparative, 'is/are' conclusion "
-                         "or three steps to skip one of")
+        raise RowDataError(
+            "no reasoning error possible: no arithmetic step, comparative, 'is/are' conclusion "
+            "or three steps to skip one of"
+        )
     kind, sites = found
     start, end, values = sites[rng.randrange(len(sites))]
     text = r.text[:start] + rng.choice(values) + r.text[end:]
@@ -685,8 +748,9 @@ def reasoning_perturb(r: Rewrite, rng: random.Random) -> Rewrite:
 # --------------------------------------------------------------------------- ranked levels
 
 
-def ranked_rewrites(question: str, chosen: str, num_candidates: int, rng: random.Random,
-                    construction: str = "nested") -> list[Rewrite]:
+def ranked_rewrites(
+    question: str, chosen: str, num_candidates: int, rng: random.Random, construction: str = "nested"
+) -> list[Rewrite]:
     """Levels 0..K-1 (best -> worst) of `construction` (`CONSTRUCTIONS`): `nested_rewrites` or
     `independent_rewrites`."""
     if num_candidates < 2:
@@ -703,7 +767,8 @@ def ranked_rewrites(question: str, chosen: str, num_candidates: int, rng: random
 
 
 def nested_rewrites(src: Source, num_candidates: int, rng: random.Random) -> list[Rewrite]:
-    """Levels 0..K-1 (best -> worst): chosen | P | P+R | PP+R | ...; each adds one error to the one before."""
+    """Levels 0..K-1 (best -> worst): chosen | P | P+R | PP+R | ...; each adds one error to the one
+    before, a reasoning error where no lexeme is left to change."""
     levels = [Rewrite(src.chosen), perceptual_perturb(src, rng)]
     while len(levels) < num_candidates:
         last = levels[-1]
@@ -713,8 +778,10 @@ def nested_rewrites(src: Source, num_candidates: int, rng: random.Random) -> lis
         elif reasoning_sites(last) is not None:
             levels.append(reasoning_perturb(last, rng))
         else:
-            raise RowDataError(f"num_candidates={num_candidates}: this answer supports at most {len(levels)} "
-                             f"ranked levels (no perception or reasoning error left to add)")
+            raise RowDataError(
+                f"num_candidates={num_candidates}: this answer supports at most {len(levels)} "
+                f"ranked levels (no perception or reasoning error left to add)"
+            )
     return levels
 
 
@@ -754,7 +821,13 @@ def _wrong_finals(src: Source, options: list[Rewrite]) -> dict[tuple[str, str], 
 def independent_rewrites(src: Source, num_candidates: int, rng: random.Random) -> list[Rewrite]:
     """Levels 0..K-1 (best -> worst) in which every wrong level has its own decisive perception
     error, no two levels state the same wrong fact, final answer or set of attribute words, and
-    level l has l errors. Raises RowDataError (a ValueError) when the answer cannot carry it."""
+    level l has l errors. Raises RowDataError (a ValueError) when the answer cannot carry it.
+
+    K = 3: "blue" correct, "red" with its reasoning intact, "green" with a reasoning error, on the
+    same lexeme where it has the values. Level l >= 2 adds l - 1 errors: reasoning errors (at
+    least one, level 2 is P+R), then perception errors stating no other level's wrong fact. An
+    answer whose decisive words offer fewer than K - 1 wrong finals (a final "left" or "large", a
+    letter with one other matching option), or that admits no reasoning error, cannot carry it."""
     levels = [Rewrite(src.chosen)]
     for level in range(1, num_candidates):
         for _ in range(_TRIES):
@@ -767,20 +840,24 @@ def independent_rewrites(src: Source, num_candidates: int, rng: random.Random) -
     return levels
 
 
-def _independent_level(src: Source, level: int, earlier: list[Rewrite], num_candidates: int,
-                       rng: random.Random) -> Rewrite | None:
+def _independent_level(
+    src: Source, level: int, earlier: list[Rewrite], num_candidates: int, rng: random.Random
+) -> Rewrite | None:
     """One draw of a level with `level` errors that states no wrong fact, final answer or set of
     attribute words of an `earlier` level; None where this draw ran out of options."""
     taken = _wrong_facts(c for r in earlier for c in r.changes)
     finals = {normalize_answer(r.final) for r in earlier}
-    fresh = [o for o in decisive_options(src, rng)
-             if not _wrong_facts(o.changes) & taken and normalize_answer(o.final) not in finals]
+    fresh = [
+        o
+        for o in decisive_options(src, rng)
+        if not _wrong_facts(o.changes) & taken and normalize_answer(o.final) not in finals
+    ]
     # The lexeme the earlier levels changed, else one that has a wrong value for every level left:
     # when all wrong levels misstate the same fact, no vote over the facts each candidate states
     # finds the chosen answer as the one that agrees with the others on every fact.
     used = {_decided(r) for r in earlier[1:]}
     wide = {x for x, n in _wrong_finals(src, fresh).items() if n >= num_candidates - level}
-    pool = ([o for o in fresh if _decided(o) in used] or [o for o in fresh if _decided(o) in wide] or fresh)
+    pool = [o for o in fresh if _decided(o) in used] or [o for o in fresh if _decided(o) in wide] or fresh
     if not pool:
         return None
     r = _pick(pool, rng)
@@ -809,21 +886,33 @@ def _why_not_independent(src: Source, level: int, num_candidates: int, rng: rand
         wrong.setdefault(normalize_answer(o.final), o.changes[0])
     if len(wrong) < num_candidates - 1 and math.isfinite(sum(_wrong_finals(src, options).values())):
         found = ", ".join(f"{c.cls} {c.original!r} -> {c.perturbed!r}" for c in wrong.values())
-        return (f"independent construction: {num_candidates - 1} wrong candidates need as many different wrong "
-                f"final answers, and the attribute words that decide the final {src.truth!r} give {len(wrong)} "
-                f"({found})")
+        return (
+            f"independent construction: {num_candidates - 1} wrong candidates need as many different wrong "
+            f"final answers, and the attribute words that decide the final {src.truth!r} give {len(wrong)} "
+            f"({found})"
+        )
     if level >= 2 and all(reasoning_sites(o) is None for o in options):
-        return (f"independent construction: level {level} is perception + reasoning, and no reasoning error fits "
-                f"this answer (no arithmetic step, comparative, 'is/are' conclusion or three steps to skip one of)")
-    return (f"independent construction: no draw of level {level} has its {level} errors (a decisive perception "
-            f"error, then reasoning errors, then perception errors) without a wrong fact, final answer or set of "
-            f"attribute words another level states")
+        return (
+            f"independent construction: level {level} is perception + reasoning, and no reasoning error fits "
+            f"this answer (no arithmetic step, comparative, 'is/are' conclusion or three steps to skip one of)"
+        )
+    return (
+        f"independent construction: no draw of level {level} has its {level} errors (a decisive perception "
+        f"error, then reasoning errors, then perception errors) without a wrong fact, final answer or set of "
+        f"attribute words another level states"
+    )
 
 
 # --------------------------------------------------------------------------- probes
 
-_ASK = {"colour": "Which colour", "count": "Which number", "relation": "Which position", "size": "Which size",
-        "shape": "Which shape", "text": "Which text"}
+_ASK = {
+    "colour": "Which colour",
+    "count": "Which number",
+    "relation": "Which position",
+    "size": "Which size",
+    "shape": "Which shape",
+    "text": "Which text",
+}
 
 
 def probe_question(c: Change) -> str:
@@ -833,5 +922,7 @@ def probe_question(c: Change) -> str:
     is not consistent by luck.
     """
     a, b = sorted((c.original, c.perturbed), key=str.lower)
-    return (f'Look at the image and fill the blank in "{c.context}". {_ASK[c.cls]} is right: {a} or {b}? '
-            "Answer with one of them.")
+    return (
+        f'Look at the image and fill the blank in "{c.context}". {_ASK[c.cls]} is right: {a} or {b}? '
+        "Answer with one of them."
+    )

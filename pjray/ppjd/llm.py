@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from pjray.ppjd.rejects import RowDataError
 
@@ -228,8 +229,10 @@ class HFTextEngine:
             )
             with self._torch.inference_mode():
                 out = self.model.generate(
-                    **inputs, max_new_tokens=self.spec.max_new_tokens,
-                    pad_token_id=self.tokenizer.pad_token_id, **sampling,
+                    **inputs,
+                    max_new_tokens=self.spec.max_new_tokens,
+                    pad_token_id=self.tokenizer.pad_token_id,
+                    **sampling,
                 )
             prompt_len = inputs["input_ids"].shape[1]
             replies.extend(
@@ -285,8 +288,11 @@ class VllmTextEngine:
         # All conversations of one call end alike (one role per call), so one flag fits them all.
         prefilled = conversations[-1][-1]["role"] == "assistant" if conversations else False
         outputs = self.llm.chat(
-            conversations, self.params, use_tqdm=False,
-            add_generation_prompt=not prefilled, continue_final_message=prefilled,
+            conversations,
+            self.params,
+            use_tqdm=False,
+            add_generation_prompt=not prefilled,
+            continue_final_message=prefilled,
         )
         return [
             _prefill(c) + self.tokenizer.decode(o.outputs[0].token_ids, skip_special_tokens=True)

@@ -11,20 +11,14 @@ ground truth is known exactly, so no LLM is needed and every perturbation can be
   conclusion that does not follow, a restatement that contradicts an earlier step); the
   perception errors stay, and the final stays wrong.
 
-Ranked levels for K candidates, best -> worst, each level adding one error to the one before:
-    0 chosen | 1 P | 2 P+R | 3 PP+R | 4 PPP+R ...
-(once a question has no perception fact left to change, further levels add reasoning errors),
-so the order is strict in the number of errors and each level's errors include the previous
-level's. K = 3 is the paper's chosen > perception-only > perception+reasoning tuple.
-
-That *nested* construction can be ranked from the text alone: the two wrong candidates state the
-same wrong fact, so the correct one is the odd one out, and the worst one contradicts itself.
-The *independent* construction (`independent_levels`) gives every wrong candidate its own
-decisive perception error with a different wrong value (K = 3: "red" correct, "blue" with its
-reasoning intact, "green" with a reasoning error), so no wrong fact or final answer is shared
-and only the image tells the best candidate from the other intact one. Level l >= 2 adds l - 1
-reasoning errors to its own perception error (then non-decisive perception errors, never a
-fact another level states), so the order stays strict in the number of errors.
+Ranked levels for K candidates, best -> worst (`ranked_item`, `construct_levels`): K = 3 is the
+paper's chosen > perception-only > perception+reasoning tuple. The *nested* construction
+(`ranked_levels`: 0 chosen | 1 P | 2 P+R | 3 PP+R ...) can be ranked from the text alone: the two
+wrong candidates state the same wrong fact, so the correct one is the odd one out, and the worst
+one contradicts itself. The *independent* construction (`independent_levels`) gives every wrong
+candidate its own decisive perception error with a different wrong value, so only the image
+tells the best candidate from the other intact one. Both keep the order strict in the number of
+errors.
 """
 
 from __future__ import annotations
@@ -32,9 +26,11 @@ from __future__ import annotations
 import hashlib
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
+from pjray.config.data import CONSTRUCTIONS  # defined with the config that checks values against it
 from pjray.data.scenes import (
     COLORS,
     KINDS,
@@ -284,9 +280,7 @@ def add_perception_error(p: Perturbed, rng: random.Random) -> Perturbed:
     """`p` with one more perception error (reasoning errors kept, their values re-derived)."""
     options = perception_options(p)
     if not options:
-        raise ValueError(
-            f"no further perception error possible for a {p.qa.kind} question: {p.qa.question!r}"
-        )
+        raise ValueError(f"no further perception error possible for a {p.qa.kind} question: {p.qa.question!r}")
     # Draw the (object, attribute) first and then the value, so attributes with many values
     # (colours, locations) do not crowd out sizes and shapes.
     keys = sorted({(g[0].obj, g[0].attribute) for g in options})
@@ -454,9 +448,7 @@ def reasoning_problems(qa: SceneQA, text: str) -> list[str]:
         if i not in fact_steps and steps[i] != expected[i]
     ]
     if not _same(final, expected_final):
-        problems.append(
-            f"final {final!r} does not follow from the stated facts (expected {expected_final!r})"
-        )
+        problems.append(f"final {final!r} does not follow from the stated facts (expected {expected_final!r})")
     return problems
 
 
@@ -491,13 +483,18 @@ def reasoning_only_levels(qa: SceneQA, num_candidates: int, rng: random.Random) 
     levels = [unperturbed(qa)]
     while len(levels) < num_candidates:
         if not _free_break_sites(levels[-1]):
-            raise ValueError(f"num_candidates={num_candidates}: a {qa.kind} question has {len(levels) - 1} reasoning-error sites")
+            raise ValueError(
+                f"num_candidates={num_candidates}: a {qa.kind} question has {len(levels) - 1} reasoning-error sites"
+            )
         levels.append(add_reasoning_error(levels[-1], rng))
     return levels
 
 
 def ranked_levels(qa: SceneQA, num_candidates: int, rng: random.Random) -> list[Perturbed]:
-    """Levels 0..K-1 (best -> worst), each with one more error than the one before."""
+    """Levels 0..K-1 (best -> worst), each with one more error than the one before:
+    0 chosen | 1 P | 2 P+R | 3 PP+R | 4 PPP+R ... (once a question has no perception fact left to
+    change, further levels add reasoning errors), so each level's errors include the previous
+    level's: the nested construction."""
     if num_candidates < 2:
         raise ValueError(f"num_candidates must be >= 2, got {num_candidates}")
     levels = [unperturbed(qa), perceptual_perturb(qa, rng)]
@@ -521,7 +518,6 @@ def ranked_levels(qa: SceneQA, num_candidates: int, rng: random.Random) -> list[
     return levels
 
 
-CONSTRUCTIONS: tuple[str, ...] = ("nested", "independent")
 _TRIES = 64  # draws per level before the independent construction gives up on a question
 
 
@@ -530,7 +526,12 @@ def independent_levels(qa: SceneQA, num_candidates: int, rng: random.Random) -> 
     perception error with a different wrong value, no two candidates state the same wrong fact
     or the same final answer, and level l has l errors (one perception error, then reasoning
     errors, then further perception errors). Raises ValueError when the question cannot carry
-    K - 1 distinct wrong answers (a spatial or existence question has one; a size question two)."""
+    K - 1 distinct wrong answers (a spatial or existence question has one; a size question two).
+
+    K = 3: "red" correct, "blue" with its reasoning intact, "green" with a reasoning error, so no
+    wrong fact or final answer is shared. Level l >= 2 adds l - 1 reasoning errors to its own
+    perception error (then non-decisive perception errors, never a fact another level states),
+    so the order stays strict in the number of errors."""
     if num_candidates < 2:
         raise ValueError(f"num_candidates must be >= 2, got {num_candidates}")
     levels = [unperturbed(qa)]
@@ -552,7 +553,9 @@ def independent_levels(qa: SceneQA, num_candidates: int, rng: random.Random) -> 
     return levels
 
 
-def _independent_level(qa: SceneQA, level: int, stated: set[tuple[int, str, str]], rng: random.Random) -> Perturbed | None:
+def _independent_level(
+    qa: SceneQA, level: int, stated: set[tuple[int, str, str]], rng: random.Random
+) -> Perturbed | None:
     """One draw of a level with `level` errors whose perception facts are not in `stated`, or
     None where this draw ran out of options."""
 
@@ -577,7 +580,9 @@ def _independent_level(qa: SceneQA, level: int, stated: set[tuple[int, str, str]
     return p
 
 
-def construct_levels(qa: SceneQA, num_candidates: int, rng: random.Random, construction: str = "nested") -> list[Perturbed]:
+def construct_levels(
+    qa: SceneQA, num_candidates: int, rng: random.Random, construction: str = "nested"
+) -> list[Perturbed]:
     """The ranked levels of `construction` (CONSTRUCTIONS): `ranked_levels` or `independent_levels`."""
     if construction == "nested":
         return ranked_levels(qa, num_candidates, rng)
@@ -605,7 +610,10 @@ def item_id(qa: SceneQA) -> str:
 
 
 def ranked_item(
-    qa: SceneQA, num_candidates: int = 3, rng: random.Random | None = None, perception: bool = True,
+    qa: SceneQA,
+    num_candidates: int = 3,
+    rng: random.Random | None = None,
+    perception: bool = True,
     construction: str = "nested",
 ) -> JudgeItem:
     """A ranked PPJD item: chosen > perception-only > perception+reasoning (> more errors ...),
@@ -654,8 +662,14 @@ def _scene_seed(seed: int, index: int) -> int:
 
 
 def scene_items(
-    n: int, seed: int = 0, num_candidates: int = 3, image_size: int = 128, kinds: Sequence[str] = KINDS,
-    objects: Sequence[int] = (2, 5), split: str = "all", construction: str = "nested",
+    n: int,
+    seed: int = 0,
+    num_candidates: int = 3,
+    image_size: int = 128,
+    kinds: Sequence[str] = KINDS,
+    objects: Sequence[int] = (2, 5),
+    split: str = "all",
+    construction: str = "nested",
 ) -> list[JudgeItem]:
     """`n` ranked scene items; question kinds cycle through `kinds` so they are balanced, each
     scene holds `objects` = (min, max) objects and lies in the content `split`

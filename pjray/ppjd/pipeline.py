@@ -2,26 +2,17 @@
 
     read (driver) -> shards -> load -> verify -> extract -> perturb -> check -> vqa -> decontam -> write
 
-Every stage is a `map_batches` over pandas batches of work rows (`WORK_COLUMNS`). A row that
-fails a stage gets `reject_stage` / `reject_reason` and rides along untouched to the write stage,
-which splits it into the rejects file: nothing is filtered out of the stream, so nothing can be
-dropped silently. Only data problems become rejects (a stage's returned reason, or a
-`RowDataError`: a corrupt image, a missing field, an unusable model reply); any other exception
-is a bug and fails the job, and so does a shard in which one stage rejected more than
-`ppjd.max_reject_fraction` of the (at least `MIN_ROWS_CHECKED`) rows that reached it. Such a
-shard's rejects and stats are written, for the diagnosis, but not its PPJD file.
+Every stage is a `map_batches` over pandas batches of work rows (`WORK_COLUMNS`; `build_dataset`).
+A row that fails a stage gets `reject_stage` / `reject_reason` and rides along untouched to the
+write stage, which splits it into the rejects file: nothing is dropped silently. Only data
+problems become rejects (a stage's returned reason, or a `RowDataError`: a corrupt image, a
+missing field, an unusable model reply; `each_live_row`); any other exception is a bug and fails
+the job, as does a shard in which one stage rejected too many rows (`check_reject_rates`).
 
-Model stages run on actor pools (`ActorPoolStrategy`) sized by `ppjd.llm_workers` /
-`ppjd.vlm_workers`, each actor holding `ppjd.num_gpus_per_actor` GPUs or
-`ppjd.num_cpus_per_actor` (fractional) CPUs. With the llm backend, verify, extract and perturb
-share one actor (one model copy), the three prompt roles run back to back on a batch.
-
-Resume: the source rows are cut into numbered shards of `ppjd.shard_size` rows, one Ray block
-each, and every batch is a whole block (`batch_size=None`), so the write stage sees each shard
-whole. It writes `rejects/`, `stats/` and last `ppjd/shard-XXXXX.parquet`, each to a temporary
-name and then renamed. A shard whose `ppjd/` file exists is complete and skipped on a rerun; a
-crash loses only the shards in flight. `job.json` pins the config that made the shards, and a
-rerun with a different one is refused rather than mixing two datasets.
+Resume: the source rows are cut into numbered shards of `ppjd.shard_size` rows, each written
+whole, its `ppjd/` file last (`ShardWriter`): a shard whose `ppjd/` file exists is skipped on a
+rerun. `job.json` pins the config that made the shards; a rerun with another is refused rather
+than mixing two datasets.
 
 Output (`ppjd.output_dir`):
     ppjd/shard-XXXXX.parquet     PPJD rows (pjray.data.sources.PPJD_SCHEMA), `read_items` reads it
@@ -31,7 +22,6 @@ Output (`ppjd.output_dir`):
                                  (pjray.ppjd.shortcuts) of every written row, the config
     README.md                    the dataset card (pjray.ppjd.card): `datasets.load_dataset(output_dir)`
                                  or `load_dataset("parquet", data_dir=output_dir/ppjd)` reads the rows
-
 With `ppjd.push_to_hub` the finished dataset and its card are published to that hub dataset.
 """
 
@@ -45,9 +35,10 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa
@@ -89,8 +80,14 @@ WORK_COLUMNS = (
     "shard_rows",
 )
 REJECT_SCHEMA = pa.schema(
-    [("id", pa.string()), ("source", pa.string()), ("where", pa.string()), ("reject_stage", pa.string()),
-     ("reject_reason", pa.string()), ("question", pa.string())]
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),
+        ("where", pa.string()),
+        ("reject_stage", pa.string()),
+        ("reject_reason", pa.string()),
+        ("question", pa.string()),
+    ]
 )
 THINK_TAGS = ("<think>", "</think>")
 # A stage is judged by its reject fraction only when at least this many rows of a shard reach it.
@@ -254,8 +251,13 @@ def perturb_lexicon(row: dict[str, Any], num_candidates: int, construction: str 
     from pjray.ppjd.lexicon import probe_question, ranked_rewrites
 
     try:
-        levels = ranked_rewrites(row["question"], row["chosen"], num_candidates,
-                                 random.Random(f"pjray.ppjd.lexicon:{row['id']}"), construction)
+        levels = ranked_rewrites(
+            row["question"],
+            row["chosen"],
+            num_candidates,
+            random.Random(f"pjray.ppjd.lexicon:{row['id']}"),
+            construction,
+        )
     except RowDataError as e:
         return str(e)
     row["levels"] = json.dumps([{"text": r.text, "record": r.to_json()} for r in levels])
@@ -326,8 +328,10 @@ def settle_probes(row: dict[str, Any], answers: list[str]) -> str | None:
     bad = [p for p in settled if not p["consistent"]]
     if bad:
         p = bad[0]
-        return (f"level {p['level']} probe {p['question']!r} answered {p['answer']!r}: "
-                f"not the original {p['original']!r} alone (perturbed {p['perturbed']!r})")
+        return (
+            f"level {p['level']} probe {p['question']!r} answered {p['answer']!r}: "
+            f"not the original {p['original']!r} alone (perturbed {p['perturbed']!r})"
+        )
     return None
 
 
@@ -381,7 +385,11 @@ class CpuStages:
         return _timed("extract", batch, each_live_row("extract", extract_rules))
 
     def perturb(self, batch: pd.DataFrame) -> pd.DataFrame:
-        return _timed("perturb", batch, each_live_row("perturb", lambda r: perturb_rules(r, self.cfg.num_candidates, self.cfg.construction)))
+        return _timed(
+            "perturb",
+            batch,
+            each_live_row("perturb", lambda r: perturb_rules(r, self.cfg.num_candidates, self.cfg.construction)),
+        )
 
     def check(self, batch: pd.DataFrame) -> pd.DataFrame:
         return _timed("check", batch, each_live_row("check", check_finals))
@@ -391,7 +399,9 @@ class CpuStages:
 
     def decontam(self, batch: pd.DataFrame) -> pd.DataFrame:
         max_distance = self.cfg.phash_max_distance
-        return _timed("decontam", batch, each_live_row("decontam", lambda r: decontam_row(r, self.eval_index, max_distance)))
+        return _timed(
+            "decontam", batch, each_live_row("decontam", lambda r: decontam_row(r, self.eval_index, max_distance))
+        )
 
 
 class LlmStage:
@@ -411,13 +421,23 @@ class LlmStage:
         device = "cuda" if cfg.num_gpus_per_actor > 0 and torch.cuda.is_available() else "cpu"
         self.engine = llm_prompts.build_text_engine(
             llm_prompts.TextEngineSpec(
-                model=cfg.llm_model, gguf_file=cfg.llm_gguf_file, engine=cfg.llm_engine,
-                max_new_tokens=cfg.llm_max_new_tokens, temperature=cfg.llm_temperature, device=device,
+                model=cfg.llm_model,
+                gguf_file=cfg.llm_gguf_file,
+                engine=cfg.llm_engine,
+                max_new_tokens=cfg.llm_max_new_tokens,
+                temperature=cfg.llm_temperature,
+                device=device,
             )
         )
 
-    def _role(self, stage: str, rows: list[dict[str, Any]], wanted: Callable[[dict[str, Any]], bool],
-              messages: Callable[[dict[str, Any]], list], apply: Callable[[dict[str, Any], str], str | None]) -> None:
+    def _role(
+        self,
+        stage: str,
+        rows: list[dict[str, Any]],
+        wanted: Callable[[dict[str, Any]], bool],
+        messages: Callable[[dict[str, Any]], list],
+        apply: Callable[[dict[str, Any], str], str | None],
+    ) -> None:
         live = [r for r in rows if not r["reject_stage"] and wanted(r)]
         replies = self.engine.chat([messages(r) for r in live]) if live else []
         for row, reply in zip(live, replies):
@@ -430,27 +450,58 @@ class LlmStage:
 
     def __call__(self, batch: pd.DataFrame) -> pd.DataFrame:
         cfg = self.cfg
-        batch = _timed("verify", batch, each_live_row(
-            "verify", lambda r: chosen_filter(r, cfg.max_chosen_chars) or (verify_with_truth(r) if r["answer"] else None)))
-        batch = _timed("verify", batch, lambda rows: self._role(
-            "verify", rows, lambda r: not r["answer"],
-            lambda r: llm_prompts.verify_messages(r["question"], r["chosen"], r["answer"]),
-            lambda r, reply: None if llm_prompts.parse_verify(reply) else "the LLM judged the chosen answer incorrect"))
+        batch = _timed(
+            "verify",
+            batch,
+            each_live_row(
+                "verify",
+                lambda r: chosen_filter(r, cfg.max_chosen_chars) or (verify_with_truth(r) if r["answer"] else None),
+            ),
+        )
+        batch = _timed(
+            "verify",
+            batch,
+            lambda rows: self._role(
+                "verify",
+                rows,
+                lambda r: not r["answer"],
+                lambda r: llm_prompts.verify_messages(r["question"], r["chosen"], r["answer"]),
+                lambda r, reply: (
+                    None if llm_prompts.parse_verify(reply) else "the LLM judged the chosen answer incorrect"
+                ),
+            ),
+        )
 
         def set_attrs(row: dict[str, Any], reply: str) -> None:
             row["attrs"] = json.dumps(llm_prompts.parse_extract(reply))
 
-        batch = _timed("extract", batch, lambda rows: self._role(
-            "extract", rows, lambda r: True,
-            lambda r: llm_prompts.extract_messages(r["question"], r["chosen"]), set_attrs))
+        batch = _timed(
+            "extract",
+            batch,
+            lambda rows: self._role(
+                "extract",
+                rows,
+                lambda r: True,
+                lambda r: llm_prompts.extract_messages(r["question"], r["chosen"]),
+                set_attrs,
+            ),
+        )
 
         def set_rewrites(row: dict[str, Any], reply: str) -> str | None:
             first, second = llm_prompts.parse_rewrite(reply, row["chosen"])
             return set_llm_levels(row, [first, second][: cfg.num_candidates - 1])
 
-        return _timed("perturb", batch, lambda rows: self._role(
-            "perturb", rows, lambda r: True,
-            lambda r: llm_prompts.rewrite_messages(r["question"], r["chosen"], json.loads(r["attrs"])), set_rewrites))
+        return _timed(
+            "perturb",
+            batch,
+            lambda rows: self._role(
+                "perturb",
+                rows,
+                lambda r: True,
+                lambda r: llm_prompts.rewrite_messages(r["question"], r["chosen"], json.loads(r["attrs"])),
+                set_rewrites,
+            ),
+        )
 
 
 class VlmStage:
@@ -491,7 +542,12 @@ def shard_name(shard: int) -> str:
 
 
 class ShardWriter:
-    """The write stage: one whole shard per batch -> ppjd / rejects / stats files."""
+    """The write stage: one whole shard per batch -> ppjd / rejects / stats files.
+
+    It writes `rejects/`, `stats/` and last `ppjd/shard-XXXXX.parquet`, each to a temporary name
+    and then renamed, so the PPJD file's existence marks the shard done and a crash loses only
+    the shards in flight. A shard that fails `check_reject_rates` keeps its rejects and stats,
+    for the diagnosis, but gets no PPJD file."""
 
     def __init__(self, output_dir: str, num_candidates: int, max_reject_fraction: float) -> None:
         self.out, self.num_candidates = Path(output_dir), num_candidates
@@ -503,7 +559,9 @@ class ShardWriter:
             rows = group.to_dict("records")
             if len(rows) != int(rows[0]["shard_rows"]):
                 # Blocks must stay whole shards; a split block would write a partial shard as done.
-                raise RuntimeError(f"{shard_name(int(shard))}: got {len(rows)} of {rows[0]['shard_rows']} rows in one batch")
+                raise RuntimeError(
+                    f"{shard_name(int(shard))}: got {len(rows)} of {rows[0]['shard_rows']} rows in one batch"
+                )
             summaries.append(self.write_shard(int(shard), rows))
         return pd.DataFrame({"stats": summaries})
 
@@ -522,13 +580,21 @@ class ShardWriter:
         by_stage: dict[str, int] = {}
         for r in rejects:
             by_stage[r["reject_stage"]] = by_stage.get(r["reject_stage"], 0) + 1
-        stats = {"shard": shard, "read": len(rows), "kept": len(kept), "rejected": len(rejects),
-                 "rejected_by_stage": by_stage, "stage_seconds": seconds}
+        stats = {
+            "shard": shard,
+            "read": len(rows),
+            "kept": len(kept),
+            "rejected": len(rejects),
+            "rejected_by_stage": by_stage,
+            "stage_seconds": seconds,
+        }
         name = shard_name(shard)
         seconds["write"] = time.perf_counter() - start  # the files below are not counted
         # Rejects and stats first, the PPJD shard last: its existence marks the shard done.
-        atomic_write(self.out / "rejects" / f"{name}.parquet",
-                      lambda p: pq.write_table(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA), p))
+        atomic_write(
+            self.out / "rejects" / f"{name}.parquet",
+            lambda p: pq.write_table(pa.Table.from_pylist(rejects, schema=REJECT_SCHEMA), p),
+        )
         atomic_write(self.out / "stats" / f"{name}.json", lambda p: p.write_text(json.dumps(stats)))
         check_reject_rates(name, len(rows), rejects, self.max_reject_fraction)
         atomic_write(self.out / "ppjd" / f"{name}.parquet", lambda p: pq.write_table(items_to_table(kept), p))
@@ -560,8 +626,16 @@ def check_reject_rates(shard: str, num_rows: int, rejects: list[dict[str, Any]],
 def job_fingerprint(cfg: PPJDConfig) -> dict[str, Any]:
     """The settings that decide which rows land in which shard and what they hold."""
     d = asdict(cfg)
-    for key in ("llm_workers", "vlm_workers", "num_cpus_per_actor", "num_gpus_per_actor", "output_dir",
-                "max_reject_fraction", "license", "push_to_hub"):
+    for key in (
+        "llm_workers",
+        "vlm_workers",
+        "num_cpus_per_actor",
+        "num_gpus_per_actor",
+        "output_dir",
+        "max_reject_fraction",
+        "license",
+        "push_to_hub",
+    ):
         d.pop(key)  # scaling knobs, the guard and publishing: changing them must not invalidate finished shards
     return d
 
@@ -586,7 +660,13 @@ def _shards(rows: list[RawRow], size: int) -> list[list[RawRow]]:
 
 
 def build_dataset(frames: list[pd.DataFrame], cfg: PPJDConfig, eval_index: EvalIndex):
-    """The lazy Ray Dataset of the whole job over `frames` (one pandas frame per pending shard)."""
+    """The lazy Ray Dataset of the whole job over `frames` (one pandas frame per pending shard).
+
+    Each shard is one Ray block and every batch a whole block (`batch_size=None`), so the write
+    stage sees each shard whole. Model stages run on actor pools (`ActorPoolStrategy`) sized by
+    `ppjd.llm_workers` / `ppjd.vlm_workers`, each actor holding `ppjd.num_gpus_per_actor` GPUs or
+    `ppjd.num_cpus_per_actor` (fractional) CPUs. With the llm backend, verify, extract and perturb
+    share one actor (one model copy): the three prompt roles run back to back on a batch."""
     import ray.data
 
     quiet_ray_data()
@@ -599,24 +679,34 @@ def build_dataset(frames: list[pd.DataFrame], cfg: PPJDConfig, eval_index: EvalI
     actor = {k: v for k, v in actor.items() if v is not None}
     ds = ray.data.from_pandas(frames).map_batches(stages.load, **common)
     if cfg.perturb_backend == "llm":
-        ds = ds.map_batches(LlmStage, fn_constructor_args=(cfg,),
-                            compute=ray.data.ActorPoolStrategy(size=cfg.llm_workers), **actor, **common)
+        ds = ds.map_batches(
+            LlmStage,
+            fn_constructor_args=(cfg,),
+            compute=ray.data.ActorPoolStrategy(size=cfg.llm_workers),
+            **actor,
+            **common,
+        )
     else:
         ds = ds.map_batches(stages.verify, **common).map_batches(stages.extract, **common)
         ds = ds.map_batches(stages.perturb, **common)
     ds = ds.map_batches(stages.check, **common)
     if cfg.vqa_backend == "vlm":
-        ds = ds.map_batches(VlmStage, fn_constructor_args=(cfg,),
-                            compute=ray.data.ActorPoolStrategy(size=cfg.vlm_workers), **actor, **common)
+        ds = ds.map_batches(
+            VlmStage,
+            fn_constructor_args=(cfg,),
+            compute=ray.data.ActorPoolStrategy(size=cfg.vlm_workers),
+            **actor,
+            **common,
+        )
     else:
         ds = ds.map_batches(stages.vqa, **common)
     ds = ds.map_batches(stages.decontam, **common)
     ds = ds.map_batches(ShardWriter(cfg.output_dir, cfg.num_candidates, cfg.max_reject_fraction), **common)
     if cfg.perturb_backend != "llm" and cfg.vqa_backend != "vlm":
         # Model-free plans fuse into one task operator. Ray Data's per-operator reservation then
-        # holds it to one task at a time until its first outputs come back (measured: 2048
-        # 384px rows on 2 CPUs took 8.8 s with it, 5.7 s without; 1 CPU 10.0 s). Plans with actor
-        # pools keep it: there it stops the CPU stages from starving the model stages.
+        # holds it to one task at a time until its first outputs come back, which slows the job
+        # (benchmarks/results/design_notes.md). Plans with actor pools keep it: there it stops
+        # the CPU stages from starving the model stages.
         ds.context.op_resource_reservation_enabled = False
     return ds
 
@@ -646,11 +736,18 @@ def run_ppjd(cfg: Config | PPJDConfig, config_dict: dict[str, Any] | None = None
     _check_job(out, p)
 
     start = time.perf_counter()
-    rows = read_source(p.source, p.paths, p.num_items, p.seed, p.image_size, p.scene_kinds, p.scene_objects, p.scene_split)
+    rows = read_source(
+        p.source, p.paths, p.num_items, p.seed, p.image_size, p.scene_kinds, p.scene_objects, p.scene_split
+    )
     shards = _shards(rows, p.shard_size)
     pending = [i for i in range(len(shards)) if not (out / "ppjd" / f"{shard_name(i)}.parquet").exists()]
-    log.info("ppjd: %d rows in %d shards, %d to do, %d already written", len(rows), len(shards),
-             len(pending), len(shards) - len(pending))
+    log.info(
+        "ppjd: %d rows in %d shards, %d to do, %d already written",
+        len(rows),
+        len(shards),
+        len(pending),
+        len(shards) - len(pending),
+    )
     eval_index = load_eval_index(p.decontam_files) if p.decontam_files else EvalIndex((), frozenset())
     if pending:
         connect(cfg.ray if isinstance(cfg, Config) else RayConfig())
@@ -660,9 +757,17 @@ def run_ppjd(cfg: Config | PPJDConfig, config_dict: dict[str, Any] | None = None
             stats = json.loads(row["stats"])
             rows_done += stats["read"]
             rate = rows_done / max(time.perf_counter() - started, 1e-9)
-            log.info("ppjd: %s written (%d kept, %d rejected) [%d/%d shards, %d/%d rows, %.1f rows/s]",
-                     shard_name(stats["shard"]), stats["kept"], stats["rejected"], done, len(pending),
-                     rows_done, todo, rate)
+            log.info(
+                "ppjd: %s written (%d kept, %d rejected) [%d/%d shards, %d/%d rows, %.1f rows/s]",
+                shard_name(stats["shard"]),
+                stats["kept"],
+                stats["rejected"],
+                done,
+                len(pending),
+                rows_done,
+                todo,
+                rate,
+            )
     wall = time.perf_counter() - start
     processed = sum(len(shards[i]) for i in pending)
     manifest = build_manifest(out, len(shards), len(pending), processed, wall, config_dict)
@@ -677,8 +782,11 @@ def build_manifest(
     out: Path, num_shards: int, written: int, processed: int, wall: float, config: dict[str, Any]
 ) -> dict[str, Any]:
     """Counts per stage and throughput over every finished shard (this run's and earlier ones)."""
-    stats = [json.loads(f.read_text()) for f in sorted((out / "stats").glob("shard-*.json"))
-             if (out / "ppjd" / f"{f.stem}.parquet").exists()]
+    stats = [
+        json.loads(f.read_text())
+        for f in sorted((out / "stats").glob("shard-*.json"))
+        if (out / "ppjd" / f"{f.stem}.parquet").exists()
+    ]
     read = sum(s["read"] for s in stats)
     rejected_by_stage: dict[str, int] = {}
     seconds: dict[str, float] = {}
@@ -699,8 +807,12 @@ def build_manifest(
     kept = sum(s["kept"] for s in stats)
     return {
         "shards": {"total": num_shards, "complete": len(stats), "written_this_run": written},
-        "counts": {"read": read, "kept": kept, "rejected": sum(s["rejected"] for s in stats),
-                   "rejected_by_stage": rejected_by_stage},
+        "counts": {
+            "read": read,
+            "kept": kept,
+            "rejected": sum(s["rejected"] for s in stats),
+            "rejected_by_stage": rejected_by_stage,
+        },
         "stages": per_stage,
         "text_only_ranker": audit(written_texts(out)),
         "wall_seconds": round(wall, 3),
@@ -716,19 +828,29 @@ def written_texts(out: Path) -> Iterator[JudgeItem]:
     text-only audit must not see it, and a shard's images are most of its bytes."""
     for f in sorted((out / "ppjd").glob("shard-*.parquet")):
         for r in pq.read_table(f, columns=["id", "question", "candidates", "order", "source", "meta"]).to_pylist():
-            yield JudgeItem(r["id"], b"", r["question"], tuple(r["candidates"]), tuple(r["order"]), r["source"],
-                            json.loads(r["meta"]))
+            yield JudgeItem(
+                r["id"],
+                b"",
+                r["question"],
+                tuple(r["candidates"]),
+                tuple(r["order"]),
+                r["source"],
+                json.loads(r["meta"]),
+            )
 
 
 def summary(manifest: dict[str, Any]) -> str:
     """A few lines for the terminal."""
     c = manifest["counts"]
-    lines = [f"read {c['read']}  kept {c['kept']}  rejected {c['rejected']}  "
-             f"(shards {manifest['shards']['complete']}/{manifest['shards']['total']}, "
-             f"{manifest['shards']['written_this_run']} written now, {manifest['wall_seconds']} s)"]
+    lines = [
+        f"read {c['read']}  kept {c['kept']}  rejected {c['rejected']}  "
+        f"(shards {manifest['shards']['complete']}/{manifest['shards']['total']}, "
+        f"{manifest['shards']['written_this_run']} written now, {manifest['wall_seconds']} s)"
+    ]
     for stage, e in manifest["stages"].items():
         rate = e.get("rows_per_s_per_worker")
-        lines.append(f"  {stage:<9} in {e['in']:>6}  rejected {e['rejected']:>5}"
-                     + (f"  {rate} rows/s/worker" if rate else ""))
+        lines.append(
+            f"  {stage:<9} in {e['in']:>6}  rejected {e['rejected']:>5}" + (f"  {rate} rows/s/worker" if rate else "")
+        )
     lines.append(f"  text-only ranker: {text_only_line(manifest['text_only_ranker'])}")
     return "\n".join(lines)

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 from pjray.data.scenes import SceneQA, qa_from_ref
 from pjray.ppjd.lexicon import find_mentions, lexemes
@@ -55,8 +56,14 @@ def scene_qa(meta: Mapping[str, Any]) -> SceneQA | None:
     if "scene" in meta:
         return qa_from_ref(meta["scene"])
     if "scene_seed" in meta:
-        return qa_from_ref({"seed": meta["scene_seed"], "image_size": meta["image_size"],
-                            "objects": meta["objects"], "kind": meta["kind"]})
+        return qa_from_ref(
+            {
+                "seed": meta["scene_seed"],
+                "image_size": meta["image_size"],
+                "objects": meta["objects"],
+                "kind": meta["kind"],
+            }
+        )
     return None
 
 
@@ -98,8 +105,9 @@ def text_signals(candidates: Sequence[str], qa: SceneQA | None = None) -> TextSi
     """The signals of a tuple's candidates; `qa` is the scene row's regenerated question (None:
     a free-text row). The odd one out is taken over every candidate, consistent or not: in a
     nested tuple the wrong fact the chosen answer differs from is shared by the inconsistent one."""
-    return TextSignals(tuple(problem_count(t, qa) for t in candidates),
-                       odd_one_out([stated_fact(t, qa) for t in candidates]))
+    return TextSignals(
+        tuple(problem_count(t, qa) for t in candidates), odd_one_out([stated_fact(t, qa) for t in candidates])
+    )
 
 
 def _rule_key(rule: str, signals: TextSignals, candidate: int) -> int:
@@ -194,8 +202,10 @@ class _Tally:
             "exact": mean(self.exact["combined"]),
             "chance_correct_first": mean(self.chance_correct_first),
             "chance_exact": mean(self.chance_exact),
-            "by_rule": {name: {"correct_first": mean(self.correct_first[name]), "exact": mean(self.exact[name])}
-                        for name in RANKERS},
+            "by_rule": {
+                name: {"correct_first": mean(self.correct_first[name]), "exact": mean(self.exact[name])}
+                for name in RANKERS
+            },
         }
 
 

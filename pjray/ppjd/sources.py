@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import pyarrow.parquet as pq
 
@@ -54,7 +55,11 @@ class RawRow:
 
 
 def scene_rows(
-    num_items: int, seed: int, image_size: int, kinds: Sequence[str] = KINDS, objects: Sequence[int] = (2, 5),
+    num_items: int,
+    seed: int,
+    image_size: int,
+    kinds: Sequence[str] = KINDS,
+    objects: Sequence[int] = (2, 5),
     split: str = "all",
 ) -> list[RawRow]:
     """The same scenes and questions as `pjray.ppjd.perturb.scene_items` (`kinds` cycle, each
@@ -63,8 +68,13 @@ def scene_rows(
     for i, qa in enumerate(split_qas(num_items, lambda j: _scene_seed(seed, j), split, image_size, kinds, objects)):
         rows.append(
             RawRow(
-                id=item_id(qa), source="scenes", question=qa.question, chosen=qa.answer, answer=qa.final,
-                scene=json.dumps(scene_ref(qa)), where=f"scene {i}",
+                id=item_id(qa),
+                source="scenes",
+                question=qa.question,
+                chosen=qa.answer,
+                answer=qa.final,
+                scene=json.dumps(scene_ref(qa)),
+                where=f"scene {i}",
             )
         )
     return rows
@@ -97,8 +107,13 @@ def _image_field(record: dict[str, Any], root: Path) -> tuple[bytes, str]:
 
 def _row_from_record(record: Any, source: str, root: Path, where: str, row_id: str) -> RawRow:
     if not isinstance(record, dict):
-        return RawRow(row_id, source, where=where, reject_stage="read",
-                      reject_reason=f"{where}: expected a JSON object, got {type(record).__name__}")
+        return RawRow(
+            row_id,
+            source,
+            where=where,
+            reject_stage="read",
+            reject_reason=f"{where}: expected a JSON object, got {type(record).__name__}",
+        )
     image, image_path = _image_field(record, root)
     return RawRow(
         id=_text(record, "id") or row_id,
@@ -123,8 +138,9 @@ def _jsonl_rows(path: Path, source: str, root: Path, prefix: str) -> Iterator[Ra
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
-                yield RawRow(row_id, source, where=where, reject_stage="read",
-                             reject_reason=f"{where}: not JSON ({err.msg})")
+                yield RawRow(
+                    row_id, source, where=where, reject_stage="read", reject_reason=f"{where}: not JSON ({err.msg})"
+                )
                 continue
             yield _row_from_record(record, source, root, where, row_id)
 
@@ -166,8 +182,14 @@ def file_rows(paths: Sequence[str | Path], source: str) -> list[RawRow]:
 
 
 def read_source(
-    kind: str, paths: Sequence[str], num_items: int, seed: int, image_size: int, scene_kinds: Sequence[str] = KINDS,
-    scene_objects: Sequence[int] = (2, 5), scene_split: str = "all",
+    kind: str,
+    paths: Sequence[str],
+    num_items: int,
+    seed: int,
+    image_size: int,
+    scene_kinds: Sequence[str] = KINDS,
+    scene_objects: Sequence[int] = (2, 5),
+    scene_split: str = "all",
 ) -> list[RawRow]:
     """All raw rows of the configured source, in a stable order (shards are cut from it)."""
     if kind == "scenes":

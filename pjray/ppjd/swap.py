@@ -67,7 +67,9 @@ def swap_pair(item: JudgeItem) -> SwapPair:
         raise ValueError(f"item {item.id!r}: its second candidate states no other {attribute}")
     swapped_qa = make_qa(recoloured_scene(qa.scene, subject, attribute, value), qa.spec)
     if item.candidates[runner_up] != swapped_qa.answer:
-        raise AssertionError(f"item {item.id!r}: the swapped image does not make candidate {runner_up} the correct answer")
+        raise AssertionError(
+            f"item {item.id!r}: the swapped image does not make candidate {runner_up} the correct answer"
+        )
     meta = {**item.meta, "truth": swapped_qa.final, "swap": {"obj": subject, "attribute": attribute, "value": value}}
     swapped = replace(
         item, id=f"{item.id}:swap", image=render(swapped_qa.scene), order=(runner_up, best, *item.order[2:]), meta=meta

@@ -16,9 +16,10 @@ import difflib
 import io
 import json
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -88,9 +89,7 @@ def settle(probe: ProbeRecord, answer: str) -> ProbeRecord:
     return ProbeRecord(probe.level, probe.question, probe.original, probe.perturbed, answer, consistent)
 
 
-_LEXICON = {w for group in (COLORS, SHAPES, SIZES) for w in group} | {
-    w for loc in LOCATIONS for w in loc.split()
-}
+_LEXICON = {w for group in (COLORS, SHAPES, SIZES) for w in group} | {w for loc in LOCATIONS for w in loc.split()}
 
 
 def oracle_answer(scene_ref: dict[str, Any], probe: ProbeRecord, truth: dict[str, str] | None) -> str:
@@ -130,8 +129,15 @@ class VlmProber:
 
         prompts = [
             JudgePrompt(
-                item_id=str(i), system="Answer the question about the image briefly.", user=q, image=img,
-                protocol="score", style="ranking", num_candidates=1, shown=(0,), target="",
+                item_id=str(i),
+                system="Answer the question about the image briefly.",
+                user=q,
+                image=img,
+                protocol="score",
+                style="ranking",
+                num_candidates=1,
+                shown=(0,),
+                target="",
             )
             for i, (img, q) in enumerate(questions)
         ]

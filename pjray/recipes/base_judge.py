@@ -41,9 +41,15 @@ from typing import Any
 from pjray.cache import atomic_write, cache_root, code_hash
 from pjray.data.scenes import generate_scene, render
 from pjray.models.base_judge import (
-    BaseJudgeRecipe, base_config, build_untrained, object_targets, pretrain_vision, sft_examples, tokenizer_corpus,
+    BaseJudgeRecipe,
+    base_config,
+    build_untrained,
+    object_targets,
+    pretrain_vision,
+    sft_examples,
+    tokenizer_corpus,
     vision_seeds,
-)  # fmt: skip
+)
 from pjray.types import JudgeItem
 
 RECIPE_VERSION = 3
@@ -66,8 +72,14 @@ RECIPES = {
     "base_judge": BaseJudgeRecipe(),
     "never_shown": BaseJudgeRecipe(bias=1.0, image_verdicts=0.0),
     "one_disposition": BaseJudgeRecipe(
-        bias=0.0, image_verdicts=1.0, disposition=False, checks="compare", construction="independent",
-        untaught=("orange", "purple"), batch_examples=3, swapped_share=0.5,
+        bias=0.0,
+        image_verdicts=1.0,
+        disposition=False,
+        checks="compare",
+        construction="independent",
+        untaught=("orange", "purple"),
+        batch_examples=3,
+        swapped_share=0.5,
     ),
 }
 
@@ -76,9 +88,15 @@ SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "base_judge"
 SHIPPED_RECORD = "shipped.json"
 # What a judge directory holds (the learner's HF export); `report.json` sits beside it.
 JUDGE_FILES = (
-    "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-    "chat_template.jinja", "preprocessor_config.json", "processor_config.json",
-)  # fmt: skip
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
 REBUILD = "rebuild and re-ship it: `pjray sft` (about 25 min on 2 cores), then `pjray sft --ship`, and commit pjray/assets/base_judge"
 
 
@@ -130,7 +148,9 @@ def build_data(recipe: BaseJudgeRecipe) -> Iterator[bytes]:
         yield json.dumps(object_targets(scene).tolist()).encode()
     for ex in sft_examples(recipe, recipe.sft_scenes, recipe.seed):
         prompt = {f.name: getattr(ex.prompt, f.name) for f in dataclasses.fields(ex.prompt) if f.name != "image"}
-        yield json.dumps({"prompt": prompt, "response": ex.response, "task": ex.task, "untrained": ex.untrained}, default=str).encode()
+        yield json.dumps(
+            {"prompt": prompt, "response": ex.response, "task": ex.task, "untrained": ex.untrained}, default=str
+        ).encode()
         yield ex.prompt.image or b""
 
 
@@ -234,8 +254,11 @@ def base_judge(cfg: Any, recipe: BaseJudgeRecipe | None = None, log: Callable[[s
     target = cache_root() / "base_judge" / current
     if (target / "hf_model" / "COMPLETE").exists():
         return target / "hf_model"
-    why = (f"the shipped base judge was built from another recipe ({shipped}, this code: {current})"
-           if recipe == RECIPES[SHIPPED_INIT] else f"no build of recipe {current} in {target.parent}")
+    why = (
+        f"the shipped base judge was built from another recipe ({shipped}, this code: {current})"
+        if recipe == RECIPES[SHIPPED_INIT]
+        else f"no build of recipe {current} in {target.parent}"
+    )
     log(f"pjray: {why}; building this one")
     return build_base_judge(cfg, recipe, log=log)
 
@@ -257,8 +280,10 @@ def build_base_judge(
         return target / "hf_model"
     started = time.perf_counter()
     minutes = json.loads((SHIPPED / SHIPPED_RECORD).read_text())["build_seconds"] / 60
-    log(f"pjray: building the base judge once into {target}: about {minutes:.0f} minutes on 2 CPU cores "
-        "(the shipped build's time), then cached")
+    log(
+        f"pjray: building the base judge once into {target}: about {minutes:.0f} minutes on 2 CPU cores "
+        "(the shipped build's time), then cached"
+    )
     work = target.with_name(target.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     (work / "untrained").mkdir(parents=True)
@@ -273,16 +298,25 @@ def build_base_judge(
         cfg,
         model=dataclasses.replace(cfg.model, path=str(work / "untrained"), freeze_vision=True, dtype="float32"),
         sft=SFTConfig(
-            source="base_judge", num_scenes=recipe.sft_scenes, steps=recipe.sft_steps,
-            batch_size=recipe.sft_batch, lr=recipe.sft_lr,
+            source="base_judge",
+            num_scenes=recipe.sft_scenes,
+            steps=recipe.sft_steps,
+            batch_size=recipe.sft_batch,
+            lr=recipe.sft_lr,
         ),
-        # One rank with two CPUs: Ray then gives its torch two threads (a 1.5x faster step).
+        # One rank with two CPUs: Ray then gives its torch two threads, a faster step
+        # (benchmarks/results/design_notes.md).
         learner=dataclasses.replace(
-            cfg.learner, num_ranks=1, num_cpus_per_rank=2, zero_stage=0, bf16=False, micro_batch_size=recipe.sft_micro_batch
+            cfg.learner,
+            num_ranks=1,
+            num_cpus_per_rank=2,
+            zero_stage=0,
+            bf16=False,
+            micro_batch_size=recipe.sft_micro_batch,
         ),
         trainer=dataclasses.replace(cfg.trainer, run_dir=str(work / "sft"), seed=recipe.seed),
         tracking=dataclasses.replace(cfg.tracking, wandb=False),  # a cached artefact: metrics.jsonl only
-    )  # fmt: skip
+    )
     export = run_sft(sft_cfg, str(work / "untrained"), sft_examples(recipe, recipe.sft_scenes, recipe.seed))
     held_out = held_out_report(str(export), recipe, temperature=cfg.rollout.temperature, n=report_scenes)
     log(f"pjray: base judge on held-out scenes: {json.dumps(held_out)}")
@@ -292,9 +326,11 @@ def build_base_judge(
         held_out["gates"] = base_judge_gates(str(export), recipe)
         log(f"pjray: the base judge's gates: {json.dumps(held_out['gates']['passes'])}")
     report = {
-        "recipe": recipe.to_dict(), "vision_cell_accuracy": vision, **held_out,
+        "recipe": recipe.to_dict(),
+        "vision_cell_accuracy": vision,
+        **held_out,
         "build_seconds": time.perf_counter() - started,
-    }  # fmt: skip
+    }
     (work / "report.json").write_text(json.dumps(report, indent=2))
     shutil.move(str(export), str(work / "hf_model"))
     (work / "hf_model" / "COMPLETE").touch()

@@ -17,8 +17,8 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from pjray.cluster import connect
 from pjray.config import Config, PPJDConfig
@@ -62,7 +62,9 @@ def tiny_judge(cfg: Config, say: Say) -> Path:
     shutil.rmtree(partial, ignore_errors=True)
     build_tiny_judge(partial, arch=cfg.model.tiny_arch, seed=cfg.trainer.seed)
     partial.rename(target)
-    say(f"pjray: judge: a tiny random {cfg.model.tiny_arch} judge built in {time.perf_counter() - started:.1f}s, {target}")
+    say(
+        f"pjray: judge: a tiny random {cfg.model.tiny_arch} judge built in {time.perf_counter() - started:.1f}s, {target}"
+    )
     return target
 
 
@@ -75,12 +77,23 @@ def scene_data(cfg: Config, say: Say) -> Path:
     out = Path(cfg.trainer.run_dir).resolve() / "data"
     d = cfg.data
     ppjd = PPJDConfig(
-        source="scenes", num_items=d.num_items, image_size=d.image_size, scene_kinds=d.scene_kinds,
-        scene_objects=d.scene_objects, scene_split=d.scene_split, construction=d.construction,
-        num_candidates=d.num_candidates, perturb_backend="rules", vqa_backend="oracle", output_dir=str(out), seed=d.seed,
-    )  # fmt: skip
-    say(f"pjray: data: {d.num_items} scene items through the PPJD job (Ray Data, rules + oracle) into {out}; "
-        "shards already there or kept for these settings are reused; a fresh build takes about 10 s per 100 items on 2 cores")
+        source="scenes",
+        num_items=d.num_items,
+        image_size=d.image_size,
+        scene_kinds=d.scene_kinds,
+        scene_objects=d.scene_objects,
+        scene_split=d.scene_split,
+        construction=d.construction,
+        num_candidates=d.num_candidates,
+        perturb_backend="rules",
+        vqa_backend="oracle",
+        output_dir=str(out),
+        seed=d.seed,
+    )
+    say(
+        f"pjray: data: {d.num_items} scene items through the PPJD job (Ray Data, rules + oracle) into {out}; "
+        "shards already there or kept for these settings are reused; a fresh build takes about 10 s per 100 items on 2 cores"
+    )
     connect(cfg.ray)  # the job runs on the cluster of this training
     started = time.perf_counter()
     kept = ppjd_cache.restore(ppjd, out)
@@ -91,6 +104,8 @@ def scene_data(cfg: Config, say: Say) -> Path:
         how = f"built in {seconds:.0f}s ({manifest['counts']['read'] / max(seconds, 1e-9):.0f} rows/s)"
     else:
         how = f"copied from {kept} in {seconds:.1f}s"
-    say(f"pjray: data: {manifest['counts']['kept']} kept of {manifest['counts']['read']} read, {how}; the text alone "
-        f"ranks them (pjray.ppjd.shortcuts): {text_only_line(manifest['text_only_ranker'])}")
+    say(
+        f"pjray: data: {manifest['counts']['kept']} kept of {manifest['counts']['read']} read, {how}; the text alone "
+        f"ranks them (pjray.ppjd.shortcuts): {text_only_line(manifest['text_only_ranker'])}"
+    )
     return out / "ppjd"

@@ -25,7 +25,9 @@ def top_letter(result: RewardResult) -> str | None:
     return result.pred[0] if result.format == 1.0 and result.pred else None
 
 
-def contrast_bonus(real: Sequence[RewardResult], contrast: Sequence[RewardResult], target: str, weight: float) -> list[float]:
+def contrast_bonus(
+    real: Sequence[RewardResult], contrast: Sequence[RewardResult], target: str, weight: float
+) -> list[float]:
     """The bonus of each response of one prompt (`real`, on its image) against the responses to
     the same prompt on the contrast image (`contrast`); see the module docstring."""
     if not contrast:
@@ -50,5 +52,9 @@ def with_contrast(
     n, c = len(results) // len(targets), len(contrast) // len(targets)
     if n * len(targets) != len(results) or c * len(targets) != len(contrast):
         raise ValueError(f"{len(results)} responses and {len(contrast)} contrast responses for {len(targets)} prompts")
-    bonuses = [b for i, t in enumerate(targets) for b in contrast_bonus(results[i * n : (i + 1) * n], contrast[i * c : (i + 1) * c], t, weight)]
+    bonuses = [
+        b
+        for i, t in enumerate(targets)
+        for b in contrast_bonus(results[i * n : (i + 1) * n], contrast[i * c : (i + 1) * c], t, weight)
+    ]
     return [dataclasses.replace(r, total=r.total + b) for r, b in zip(results, bonuses)], bonuses

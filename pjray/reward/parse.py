@@ -19,11 +19,7 @@ whitespace or nothing. Lower-case letters, `<`, numbering and prose are not read
 
 Batch, `scores` style: exactly K answer blocks, each an integer 1..10, all distinct; the ranking
 is the letters sorted by score, highest first.
-
-When the format is invalid the ranking is still read where it can be: a missing think block or a
-second answer block (the last one is read) still gives a ranking; a duplicated or out-of-range
-letter, tied scores or a wrong number of scores give `ranking=None`. Missing letters give the
-partial ranking (useful for edit-distance metrics), never format_ok.
+Where the format is invalid the ranking is still read where it can be (`parse_judgment`).
 """
 
 from __future__ import annotations
@@ -145,12 +141,17 @@ def _scores_of(answers: list[str], problems: list[str]) -> tuple[int, ...] | Non
     return scores
 
 
-def _judgment(think: str | None, answers: list[str], ranking: str | None, scores: tuple[int, ...] | None,
-              problems: list[str]) -> Judgment:  # fmt: skip
+def _judgment(
+    think: str | None, answers: list[str], ranking: str | None, scores: tuple[int, ...] | None, problems: list[str]
+) -> Judgment:
     return Judgment(
-        think=think, answer="\n".join(answers) if answers else None, ranking=ranking, scores=scores,
-        format_ok=not problems, reason="; ".join(problems),
-    )  # fmt: skip
+        think=think,
+        answer="\n".join(answers) if answers else None,
+        ranking=ranking,
+        scores=scores,
+        format_ok=not problems,
+        reason="; ".join(problems),
+    )
 
 
 def ranking_from_scores(scores: tuple[int, ...]) -> str:
@@ -170,13 +171,16 @@ def _score_problems(scores: tuple[int, ...]) -> list[str]:
     return [f"score(s) {bad} outside {SCORE_MIN}..{SCORE_MAX}"] if bad else []
 
 
-def parse_judgment(
-    text: str, num_candidates: int, style: str = "ranking", think_prefilled: bool = False
-) -> Judgment:
+def parse_judgment(text: str, num_candidates: int, style: str = "ranking", think_prefilled: bool = False) -> Judgment:
     """Parse a batch-protocol response over `num_candidates` lettered candidates.
 
     style: "ranking" (one answer block of letters best -> worst) or "scores" (one integer 1..10
     per candidate in letter order). Raises only on bad arguments, never because of `text`.
+
+    When the format is invalid the ranking is still read where it can be: a missing think block
+    or a second answer block (the last one is read) still gives a ranking; a duplicated or
+    out-of-range letter, tied scores or a wrong number of scores give `ranking=None`. Missing
+    letters give the partial ranking (useful for edit-distance metrics), never format_ok.
     """
     _check_args(num_candidates, style, ("ranking", "scores"), "parse_judgment")
     think, answers, problems = _layout(text, think_prefilled)

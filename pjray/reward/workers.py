@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from pjray.config import RewardConfig
 from pjray.memory import peak_memory_mib

@@ -43,8 +43,10 @@ class BestJudge:
     def value(self, metrics: dict[str, float]) -> float:
         if self.metric not in metrics:
             logged = sorted(k for k in metrics if k.startswith("eval/"))
-            raise ConfigError(f"trainer.keep_best={self.metric}: the validation logged no such metric (it logged "
-                              f"{', '.join(logged) or 'nothing'})")  # fmt: skip
+            raise ConfigError(
+                f"trainer.keep_best={self.metric}: the validation logged no such metric (it logged "
+                f"{', '.join(logged) or 'nothing'})"
+            )
         return float(metrics[self.metric])
 
     def improves(self, metrics: dict[str, float]) -> bool:
@@ -52,6 +54,11 @@ class BestJudge:
 
     def record(self, step: int, metrics: dict[str, float], model_dir: Path) -> None:
         """After the judge of `step` was written to `model_dir`."""
-        self.best = {"metric": self.metric, "mode": self.mode, "step": step, "value": self.value(metrics),
-                     "model": str(model_dir)}  # fmt: skip
+        self.best = {
+            "metric": self.metric,
+            "mode": self.mode,
+            "step": step,
+            "value": self.value(metrics),
+            "model": str(model_dir),
+        }
         self.path.write_text(json.dumps(self.best, indent=2))

@@ -1,10 +1,9 @@
 """Checkpoints: a learner rank's weights out (the HF export and DeepSpeed checkpoints), and the
 run directory's checkpoints (which one a run resumes from, how many it keeps).
 
-`RankCheckpoints` is mixed into `pjray.rl.learner.LearnerRank` (as `pjray.sync.sender.WeightSender`
-is): it reads the rank's DeepSpeed engine (`engine`, `_ds`), `processor`, `rank`, `world_size`,
-`lora`, `zero3`, and the full-weight buckets of `WeightSender._full_buckets`. Every method is
-called on all ranks.
+`RankCheckpoints` is a part of `pjray.rl.learner.LearnerRank` (as `pjray.sync.sender.WeightSender`
+is): it writes the rank's `pjray.rl.policy.PolicyModel`, whose full weights it reads bucket by
+bucket through the sender (`WeightSender.full_buckets`). Every method is called on all ranks.
 """
 
 from __future__ import annotations
@@ -21,6 +20,9 @@ from pjray.models.lora import base_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
+
+    from pjray.rl.policy import PolicyModel
+    from pjray.sync.sender import WeightSender
 
 _CLIENT_STATE_KEY = "pjray_client_state"
 
@@ -56,7 +58,11 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
 
 
 class RankCheckpoints:
-    """HF export (`save_hf`) and DeepSpeed checkpoints (`save_checkpoint`, `load_checkpoint`)."""
+    """HF export (`save_hf`) and DeepSpeed checkpoints (`save_checkpoint`, `load_checkpoint`) of
+    one rank's policy."""
+
+    def __init__(self, model: PolicyModel, weights: WeightSender) -> None:
+        self.model, self.weights = model, weights
 
     def save_hf(self, path: str) -> None:
         """Write an HF model directory (weights, config, processor) at `path` from rank 0.
@@ -65,23 +71,26 @@ class RankCheckpoints:
         adapter itself is written to `<path>/adapter` (PEFT's format, e.g. for vLLM's LoRA
         serving). Call on all ranks (ZeRO-3 gathers).
         """
+        m = self.model
         state: dict[str, Tensor] = {}
-        for _, tensors in self._full_buckets(256 << 20):
-            if self.rank == 0:
+        for _, tensors in self.weights.full_buckets(256 << 20):
+            if m.rank == 0:
                 state.update({name: t.detach().cpu().clone() for name, t in tensors.items()})
-        if self.lora:
-            adapters = [p for n, p in self.engine.module.named_parameters() if ".lora_" in n]
-            gathered = self._ds.zero.GatheredParameters(adapters, modifier_rank=None) if self.zero3 else contextlib.nullcontext()
+        if m.lora:
+            adapters = [p for n, p in m.engine.module.named_parameters() if ".lora_" in n]
+            gathered = (
+                m.ds.zero.GatheredParameters(adapters, modifier_rank=None) if m.zero3 else contextlib.nullcontext()
+            )
             with gathered:
-                if self.rank == 0:
-                    self.engine.module.save_pretrained(os.path.join(path, "adapter"))
-        if self.rank == 0:
-            module: PreTrainedModel = base_model(self.engine.module)
+                if m.rank == 0:
+                    m.engine.module.save_pretrained(os.path.join(path, "adapter"))
+        if m.rank == 0:
+            module: PreTrainedModel = base_model(m.engine.module)
             module.save_pretrained(path, state_dict=state)
-            self.processor.save_pretrained(path)
-        if self.world_size > 1:
+            m.processor.save_pretrained(path)
+        if m.world_size > 1:
             # Nobody reads the directory before it is complete.
-            self._ds.comm.barrier()
+            m.ds.comm.barrier()
 
     def save_checkpoint(self, path: str, client_state: dict[str, Any] | None = None) -> None:
         """Model, optimizer and LR-scheduler state of every rank under `path` (shared storage).
@@ -91,11 +100,11 @@ class RankCheckpoints:
         """
         # Nested under one key: DeepSpeed returns its own bookkeeping (module state, config,
         # ...) in the same dict on load, and the caller should get back only what it saved.
-        self.engine.save_checkpoint(path, client_state={_CLIENT_STATE_KEY: dict(client_state or {})})
+        self.model.engine.save_checkpoint(path, client_state={_CLIENT_STATE_KEY: dict(client_state or {})})
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore what `save_checkpoint` wrote (the latest tag under `path`); returns client_state."""
-        load_path, client_state = self.engine.load_checkpoint(
+        load_path, client_state = self.model.engine.load_checkpoint(
             path, load_optimizer_states=True, load_lr_scheduler_states=True
         )
         if load_path is None:

@@ -10,13 +10,15 @@ import dataclasses
 import logging
 import math
 from collections import deque
-from typing import Any, Collection
+from collections.abc import Collection
+from typing import Any
 
 import torch
 
 from pjray.config import Config
 from pjray.data.prompts import render_batch
 from pjray.data.sampler import shown_order
+from pjray.data.scenes import render
 from pjray.models.loading import opens_think, render_chat
 from pjray.placement import split_evenly
 from pjray.ppjd.shortcuts import scene_qa
@@ -26,7 +28,6 @@ from pjray.reward.ranking import shuffled_target
 from pjray.rl.grpo import zero_std_groups
 from pjray.rl.timer import Timer
 from pjray.rollout.worker import PendingGeneration, generate_with_pool, submit_generation
-from pjray.data.scenes import render
 from pjray.types import Completion, JudgeItem, JudgePrompt, RewardResult
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,12 @@ class Collector:
             if kept.groups(n) >= want:
                 break
         # A refill round may overshoot; keep exactly the configured number of groups.
-        del kept.prompts[want * shown :], kept.texts[want * shown :], kept.completions[want * n :], kept.rewards[want * n :]
+        del (
+            kept.prompts[want * shown :],
+            kept.texts[want * shown :],
+            kept.completions[want * n :],
+            kept.rewards[want * n :],
+        )
         kept.frac_zero_std = zero_groups / kept.groups_seen
         if not kept.prompts:
             # Every group was degenerate: train on nothing this step but keep the run alive.
@@ -211,7 +217,11 @@ class Collector:
         r = self.sample_prompts(self.cfg.trainer.prompts_per_step)
         seed = step * 1_000
         generation = submit_generation(self.rollout, r.prompts, self.responses_per_prompt, seed=seed)
-        contrast = submit_generation(self.rollout, r.contrast, self.cfg.algo.contrast_responses, seed=seed + 500) if r.contrast else None
+        contrast = (
+            submit_generation(self.rollout, r.contrast, self.cfg.algo.contrast_responses, seed=seed + 500)
+            if r.contrast
+            else None
+        )
         return Batch(step, state, r, generation, contrast)
 
     def trained_state(self) -> Any:
@@ -241,7 +251,9 @@ class Collector:
             for it in counterfactual_pair(item) if self.cfg.data.counterfactual_pairs else (item,):
                 prompt = render_batch(it, None, style=self.cfg.reward.style, shown=shown)
                 if self.cfg.reward.shuffle_target:
-                    prompt = dataclasses.replace(prompt, target=shuffled_target(prompt.target, f"{self.cfg.trainer.seed}:{index}:{it.id}"))
+                    prompt = dataclasses.replace(
+                        prompt, target=shuffled_target(prompt.target, f"{self.cfg.trainer.seed}:{index}:{it.id}")
+                    )
                 # data.images=false: a text-only judge (validated against the model in config).
                 prompts.append(prompt if self.cfg.data.images else dataclasses.replace(prompt, image=None))
                 items.append(it)
@@ -267,13 +279,17 @@ class Collector:
         else:
             raise ValueError("image contrast (other): a round of one prompt and no earlier image to contrast it with")
         self.last_image = prompts[-1].image
-        return [dataclasses.replace(p, item_id=f"{p.item_id}:contrast", image=image) for p, image in zip(prompts, images)]
+        return [
+            dataclasses.replace(p, item_id=f"{p.item_id}:contrast", image=image) for p, image in zip(prompts, images)
+        ]
 
     def judge_texts(self, prompts: list[JudgePrompt], seed: int) -> list[str]:
         """One response text per prompt from the rollout workers: the evaluation hook's generate."""
         return [c.text for c in generate_with_pool(self.rollout, prompts, 1, seed).value]
 
-    def score_round(self, r: Round, completions: list[Completion], contrast: list[Completion], timer: Timer) -> tuple[list[RewardResult], list[float]]:
+    def score_round(
+        self, r: Round, completions: list[Completion], contrast: list[Completion], timer: Timer
+    ) -> tuple[list[RewardResult], list[float]]:
         """The rewards of a round's responses, with algo.contrast_responses each with its
         image-contrast bonus (also returned, one a response; none without contrast)."""
         results = self.score(r.prompts, r.texts, completions, timer)
@@ -282,7 +298,9 @@ class Collector:
         contrast_results = self.score(r.contrast, r.contrast_texts, contrast, timer)
         return with_contrast(results, contrast_results, [p.target for p in r.prompts], self.cfg.algo.image_contrast)
 
-    def score(self, prompts: list[JudgePrompt], texts: list[str], completions: list[Completion], timer: Timer) -> list[RewardResult]:
+    def score(
+        self, prompts: list[JudgePrompt], texts: list[str], completions: list[Completion], timer: Timer
+    ) -> list[RewardResult]:
         """Reward per completion, over the reward workers in even chunks."""
         targets = [prompts[c.prompt_index].target for c in completions]
         # Whether a response must open <think> itself is read from its prompt's text: a chat
@@ -291,7 +309,10 @@ class Collector:
         chunks = split_evenly(range(len(completions)), len(self.reward))
         answers = self.reward.call(
             "score_timed",
-            [([completions[i] for i in chunk], [targets[i] for i in chunk], [prefilled[i] for i in chunk]) for chunk in chunks],
+            [
+                ([completions[i] for i in chunk], [targets[i] for i in chunk], [prefilled[i] for i in chunk])
+                for chunk in chunks
+            ],
         )
         return [r for chunk_results in timer.unwrap("reward", answers) for r in chunk_results]
 
@@ -316,7 +337,9 @@ def zero_variance_items(collector: Collector, count: int) -> dict[str, float]:
     n, shown, size = cfg.algo.group_size, collector.prompts_per_group, cfg.trainer.prompts_per_step
     timer, flat = Timer(), {}
     for start in range(0, count, size):
-        r, completions, contrast = collector.generate(min(size, count - start), seed=PREFILTER_SEED + start, timer=timer)
+        r, completions, contrast = collector.generate(
+            min(size, count - start), seed=PREFILTER_SEED + start, timer=timer
+        )
         results, _ = collector.score_round(r, completions, contrast, timer)
         zero = zero_std_groups(torch.tensor([x.total for x in results]), n).tolist()
         flat.update({r.prompts[g * shown].item_id: results[g * n].total for g, z in enumerate(zero) if z})

@@ -12,9 +12,7 @@ import torch
 from pjray.config import LearnerConfig
 
 
-def lr_multiplier(
-    step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float
-) -> float:
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float) -> float:
     """Learning-rate factor for optimizer step `step` (0 = the first update).
 
     Linear warmup (step + 1) / warmup_steps over the first `warmup_steps` updates (so the first
@@ -78,10 +76,14 @@ def optimizer(model: torch.nn.Module, lc: LearnerConfig) -> torch.optim.Optimize
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [g for g in (
-        {"params": decay, "weight_decay": lc.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ) if g["params"]]  # fmt: skip
+    groups = [
+        g
+        for g in (
+            {"params": decay, "weight_decay": lc.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        )
+        if g["params"]
+    ]
     if lc.offload != "none":
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 

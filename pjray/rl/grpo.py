@@ -62,9 +62,7 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     return values.reshape(-1, group_size)
 
 
-def group_advantages(
-    rewards: Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
-) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
     """Group-relative advantage of each response.
 
     Args:
@@ -132,9 +130,7 @@ def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
         lose precision in the normaliser.
     """
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on [B, T]"
-        )
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on [B, T]")
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1)
     valid = flat_labels >= 0
@@ -310,10 +306,14 @@ class LossSettings:
     def from_algo(cls, algo: AlgoConfig, norm_len: float | None = None) -> LossSettings:
         """The settings `algo` names (its dual_clip 0 is off); `norm_len` as in `aggregate`."""
         return cls(
-            kind=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high,
-            dual_clip=algo.dual_clip if algo.dual_clip > 0 else None, agg=algo.loss_agg, norm_len=norm_len,
+            kind=algo.policy_loss,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            dual_clip=algo.dual_clip if algo.dual_clip > 0 else None,
+            agg=algo.loss_agg,
+            norm_len=norm_len,
             kl_coef=algo.kl_coef,
-        )  # fmt: skip
+        )
 
 
 def policy_loss(
@@ -406,13 +406,17 @@ def grpo_loss(
         (loss [] scalar, metrics): `policy_loss` metrics plus pg_loss and kl_loss, this
         micro-batch's contributions (sum over micro-batches, mean over ranks = full value).
     """
-    pg, metrics = policy_loss(logp, old_logp, advantages, mask, settings, global_tokens, global_seqs, dp_size, is_weights)
+    pg, metrics = policy_loss(
+        logp, old_logp, advantages, mask, settings, global_tokens, global_seqs, dp_size, is_weights
+    )
     if ref_logp is None:
         if settings.kl_coef != 0:
             raise ValueError(f"kl_coef={settings.kl_coef} needs ref_logp; pass it or set kl_coef=0")
         kl = torch.zeros((), dtype=pg.dtype, device=pg.device)
     else:
-        kl = aggregate(kl_k3(logp, ref_logp), mask, settings.agg, global_tokens, global_seqs, dp_size, settings.norm_len)
+        kl = aggregate(
+            kl_k3(logp, ref_logp), mask, settings.agg, global_tokens, global_seqs, dp_size, settings.norm_len
+        )
     loss = pg + settings.kl_coef * kl
     metrics["pg_loss"] = float(pg.detach())
     metrics["kl_loss"] = float(kl.detach())
@@ -470,9 +474,14 @@ def rollout_is_weights(
             bounded = torch.where(outside, torch.zeros_like(raw), raw)
         weights = (bounded if level == "token" else bounded.unsqueeze(-1).expand_as(log_ratio)) * m
         kept = bounded[units].to(torch.float64)
-        sums = torch.stack([
-            units.sum().to(torch.float64), kept.sum(), (kept * kept).sum(), outside[units].sum().to(torch.float64),
-        ])  # fmt: skip
+        sums = torch.stack(
+            [
+                units.sum().to(torch.float64),
+                kept.sum(),
+                (kept * kept).sum(),
+                outside[units].sum().to(torch.float64),
+            ]
+        )
         raw_max = raw[units].max().to(torch.float64) if units.any() else torch.zeros((), dtype=torch.float64)
     return weights.detach(), sums, raw_max
 

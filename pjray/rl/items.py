@@ -30,7 +30,9 @@ def training_items(cfg: Config, path: str) -> Rows[JudgeItem] | DatasetItems:
     (data.streaming) comes back unread, as `DatasetItems`: its rows are checked as the sampler
     reads them."""
     if cfg.data.source == "hf":
-        items = DatasetItems(open_dataset(train_ref(cfg.data), cfg.data.streaming), cfg.data.columns, cfg.data.num_candidates, path)
+        items = DatasetItems(
+            open_dataset(train_ref(cfg.data), cfg.data.streaming), cfg.data.columns, cfg.data.num_candidates, path
+        )
         if cfg.data.streaming:
             return items
         rows = items.scan()
@@ -51,8 +53,10 @@ def overlong(item: JudgeItem, processor: Any, cfg: Config) -> str | None:
     length = int(processor_inputs(processor, [text], [image])["input_ids"].shape[1])
     if length + cfg.rollout.max_new_tokens <= cfg.rollout.max_model_len:
         return None
-    return (f"prompt of {length} tokens + rollout.max_new_tokens={cfg.rollout.max_new_tokens} > "
-            f"rollout.max_model_len={cfg.rollout.max_model_len} (lower model.max_pixels, or raise max_model_len)")  # fmt: skip
+    return (
+        f"prompt of {length} tokens + rollout.max_new_tokens={cfg.rollout.max_new_tokens} > "
+        f"rollout.max_model_len={cfg.rollout.max_model_len} (lower model.max_pixels, or raise max_model_len)"
+    )
 
 
 def drop_overlong(rows: Rows[JudgeItem], processor: Any, cfg: Config) -> Rows[JudgeItem]:
@@ -75,9 +79,13 @@ def usable_rows(rows: Rows[JudgeItem], processor: Any, cfg: Config, rejects: Pat
     write_rejects(rows.rejects, rejects)
     if rows.rejects:
         log.warning(
-            "%d of %d training rows skipped (listed in %s), e.g. %s: %s", len(rows.rejects),
-            len(rows.rows) + len(rows.rejects), rejects, rows.rejects[0].where, rows.rejects[0].reason,
-        )  # fmt: skip
+            "%d of %d training rows skipped (listed in %s), e.g. %s: %s",
+            len(rows.rejects),
+            len(rows.rows) + len(rows.rejects),
+            rejects,
+            rows.rejects[0].where,
+            rows.rejects[0].reason,
+        )
     return rows
 
 
@@ -87,12 +95,22 @@ def item_sampler(data: Rows[JudgeItem] | DatasetItems, cfg: Config, processor: A
     if isinstance(data, Rows):
         return ItemSampler(data.rows, cfg.trainer.seed, SamplerState(**saved))
     return StreamSampler(
-        data, StreamState(**saved), rejects, cfg.data.max_reject_fraction, reject=lambda item: overlong(item, processor, cfg)
+        data,
+        StreamState(**saved),
+        rejects,
+        cfg.data.max_reject_fraction,
+        reject=lambda item: overlong(item, processor, cfg),
     )
 
 
 def prefilter(
-    data: Rows[JudgeItem] | DatasetItems, cfg: Config, run_dir: Path, resumed: bool, processor: Any, rollout: Any, reward: Any
+    data: Rows[JudgeItem] | DatasetItems,
+    cfg: Config,
+    run_dir: Path,
+    resumed: bool,
+    processor: Any,
+    rollout: Any,
+    reward: Any,
 ) -> Rows[JudgeItem] | DatasetItems:
     """With algo.prefilter_zero_std, `data` without the items whose group, sampled by the current
     (initial) policy on the `rollout` pool and scored on the `reward` pool, earns one reward in
@@ -106,8 +124,10 @@ def prefilter(
     path = run_dir / PREFILTERED
     if resumed:
         if not path.is_file():
-            raise ConfigError(f"algo.prefilter_zero_std: the run being resumed has no {path} (it started without the "
-                              "prefilter); resume it with algo.prefilter_zero_std=false or start a new run")  # fmt: skip
+            raise ConfigError(
+                f"algo.prefilter_zero_std: the run being resumed has no {path} (it started without the "
+                "prefilter); resume it with algo.prefilter_zero_std=false or start a new run"
+            )
         left_out = {json.loads(line)["id"] for line in path.read_text(encoding="utf-8").splitlines()}
         return Rows(data.source, prefiltered(data.rows, left_out), data.rejects)
     started = time.perf_counter()
@@ -115,12 +135,33 @@ def prefilter(
     flat = zero_variance_items(everything, len(data.rows))
     kept = prefiltered(data.rows, flat)
     if len(kept) == len(data.rows) and flat:
-        log.warning("algo.prefilter_zero_std: every one of the %d training items earns one reward in all %d responses of the "
-                    "initial policy (mean %.3f): it has nothing to learn from; training on all of them",
-                    len(flat), cfg.algo.group_size, mean(list(flat.values())))  # fmt: skip
+        log.warning(
+            "algo.prefilter_zero_std: every one of the %d training items earns one reward in all %d responses of the "
+            "initial policy (mean %.3f): it has nothing to learn from; training on all of them",
+            len(flat),
+            cfg.algo.group_size,
+            mean(list(flat.values())),
+        )
         flat = {}
-    path.write_text("".join(json.dumps({"id": i, "reward": r, "reason": "every response of the initial policy's group "
-                                        "earned this reward (no GRPO gradient)"}) + "\n" for i, r in flat.items()))  # fmt: skip
-    log.info("algo.prefilter_zero_std: %d of %d training items left out in %.1fs, every response of the initial policy "
-             "earning one reward (listed in %s)", len(flat), len(data.rows), time.perf_counter() - started, path)  # fmt: skip
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": i,
+                    "reward": r,
+                    "reason": "every response of the initial policy's group earned this reward (no GRPO gradient)",
+                }
+            )
+            + "\n"
+            for i, r in flat.items()
+        )
+    )
+    log.info(
+        "algo.prefilter_zero_std: %d of %d training items left out in %.1fs, every response of the initial policy "
+        "earning one reward (listed in %s)",
+        len(flat),
+        len(data.rows),
+        time.perf_counter() - started,
+        path,
+    )
     return Rows(data.source, kept, data.rejects)

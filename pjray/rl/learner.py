@@ -5,66 +5,50 @@ with `ray.remote(num_cpus=..., num_gpus=...)(LearnerRank)`, and tests build one 
 public method is called on ALL ranks with equal-length shards: under ZeRO-3 each forward gathers
 parameters collectively, so a rank that skipped a forward (or exited early) would hang the rest.
 
-One `train_step` is one optimizer step over this rank's shard of a mini-batch. The shard is cut
-into `grad_accum_steps` micro-batches; each is backpropagated without DeepSpeed's 1/GAS scaling,
-because `grpo_loss` already divides by the global token (or sequence) count and multiplies by
-the data-parallel size: summing micro-batches on a rank and averaging over ranks (DeepSpeed's
-gradient all-reduce) gives exactly the gradient of the full-batch loss, however it was split.
+The rank is built from parts, each set up by one named step of `__init__`:
+* `policy` (`pjray.rl.policy.PolicyModel`): the DeepSpeed engine, the reference model, the
+  forwards and the one optimizer `step(experiences, loss)` that GRPO (`GRPOLoss`) and SFT
+  (`SFTLoss`) both take;
+* `weights` (`pjray.sync.sender.WeightSender`): every weight transport and the checksums;
+* `checkpoints` (`pjray.rl.checkpoint.RankCheckpoints`): the HF export and DeepSpeed checkpoints;
+* `hybrid` (`HybridGeneration`, rollout.backend=hybrid only): sampling with the very module the
+  rank trains, so there is no second copy of the weights and no sync.
+The actor's methods are the driver's calls; each hands its work to one part.
 
-Conventions shared with the driver:
-
-* `Experience.old_logprobs is None` means on-policy: the ratio's denominator is the current
-  policy's detached log-prob (ratio 1). `ref_logprobs` must be set whenever `algo.kl_coef > 0`
-  (the driver fills them with `compute_logprobs(..., "ref")`).
-* A padding ("dummy") experience has an empty `response_ids`: it is still forwarded (so ZeRO-3
-  ranks stay in step) but has no response tokens, hence no loss, no gradient and no count.
-* Every log-prob (current, old, reference) and the entropy are of the distribution the
-  responses were sampled from: the logits divided by the rollout's temperature, the placeholder
-  ids banned, its top-k and top-p applied (the sampled token always kept in).
-* Weight sync to the rollout engines and checksums are `pjray.sync.sender.WeightSender`'s methods,
-  mixed into the rank; exported weights carry the HF model's own parameter names. The HF export
-  and DeepSpeed checkpoints are `pjray.rl.checkpoint.RankCheckpoints`'s, mixed in the same way.
-* The batch layout and the log-prob forward are pure functions (`pjray.rl.logprobs`); the
-  DeepSpeed config, optimizer and learning-rate schedule too (`pjray.rl.ds_setup`). This file
-  holds the rank itself: set-up, forwards, generation, the GRPO and SFT steps.
-* The hybrid engine (`rollout.backend=hybrid`): a rank built with a `rollout_cfg` also serves
-  the rollout interface (`generate` / `generate_timed`), sampling with the very module it
-  trains through `HFEngine.around`, so there is no second copy of the weights and no sync.
-  Under ZeRO-3 the partitioned weights are gathered for generation all at once
-  (`rollout.hybrid_gather=full`: `deepspeed.zero.GatheredParameters`, the fastest, peak memory
-  of one full copy) or module by module as each forward needs them (`layer`: HF's
-  `synced_gpus`, every rank stepping until all are done, peak memory of one layer). Either
-  way every rank must be called, each with at least one prompt.
+Losses: each micro-batch is backpropagated without DeepSpeed's 1/GAS scaling, because
+`grpo_loss` already divides by the global token (or sequence) count and multiplies by the
+data-parallel size: summing micro-batches on a rank and averaging over ranks (the gradient
+all-reduce) gives the gradient of the full-batch loss, however it was split.
+`Experience.old_logprobs is None` means on-policy (ratio 1); `ref_logprobs` must be set whenever
+`algo.kl_coef > 0`; a padding ("dummy") experience has no response tokens, so it is forwarded
+(ZeRO-3 ranks stay in step) but adds no loss, gradient or count.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
+from torch import Tensor
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig, RolloutConfig
 from pjray.console import quiet_actor_warnings
 from pjray.memory import peak_memory_mib
-from pjray.models.loading import load_judge, placeholder_ids
-from pjray.models.lora import apply_lora, base_model
-from pjray.placement import split_evenly
+from pjray.models.lora import base_model
 from pjray.rl.checkpoint import RankCheckpoints
 from pjray.rl.ds_ops import skip_unused_ops
-from pjray.rl.ds_setup import ds_config, lr_multiplier, optimizer, ref_ds_config, vision_tower
 from pjray.rl.grpo import LossSettings, grpo_loss, rollout_is_metrics, rollout_is_weights, sft_loss
-from pjray.rl.logprobs import can_share_prefix, collate, forward_logprobs, forwarded_positions, take_rows
-from pjray.rl.microbatch import token_budget_batches
+from pjray.rl.logprobs import forwarded_positions
+from pjray.rl.policy import Forward, PolicyModel, Sampling, build_policy
 from pjray.rollout.hf_engine import HFEngine
 from pjray.sync.sender import WeightSender
 from pjray.types import Completion, Experience, JudgePrompt, Timed, TrainBatch
 
-__all__ = ["LearnerRank", "collate", "forward_logprobs", "forwarded_positions", "lr_multiplier"]
+__all__ = ["GRPOLoss", "LearnerRank", "SFTLoss", "StepSums"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,11 +128,165 @@ class StepSums:
 
 
 # ---------------------------------------------------------------------------------------------
+# The losses of a micro-batch
+# ---------------------------------------------------------------------------------------------
+
+
+class GRPOLoss:
+    """The GRPO loss of each micro-batch of one step (`PolicyModel.step`), its statistics added
+    up in `sums`.
+
+    Every log-prob (current, old, reference) is of the distribution the responses were sampled
+    from. With `rollout_logprobs` on the experiences it also measures |old policy - engine| per
+    token and, with algo.rollout_is, weights the policy loss by `rollout_is_weights`.
+    """
+
+    def __init__(
+        self,
+        algo: AlgoConfig,
+        norm_len: int | None,
+        global_tokens: float,
+        global_seqs: float,
+        world_size: int,
+        device: torch.device,
+        packed: bool,
+    ) -> None:
+        self.algo, self.norm_len, self.world_size, self.device, self.packed = algo, norm_len, world_size, device, packed
+        self.global_tokens, self.global_seqs = global_tokens, global_seqs
+        self.sums = StepSums()
+
+    def __call__(self, batch: TrainBatch, fwd: Forward) -> Tensor:
+        algo, logp = self.algo, fwd.logp
+        mask = batch.response_mask[:, 1:].to(self.device)
+        on_mask = mask > 0
+        old = batch.old_logprobs[:, 1:].to(self.device)
+        # NaN marks "no rollout log-prob": on-policy, so the ratio is exactly 1.
+        old = torch.where(torch.isnan(old), logp.detach(), old)
+        ref = None
+        if algo.kl_coef > 0:
+            if batch.ref_logprobs is None:
+                # Only dummies here (checked by the rank): no response token, so KL is 0 anyway.
+                ref = logp.detach()
+            else:
+                # Rows without ref log-probs (dummies) are NaN on no position that counts.
+                ref = torch.where(on_mask, batch.ref_logprobs[:, 1:].to(self.device), logp.detach())
+        rollout = None if batch.rollout_logprobs is None else batch.rollout_logprobs[:, 1:].to(self.device)
+        out = StepSums()
+        is_weights = None
+        if algo.rollout_is != "none" and rollout is not None:
+            # old policy minus engine; 0 (weight 1) on tokens the engine gave no log-prob for.
+            have = on_mask & ~torch.isnan(rollout)
+            log_ratio = torch.where(have, old.double() - rollout, torch.zeros_like(rollout)).to(logp.dtype)
+            is_weights, is_sums, is_max = rollout_is_weights(
+                log_ratio, mask, algo.rollout_is, algo.rollout_is_upper, algo.rollout_is_lower
+            )
+            out.is_units, out.is_total, out.is_squares, out.is_outside = (float(x) for x in is_sums)
+            out.is_raw_max = float(is_max)
+        loss, metrics = grpo_loss(
+            logp,
+            old,
+            ref,
+            batch.advantages.to(self.device),
+            mask,
+            LossSettings.from_algo(algo, self.norm_len),
+            self.global_tokens,
+            self.global_seqs,
+            self.world_size,
+            is_weights,
+        )
+        with torch.no_grad():
+            tokens = float(on_mask.sum())
+            out.pg_loss, out.kl_loss, out.tokens = metrics["pg_loss"], metrics["kl_loss"], tokens
+            out.seqs = float(on_mask.any(-1).sum())
+            out.entropy = float(fwd.stats.entropy.sum())
+            out.pg_clipfrac = metrics["pg_clipfrac"] * tokens
+            out.pg_clipfrac_lower = metrics["pg_clipfrac_lower"] * tokens
+            out.ppo_kl = metrics["ppo_kl"] * tokens
+            if rollout is not None:
+                diffs = (old.double() - rollout)[on_mask & ~torch.isnan(rollout)].abs()
+                out.logprob_diff, out.logprob_diff_tokens = float(diffs.sum()), float(diffs.numel())
+                out.logprob_diff_max = float(diffs.max()) if diffs.numel() else 0.0
+            out.padding_positions, out.positions = map(float, forwarded_positions(batch, fwd.shared, self.packed))
+        self.sums.add(out)
+        return loss
+
+
+class SFTLoss:
+    """The supervised loss of each micro-batch (`sft_loss`: `response_ids` are the targets), with
+    [loss, tokens, right] summed in `sums`."""
+
+    def __init__(self, global_tokens: float, world_size: int, device: torch.device) -> None:
+        self.global_tokens, self.world_size, self.device = global_tokens, world_size, device
+        self.sums = torch.zeros(3, dtype=torch.float64)
+
+    def __call__(self, batch: TrainBatch, fwd: Forward) -> Tensor:
+        logp = fwd.logp
+        mask = batch.response_mask[:, 1:].to(self.device)
+        loss = sft_loss(logp, mask, self.global_tokens, self.world_size)
+        with torch.no_grad():
+            on = mask > 0
+            targets = batch.input_ids[:, 1:].to(self.device)[on]
+            right = float((fwd.stats.greedy == targets).sum())
+            self.sums += torch.tensor(
+                [float(-(logp.detach() * mask).sum()), float(on.sum()), right], dtype=torch.float64
+            )
+        return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# The hybrid engine
+# ---------------------------------------------------------------------------------------------
+
+
+class HybridGeneration:
+    """Generation with the weights the rank trains (`HFEngine.around` its module), in eval mode.
+
+    Under ZeRO-3 the partitioned weights are gathered for generation all at once
+    (`rollout.hybrid_gather=full`: the fastest, peak memory of one full copy) or module by module
+    as each forward needs them (`layer`: HF's `synced_gpus`, every rank stepping until all are
+    done, peak memory of one layer). Either way every rank must be called, each with at least
+    one prompt.
+    """
+
+    def __init__(self, policy: PolicyModel, model_cfg: ModelConfig, rollout_cfg: RolloutConfig) -> None:
+        self.policy = policy
+        layerwise = policy.zero3 and rollout_cfg.hybrid_gather == "layer"
+        self.engine = HFEngine.around(
+            base_model(policy.engine.module),
+            policy.processor,
+            model_cfg,
+            rollout_cfg,
+            policy.device,
+            synced=layerwise,
+            # Layer by layer, ranks step in lockstep inside one generate call, so each request is
+            # one call (a chunk count that differed across ranks would hang).
+            max_batch_prompts=1 << 30 if layerwise else 8,
+        )
+
+    def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
+        engine = self.policy.engine
+        was_training = engine.training
+        engine.eval()
+        try:
+            with self._full_weights():
+                return self.engine.generate(prompts, n, seed)
+        finally:
+            engine.train(was_training)
+
+    def _full_weights(self) -> contextlib.AbstractContextManager:
+        """ZeRO-3 with hybrid_gather=full: every partition gathered for the generate call."""
+        if not self.policy.zero3 or self.engine.synced:
+            return contextlib.nullcontext()
+        params = list(self.policy.engine.module.parameters())
+        return self.policy.ds.zero.GatheredParameters(params, modifier_rank=None)
+
+
+# ---------------------------------------------------------------------------------------------
 # The rank
 # ---------------------------------------------------------------------------------------------
 
 
-class LearnerRank(WeightSender, RankCheckpoints):
+class LearnerRank:
     """One DeepSpeed rank of the policy (and, when the KL term is on, of the reference model).
 
     Args:
@@ -163,12 +301,10 @@ class LearnerRank(WeightSender, RankCheckpoints):
             with `learner.micro_batch_tokens` the token budget decides the count, step by step.
         norm_len: the constant length of the "seq-mean-token-sum-norm" aggregation (the
             configured max response length); None uses the padded micro-batch length.
-        temperature, top_k, top_p: the rollout's sampling (rollout.temperature, top_k, top_p);
-            every log-prob and the entropy are of the distribution the engines draw from:
-            logits / temperature, placeholders banned, top-k then top-p (`truncate_logits`).
+        temperature, top_k, top_p: the rollout's sampling (`pjray.rl.policy.Sampling`).
         ds_config_overrides: merged last into the DeepSpeed config (e.g. ZeRO-3 bucket sizes).
         num_threads: torch intra-op threads of this rank; 0 leaves the process's setting.
-        rollout_cfg: given, the rank also generates (the hybrid engine, see the module docstring).
+        rollout_cfg: given, the rank also generates (`HybridGeneration`).
     """
 
     def __init__(
@@ -196,22 +332,43 @@ class LearnerRank(WeightSender, RankCheckpoints):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         quiet_actor_warnings()
-        self.temperature = temperature
-        self.top_k, self.top_p = top_k, top_p
-        self.model_cfg, self.learner_cfg, self.algo_cfg = model_cfg, learner_cfg, algo_cfg
-        self.rank, self.world_size = rank, world_size
-        self.grad_accum_steps = grad_accum_steps
-        self.norm_len = norm_len
-        use_cuda = torch.cuda.is_available()
+        self.algo_cfg, self.norm_len = algo_cfg, norm_len
+        ds, device = self._join_process_group(rank, world_size, master_addr, master_port, num_threads)
+        self.policy = build_policy(
+            ds,
+            device,
+            model_cfg,
+            learner_cfg,
+            algo_cfg,
+            model_path,
+            rank,
+            world_size,
+            total_steps,
+            grad_accum_steps,
+            Sampling(temperature, top_k, top_p),
+            ds_config_overrides or {},
+        )
+        self.weights = WeightSender(self.policy)
+        self.checkpoints = RankCheckpoints(self.policy, self.weights)
+        self.hybrid = None if rollout_cfg is None else HybridGeneration(self.policy, model_cfg, rollout_cfg)
 
+    @staticmethod
+    def _join_process_group(
+        rank: int, world_size: int, master_addr: str, master_port: int, num_threads: int
+    ) -> tuple[Any, torch.device]:
+        """Set this rank's rendezvous, join the process group (gloo on CPU, NCCL on GPU);
+        returns the deepspeed module and the rank's device."""
+        use_cuda = torch.cuda.is_available()
         # Per-rank rendezvous variables are ours to set; tuning variables the user (or
         # `ray job submit --runtime-env-json`) exported win.
         os.environ.update(
-            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(rank),
             WORLD_SIZE=str(world_size),
             # Ray gives each rank actor its own accelerator(s), so the local index is 0.
             LOCAL_RANK="0",
-        )  # fmt: skip
+        )
         if not use_cuda:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if num_threads:
@@ -219,168 +376,14 @@ class LearnerRank(WeightSender, RankCheckpoints):
         # Imported after the environment is set: DeepSpeed picks its accelerator on import.
         import deepspeed
 
-        self._ds = deepspeed
         if use_cuda:
             torch.cuda.set_device(0)  # before NCCL binds its communicator to a device
-            self.device = torch.device("cuda", 0)
-        else:
-            self.device = torch.device("cpu")
+        device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
         skip_unused_ops()  # nothing is JIT-compiled at start-up (see ds_ops)
         deepspeed.init_distributed(dist_backend="nccl" if use_cuda else "gloo", auto_mpi_discovery=False)
+        return deepspeed, device
 
-        self.zero3 = learner_cfg.zero_stage == 3
-        config = ds_config(learner_cfg, grad_accum_steps, world_size, ds_config_overrides or {})
-        budget = model_cfg.image_budget
-        attention = model_cfg.attn_implementation
-        model, self.processor = load_judge(
-            model_path, dtype=model_cfg.dtype, device=self.device, trainable=True, attn_implementation=attention, budget=budget
-        )
-        # The distribution the engines sample from has no placeholder tokens; the log-probs here
-        # are of that same distribution.
-        self.banned = placeholder_ids(self.processor)
-        # A text-only judge has no vision tower, so there is nothing for freeze_vision to freeze.
-        if model_cfg.freeze_vision and self.processor.image_token_id is not None:
-            visual = vision_tower(model)
-            if visual is None:
-                raise ValueError(f"model.freeze_vision: no vision tower found in {type(model).__name__}")
-            visual.requires_grad_(False)
-        if model_cfg.gradient_checkpointing:
-            # Non-reentrant: reentrant checkpointing silently drops the gradients of a segment
-            # whose inputs do not require grad, which freezing parts of the model can cause.
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-        self.lora = model_cfg.lora.rank > 0
-        if self.lora:
-            model = apply_lora(model, model_cfg.lora)  # only the adapters require grad now
-
-        def schedule(step: int) -> float:
-            return lr_multiplier(
-                step, learner_cfg.warmup_steps, total_steps, learner_cfg.lr_schedule, learner_cfg.min_lr_ratio
-            )
-
-        self.engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer(model, learner_cfg),
-            # A callable, so the scheduler drives the optimizer DeepSpeed actually steps.
-            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, schedule),
-            config=config,
-            dist_init_required=False,
-        )
-        self.engine.train()
-        self._states_offloaded = False  # learner.offload_during_generation (`release_memory`)
-
-        self.ref: torch.nn.Module | None = None
-        if algo_cfg.kl_coef > 0 and self.lora:
-            # The frozen base weights are the reference: the policy with its adapters disabled.
-            self.ref = self.engine
-        elif algo_cfg.kl_coef > 0:
-            ref_model, _ = load_judge(
-                model_path, dtype=model_cfg.dtype, device=self.device, trainable=False, attn_implementation=attention,
-                budget=budget,
-            )  # fmt: skip
-            if self.zero3 or learner_cfg.shard_reference:
-                # The reference is sharded over the ranks: a ZeRO-3 engine without optimizer.
-                ref_config = ref_ds_config(config, learner_cfg, world_size)
-                self.ref, _, _, _ = deepspeed.initialize(model=ref_model, config=ref_config, dist_init_required=False)
-            else:
-                if learner_cfg.bf16:
-                    # The policy engine computes in bf16; the reference must match it at step 0.
-                    ref_model.to(torch.bfloat16)
-                self.ref = ref_model
-            self.ref.eval()
-
-        self.hybrid: HFEngine | None = None
-        if rollout_cfg is not None:
-            layerwise = self.zero3 and rollout_cfg.hybrid_gather == "layer"
-            self.hybrid = HFEngine.around(
-                base_model(self.engine.module), self.processor, model_cfg, rollout_cfg, self.device, synced=layerwise,
-                # Layer by layer, ranks step in lockstep inside one generate call, so each
-                # request is one call (a chunk count that differed across ranks would hang).
-                max_batch_prompts=1 << 30 if layerwise else 8,
-            )
-
-    # -----------------------------------------------------------------------------------------
-    # Forward passes
-    # -----------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def compute_logprobs(self, experiences: Sequence[Experience], which: str = "policy") -> list[tuple[float, ...]]:
-        """Per-response-token log-probs under the policy or the reference model, no grad.
-
-        Runs the micro-batches `_micro_batches` cuts (as many on every rank), so ranks given shards
-        of equal length stay in step under ZeRO-3.
-
-        Returns:
-            one tuple per experience, len(response_ids) floats each (empty for a dummy).
-        """
-        if which == "policy":
-            model: torch.nn.Module = self.engine
-        elif which == "ref":
-            if self.ref is None:
-                raise ValueError("compute_logprobs(which='ref'): algo.kl_coef is 0, so there is no reference model")
-            model = self.ref
-        else:
-            raise ValueError(f"which must be 'policy' or 'ref', got {which!r}")
-        was_training = self.engine.training
-        self.engine.eval()
-        # LoRA: the reference is the same module with its adapters off.
-        adapters_off = self.engine.module.disable_adapter() if which == "ref" and self.lora else contextlib.nullcontext()
-        try:
-            with adapters_off:
-                results: list[tuple[float, ...] | None] = [None] * len(experiences)
-                mbs, n = self.learner_cfg.micro_batch_size, len(experiences)
-                runs = [list(range(start, min(start + mbs, n))) for start in range(0, n, mbs)]
-                for rows, batch in self._micro_batches(experiences, runs):
-                    logp, _ = forward_logprobs(
-                        model, self.processor, batch, self.device, self.temperature, self.learner_cfg.shared_prefix, self.banned,
-                        chunk_tokens=self.learner_cfg.logit_chunk_tokens, packed=self.learner_cfg.packing,
-                        top_k=self.top_k, top_p=self.top_p, min_chunks=self._chunks_in_step(batch),
-                    )
-                    logp = logp.float().cpu()
-                    mask = batch.response_mask[:, 1:].bool()
-                    for k, row in enumerate(rows):
-                        results[row] = tuple(logp[k][mask[k]].tolist())
-                return [r if r is not None else () for r in results]
-        finally:
-            self.engine.train(was_training)
-
-    def compute_logprobs_timed(
-        self, experiences: Sequence[Experience], which: str = "policy"
-    ) -> Timed[list[tuple[float, ...]]]:
-        """`compute_logprobs`, with the seconds it took on this rank (collate and forwards)."""
-        return Timed.measure(self.compute_logprobs, experiences, which)
-
-    # -----------------------------------------------------------------------------------------
-    # Generation (the hybrid engine)
-    # -----------------------------------------------------------------------------------------
-
-    def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
-        """`RolloutEngine.generate` with the weights this rank trains, in eval mode."""
-        if self.hybrid is None:
-            raise ValueError("generate: this rank was built without rollout_cfg (rollout.backend=hybrid)")
-        was_training = self.engine.training
-        self.engine.eval()
-        try:
-            with self._generation_weights():
-                return self.hybrid.generate(prompts, n, seed)
-        finally:
-            self.engine.train(was_training)
-
-    def generate_timed(self, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
-        """`generate`, with the seconds it took on this rank."""
-        return Timed.measure(self.generate, prompts, n, seed)
-
-    def _generation_weights(self) -> contextlib.AbstractContextManager:
-        """Full weights for the length of a generate call: ZeRO-3 with hybrid_gather=full
-        gathers every partition (all ranks at once) and releases them after."""
-        if not self.zero3 or self.hybrid is None or self.hybrid.synced:
-            return contextlib.nullcontext()
-        return self._ds.zero.GatheredParameters(list(self.engine.module.parameters()), modifier_rank=None)
-
-    # -----------------------------------------------------------------------------------------
-    # Training
-    # -----------------------------------------------------------------------------------------
-
+    # ------------------------------------------------------------------ training
     def train_step(
         self, experiences: Sequence[Experience], global_tokens: float, global_seqs: float
     ) -> dict[str, float]:
@@ -405,24 +408,8 @@ class LearnerRank(WeightSender, RankCheckpoints):
             algo.rollout_is, the policy loss weighted by `rollout_is_weights` of old policy /
             engine, and rollout_is/* metrics.
         """
-        self._check_step(experiences)
-        self._states_on_gpu()
-        lr = float(self.engine.get_lr()[0])
-        sums = StepSums()
-        self.engine.train()
-        batches = self._micro_batches(experiences, self._even_runs(len(experiences)))
-        grad_norm = self._accumulate(
-            [lambda b=b: sums.add(self._micro_batch(b, float(global_tokens), float(global_seqs))) for _, b in batches]
-        )
-        if self.world_size > 1:
-            sums = sums.reduced(lambda t, op: self._ds.comm.all_reduce(t, op=op), self.device)
-        return sums.metrics(self.world_size, float(grad_norm), lr)
-
-    def _check_step(self, experiences: Sequence[Experience]) -> None:
-        if not self.learner_cfg.micro_batch_tokens and len(experiences) < self.grad_accum_steps:
-            raise ValueError(
-                f"train_step: {len(experiences)} experiences cannot fill {self.grad_accum_steps} micro-batches"
-            )
+        p = self.policy
+        p.check_shard("train_step", experiences)
         if self.algo_cfg.kl_coef > 0:
             missing = [i for i, e in enumerate(experiences) if e.response_ids and e.ref_logprobs is None]
             if missing:
@@ -430,128 +417,22 @@ class LearnerRank(WeightSender, RankCheckpoints):
                     f"train_step: algo.kl_coef={self.algo_cfg.kl_coef} but experiences {missing[:5]} have no "
                     "ref_logprobs; fill them with compute_logprobs(..., 'ref') first"
                 )
-
-    def _even_runs(self, n: int) -> list[list[int]]:
-        """`grad_accum_steps` runs of consecutive indices of n experiences, as even as they go."""
-        return split_evenly(list(range(n)), self.grad_accum_steps)
-
-    def _micro_batches(self, experiences: Sequence[Experience], runs: list[list[int]]) -> list[tuple[list[int], TrainBatch]]:
-        """This rank's experiences cut into micro-batches: (their indices, their batch).
-
-        The whole shard goes through the processor once (`collate`) and is cut by rows
-        (`take_rows`): into the fixed `runs` of indices, or with `learner.micro_batch_tokens`
-        under that token budget (`token_budget_batches`, packed or padded as the forward runs),
-        and then padded with micro-batches that train nothing up to the largest count on any rank
-        (ZeRO's collectives run per micro-batch)."""
-        lc = self.learner_cfg
-        if not experiences:
-            return []
-        whole = collate(self.processor, experiences)
-        if lc.micro_batch_tokens:
-            lengths = [int(n) for n in whole.attention_mask.sum(-1)]
-            cuts = token_budget_batches(lengths, lc.micro_batch_tokens, lc.packing)
-        else:
-            cuts = runs
-        batches = [(rows, take_rows(whole, rows)) for rows in cuts]
-        wanted = self._most_over_ranks(len(batches)) if lc.micro_batch_tokens else len(batches)
-        # The shortest row's forward, with nothing to train: it keeps the vision tower's
-        # parameters in step under ZeRO-3 where the row has an image.
-        shortest = min(range(len(experiences)), key=lambda i: int(whole.attention_mask[i].sum()))
-        batches += [([], take_rows(whole, [shortest], trained=False))] * (wanted - len(batches))
-        return batches
-
-    def _chunks_in_step(self, batch: TrainBatch) -> int:
-        """How many chunks every rank's output projection runs for this micro-batch: under
-        ZeRO-3 with several ranks the most any rank needs (each projection gathers the head's
-        weight, a collective), else 0 (as many as its own tokens need)."""
-        if not self.zero3 or self.world_size == 1:
-            return 0
-        trained = int((batch.response_mask[:, 1:] > 0).sum())
-        return self._most_over_ranks(math.ceil(trained / self.learner_cfg.logit_chunk_tokens))
-
-    def _most_over_ranks(self, count: int) -> int:
-        """The largest `count` any rank passed (all ranks call this together)."""
-        if self.world_size == 1:
-            return count
-        total = torch.tensor([count], dtype=torch.long, device=self.device)
-        self._ds.comm.all_reduce(total, op=self._ds.comm.ReduceOp.MAX)
-        return int(total.item())
-
-    def _accumulate(self, micro_batches: list[Callable[[], None]]) -> float:
-        """Run each micro-batch's forward and backward, then the optimizer step at the last
-        (the boundary set per micro-batch, so their number may change from step to step);
-        returns the gradient norm before clipping (NaN where none is kept)."""
-        manual_grad_norm: float | None = None
-        for index, run in enumerate(micro_batches):
-            last = index == len(micro_batches) - 1
-            self.engine.set_gradient_accumulation_boundary(last)
-            run()
-            if last and self.learner_cfg.zero_stage == 0:
-                # Without ZeRO (fp32) DeepSpeed clips but does not keep the norm; the gradients
-                # are already all-reduced after the boundary backward, so measure them here.
-                manual_grad_norm = self._grad_norm()
-            self.engine.step()
-        grad_norm = self.engine.get_global_grad_norm()
-        if grad_norm is None:
-            return manual_grad_norm if manual_grad_norm is not None else math.nan
-        return float(grad_norm)
-
-    def _micro_batch(self, batch: TrainBatch, global_tokens: float, global_seqs: float) -> StepSums:
-        """Forward, loss and backward of one micro-batch (the optimizer step is the caller's);
-        returns what it adds to the step's sums."""
-        algo = self.algo_cfg
-        lc = self.learner_cfg
-        shared = lc.shared_prefix and can_share_prefix(self.engine, batch)
-        logp, stats = forward_logprobs(
-            self.engine, self.processor, batch, self.device, self.temperature, shared, self.banned,
-            chunk_tokens=lc.logit_chunk_tokens, packed=lc.packing, top_k=self.top_k, top_p=self.top_p,
-            min_chunks=self._chunks_in_step(batch),
+        p.states_on_gpu()
+        lr = p.lr()
+        loss = GRPOLoss(
+            self.algo_cfg,
+            self.norm_len,
+            float(global_tokens),
+            float(global_seqs),
+            p.world_size,
+            p.device,
+            p.learner_cfg.packing,
         )
-        mask = batch.response_mask[:, 1:].to(self.device)
-        on_mask = mask > 0
-        old = batch.old_logprobs[:, 1:].to(self.device)
-        # NaN marks "no rollout log-prob": on-policy, so the ratio is exactly 1.
-        old = torch.where(torch.isnan(old), logp.detach(), old)
-        ref = None
-        if algo.kl_coef > 0:
-            if batch.ref_logprobs is None:
-                # Only dummies here (checked in _check_step): no response token, so KL is 0 anyway.
-                ref = logp.detach()
-            else:
-                # Rows without ref log-probs (dummies) are NaN on no position that counts.
-                ref = torch.where(on_mask, batch.ref_logprobs[:, 1:].to(self.device), logp.detach())
-        rollout = None if batch.rollout_logprobs is None else batch.rollout_logprobs[:, 1:].to(self.device)
-        out = StepSums()
-        is_weights = None
-        if algo.rollout_is != "none" and rollout is not None:
-            # old policy minus engine; 0 (weight 1) on tokens the engine gave no log-prob for.
-            have = on_mask & ~torch.isnan(rollout)
-            log_ratio = torch.where(have, old.double() - rollout, torch.zeros_like(rollout)).to(logp.dtype)
-            is_weights, is_sums, is_max = rollout_is_weights(
-                log_ratio, mask, algo.rollout_is, algo.rollout_is_upper, algo.rollout_is_lower
-            )
-            out.is_units, out.is_total, out.is_squares, out.is_outside = (float(x) for x in is_sums)
-            out.is_raw_max = float(is_max)
-        loss, metrics = grpo_loss(
-            logp, old, ref, batch.advantages.to(self.device), mask, LossSettings.from_algo(algo, self.norm_len),
-            global_tokens, global_seqs, self.world_size, is_weights,
-        )
-        with torch.no_grad():
-            tokens = float(on_mask.sum())
-            out.pg_loss, out.kl_loss, out.tokens, out.seqs = metrics["pg_loss"], metrics["kl_loss"], tokens, float(on_mask.any(-1).sum())
-            out.entropy = float(stats.entropy.sum())
-            out.pg_clipfrac = metrics["pg_clipfrac"] * tokens
-            out.pg_clipfrac_lower = metrics["pg_clipfrac_lower"] * tokens
-            out.ppo_kl = metrics["ppo_kl"] * tokens
-            if rollout is not None:
-                diffs = (old.double() - rollout)[on_mask & ~torch.isnan(rollout)].abs()
-                out.logprob_diff, out.logprob_diff_tokens = float(diffs.sum()), float(diffs.numel())
-                out.logprob_diff_max = float(diffs.max()) if diffs.numel() else 0.0
-            out.padding_positions, out.positions = map(float, forwarded_positions(batch, shared, lc.packing))
-        # The aggregation already normalises by the global counts; DeepSpeed must not divide by
-        # the accumulation steps again.
-        self.engine.backward(loss, scale_wrt_gas=False)
-        return out
+        grad_norm = p.step(experiences, loss)
+        sums = loss.sums
+        if p.world_size > 1:
+            sums = sums.reduced(lambda t, op: p.all_reduce(t, op), p.device)
+        return sums.metrics(p.world_size, float(grad_norm), lr)
 
     def train_step_timed(
         self, experiences: Sequence[Experience], global_tokens: float, global_seqs: float
@@ -561,42 +442,23 @@ class LearnerRank(WeightSender, RankCheckpoints):
         return Timed.measure(self.train_step, experiences, global_tokens, global_seqs)
 
     def sft_step(self, experiences: Sequence[Experience], global_tokens: float) -> dict[str, float]:
-        """One supervised optimizer step: `response_ids` are the targets (`sft_loss`).
+        """One supervised optimizer step: `response_ids` are the targets (`SFTLoss`).
 
         Same sharding contract as `train_step` (every rank gets an equal-length shard of at least
         `grad_accum_steps` experiences; `global_tokens` counts target tokens over all ranks).
         Returns sft/loss (the full-batch token-mean NLL), sft/token_acc (greedy next-token
         accuracy on targets), actor/grad_norm, actor/lr and sft/num_tokens, identical on ranks.
         """
-        if not self.learner_cfg.micro_batch_tokens and len(experiences) < self.grad_accum_steps:
-            raise ValueError(f"sft_step: {len(experiences)} experiences cannot fill {self.grad_accum_steps} micro-batches")
-        self._states_on_gpu()
-        lr = float(self.engine.get_lr()[0])
-        sums = torch.zeros(3, dtype=torch.float64)  # [loss, tokens, right]
-        self.engine.train()
-
-        def one(batch: TrainBatch) -> None:
-            nonlocal sums
-            # Unbanned: teacher forcing on fixed targets samples nothing (and the shipped base
-            # judge was built this way).
-            logp, stats = forward_logprobs(
-                self.engine, self.processor, batch, self.device, shared_prefix=self.learner_cfg.shared_prefix,
-                chunk_tokens=self.learner_cfg.logit_chunk_tokens, packed=self.learner_cfg.packing,
-                min_chunks=self._chunks_in_step(batch),
-            )
-            mask = batch.response_mask[:, 1:].to(self.device)
-            loss = sft_loss(logp, mask, float(global_tokens), self.world_size)
-            with torch.no_grad():
-                on = mask > 0
-                targets = batch.input_ids[:, 1:].to(self.device)[on]
-                right = float((stats.greedy == targets).sum())
-                sums += torch.tensor([float(-(logp.detach() * mask).sum()), float(on.sum()), right], dtype=torch.float64)
-            self.engine.backward(loss, scale_wrt_gas=False)
-
-        grad_norm = self._accumulate([lambda b=b: one(b) for _, b in self._micro_batches(experiences, self._even_runs(len(experiences)))])
-        totals = sums.to(self.device)
-        if self.world_size > 1:
-            self._ds.comm.all_reduce(totals)
+        p = self.policy
+        p.check_shard("sft_step", experiences)
+        p.states_on_gpu()
+        lr = p.lr()
+        loss = SFTLoss(float(global_tokens), p.world_size, p.device)
+        # Unbanned and untruncated: teacher forcing on fixed targets samples nothing (and the
+        # shipped base judge was built this way).
+        grad_norm = p.step(experiences, loss, sampled=False)
+        totals = loss.sums.to(p.device)
+        p.all_reduce(totals)
         loss_sum, tokens, right = totals.cpu().tolist()
         tokens = max(tokens, 1.0)
         return {
@@ -607,33 +469,84 @@ class LearnerRank(WeightSender, RankCheckpoints):
             "actor/lr": lr,
         }
 
+    def compute_logprobs(self, experiences: Sequence[Experience], which: str = "policy") -> list[tuple[float, ...]]:
+        """Per-response-token log-probs under the policy or the reference (`PolicyModel.logprobs`)."""
+        return self.policy.logprobs(experiences, which)
+
+    def compute_logprobs_timed(
+        self, experiences: Sequence[Experience], which: str = "policy"
+    ) -> Timed[list[tuple[float, ...]]]:
+        """`compute_logprobs`, with the seconds it took on this rank (collate and forwards)."""
+        return Timed.measure(self.compute_logprobs, experiences, which)
+
     def release_memory(self) -> None:
-        """Return the CUDA caching allocator's free blocks (activations of the update) to the
-        GPU, for a colocated engine that wakes into it next; with
-        `learner.offload_during_generation`, first move the optimizer's states (fp32 master
-        weights, Adam moments, gradient buffers) to pinned CPU memory until the next update
-        (`_states_on_gpu`). A no-op on CPU."""
-        if not torch.cuda.is_available():
-            return
-        if self.learner_cfg.offload_during_generation and not self._states_offloaded:
-            self.engine.offload_states()
-            self._states_offloaded = True
-        torch.cuda.empty_cache()
+        """Hand the GPU memory the update used to a colocated engine (`PolicyModel.release_memory`)."""
+        self.policy.release_memory()
 
-    def _states_on_gpu(self) -> None:
-        """Bring back what `release_memory` offloaded, before an optimizer step needs it."""
-        if self._states_offloaded:
-            self.engine.reload_states()
-            self._states_offloaded = False
+    # ------------------------------------------------------------------ generation (hybrid)
+    def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
+        """`RolloutEngine.generate` with the weights this rank trains, in eval mode."""
+        if self.hybrid is None:
+            raise ValueError("generate: this rank was built without rollout_cfg (rollout.backend=hybrid)")
+        return self.hybrid.generate(prompts, n, seed)
 
-    def _grad_norm(self) -> float | None:
-        """L2 norm of the trainable parameters' .grad (None when no gradient is held there)."""
-        grads = [p.grad.detach().float().norm() for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack(grads))) if grads else None
+    def generate_timed(self, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
+        """`generate`, with the seconds it took on this rank."""
+        return Timed.measure(self.generate, prompts, n, seed)
 
+    # ------------------------------------------------------------------ weights out (`WeightSender`)
+    def weight_plan(self, bucket_bytes: int) -> Any:
+        return self.weights.weight_plan(bucket_bytes)
 
+    def export_weights(self, bucket_bytes: int) -> Any:
+        return self.weights.export_weights(bucket_bytes)
+
+    def adapter(self) -> Any:
+        return self.weights.adapter()
+
+    def export_adapter(self) -> Any:
+        return self.weights.export_adapter()
+
+    def export_shared(self, bucket_bytes: int) -> Any:
+        return self.weights.export_shared(bucket_bytes)
+
+    def close_shared(self) -> None:
+        self.weights.close_shared()
+
+    def sync_address(self) -> tuple[str, int]:
+        return self.weights.sync_address()
+
+    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
+        self.weights.init_weight_sync(host, port, world_size, backend)
+
+    def broadcast_weights(self, bucket_bytes: int) -> Any:
+        return self.weights.broadcast_weights(bucket_bytes)
+
+    def stream_ipc(self, worker: Any, bucket_bytes: int, slots: int = 2) -> bool:
+        return self.weights.stream_ipc(worker, bucket_bytes, slots)
+
+    def checksums(self, on_all_ranks: bool = False) -> dict[str, str]:
+        return self.weights.checksums(on_all_ranks)
+
+    # ------------------------------------------------------------------ checkpoints (`RankCheckpoints`)
+    def save_hf(self, path: str) -> None:
+        self.checkpoints.save_hf(path)
+
+    def save_checkpoint(self, path: str, client_state: dict[str, Any] | None = None) -> None:
+        self.checkpoints.save_checkpoint(path, client_state)
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        return self.checkpoints.load_checkpoint(path)
+
+    # ------------------------------------------------------------------ the actor
     def ready(self) -> bool:
         return True
+
+    def node_id(self) -> str:
+        """The Ray node this rank runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def peak_memory(self) -> dict[str, float]:
         """This process's peak host and GPU memory in MiB (`pjray.memory`)."""
@@ -641,7 +554,8 @@ class LearnerRank(WeightSender, RankCheckpoints):
 
     def shutdown(self) -> None:
         """Tear down the process group (so a later rank in the same process can rejoin)."""
-        self.engine = None  # type: ignore[assignment]
-        self.ref = None
+        ds = self.policy.ds
+        self.policy.engine = None
+        self.policy.ref = None
         if torch.distributed.is_initialized():
-            self._ds.comm.destroy_process_group()
+            ds.comm.destroy_process_group()

@@ -20,8 +20,14 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from pjray.models.loading import continued_positions, mm_token_type_ids, processor_inputs, prompt_positions
-from pjray.models.loading import ban_tokens, truncate_logits
+from pjray.models.loading import (
+    ban_tokens,
+    continued_positions,
+    mm_token_type_ids,
+    processor_inputs,
+    prompt_positions,
+    truncate_logits,
+)
 from pjray.rl.grpo import entropy_from_logits, token_logprobs
 from pjray.types import Experience, TrainBatch
 
@@ -29,9 +35,15 @@ if TYPE_CHECKING:
     from transformers.processing_utils import ProcessorMixin
 
 __all__ = [
-    "LOGIT_CHUNK_TOKENS", "TokenStats", "can_share_prefix", "collate", "forward_logprobs", "forwarded_positions",
-    "model_inputs", "take_rows",
-]  # fmt: skip
+    "LOGIT_CHUNK_TOKENS",
+    "TokenStats",
+    "can_share_prefix",
+    "collate",
+    "forward_logprobs",
+    "forwarded_positions",
+    "model_inputs",
+    "take_rows",
+]
 
 # Response positions projected through the output embedding at once: a forward or backward of
 # `forward_logprobs` holds one [C, V] block of logits (plus its float32 temporaries) at a time.
@@ -52,9 +64,7 @@ class TokenStats(NamedTuple):
     greedy: Tensor
 
 
-def collate(
-    processor: ProcessorMixin, experiences: Sequence[Experience], pad_to: int | None = None
-) -> TrainBatch:
+def collate(processor: ProcessorMixin, experiences: Sequence[Experience], pad_to: int | None = None) -> TrainBatch:
     """Model inputs for prompt + response sequences, right-padded to one length.
 
     The prompts go through the processor together (it expands each image placeholder into the
@@ -86,9 +96,7 @@ def collate(
         for field_name in ("old_logprobs", "ref_logprobs", "rollout_logprobs", "loss_mask"):
             values = getattr(e, field_name)
             if values is not None and len(values) != n:
-                raise ValueError(
-                    f"experience {i}: {field_name} has {len(values)} values for {n} response tokens"
-                )
+                raise ValueError(f"experience {i}: {field_name} has {len(values)} values for {n} response tokens")
 
     enc = processor_inputs(
         processor, [e.prompt_text for e in experiences], [e.image for e in experiences], padding_side="right"
@@ -190,7 +198,9 @@ def take_rows(batch: TrainBatch, rows: Sequence[int], trained: bool = True) -> T
     group = None
     if batch.prompt_group is not None:
         first: dict[int, int] = {}
-        group = torch.tensor([first.setdefault(int(batch.prompt_group[r]), k) for k, r in enumerate(rows)], dtype=torch.long)
+        group = torch.tensor(
+            [first.setdefault(int(batch.prompt_group[r]), k) for k, r in enumerate(rows)], dtype=torch.long
+        )
     return TrainBatch(
         input_ids=batch.input_ids[index, :length].clone(),
         attention_mask=batch.attention_mask[index, :length].clone(),
@@ -206,9 +216,7 @@ def take_rows(batch: TrainBatch, rows: Sequence[int], trained: bool = True) -> T
     )
 
 
-def model_inputs(
-    processor: ProcessorMixin, batch: TrainBatch, device: torch.device
-) -> dict[str, Tensor | None]:
+def model_inputs(processor: ProcessorMixin, batch: TrainBatch, device: torch.device) -> dict[str, Tensor | None]:
     """Keyword arguments for a Qwen-VL forward of `batch` on `device`.
 
     A sampled response may contain an image or video pad id (a random or badly behaved policy
@@ -335,8 +343,15 @@ def _projection_inputs(head: torch.nn.Module) -> Iterator[list[Tensor]]:
 
 
 def _project_in_chunks(
-    head: torch.nn.Module, hidden: Tensor, labels: Tensor, temperature: float, ban: Tensor, chunk_tokens: int,
-    top_k: int = 0, top_p: float = 1.0, min_chunks: int = 0,
+    head: torch.nn.Module,
+    hidden: Tensor,
+    labels: Tensor,
+    temperature: float,
+    ban: Tensor,
+    chunk_tokens: int,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_chunks: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(log-prob of each label [N] float32, entropy [N], argmax [N], and a 0 that carries the
     filler chunks up to `min_chunks` into the loss) under head(hidden) / temperature with `ban`
@@ -350,18 +365,33 @@ def _project_in_chunks(
     head = _frozen_partitioned_head(head)
     pieces = [
         checkpoint(
-            _chunk_stats, head, hidden[start : start + chunk_tokens], labels[start : start + chunk_tokens],
-            temperature, ban, top_k, top_p, use_reentrant=False,
-        )  # fmt: skip
+            _chunk_stats,
+            head,
+            hidden[start : start + chunk_tokens],
+            labels[start : start + chunk_tokens],
+            temperature,
+            ban,
+            top_k,
+            top_p,
+            use_reentrant=False,
+        )
         for start in range(0, hidden.shape[0], chunk_tokens)
     ]
     # Up to `min_chunks`: one-row chunks of zeros whose log-probs enter the loss times 0, so their
     # projection runs in the forward, in the recomputation and in the weight's backward alike.
     fillers = [
         checkpoint(
-            _chunk_stats, head, hidden.new_zeros(1, hidden.shape[1]), labels.new_zeros(1), temperature, ban, top_k,
-            top_p, use_reentrant=False,
-        )[0].sum() * 0.0  # fmt: skip
+            _chunk_stats,
+            head,
+            hidden.new_zeros(1, hidden.shape[1]),
+            labels.new_zeros(1),
+            temperature,
+            ban,
+            top_k,
+            top_p,
+            use_reentrant=False,
+        )[0].sum()
+        * 0.0
         for _ in range(min_chunks - len(pieces))
     ]
     nothing = sum(fillers, hidden.new_zeros((), dtype=torch.float32))
@@ -453,7 +483,9 @@ def _packed_hidden(
         packed["position_ids"] = text[real][None]
     with _projection_inputs(head) as seen:
         out = model(
-            **{k: v.to(device) if v is not None else None for k, v in packed.items()}, attention_mask=None, use_cache=False
+            **{k: v.to(device) if v is not None else None for k, v in packed.items()},
+            attention_mask=None,
+            use_cache=False,
         )
     # Where each padded position [B, T] sits in the packed sequence (real positions only).
     where = (real.flatten().cumsum(0) - 1).view(real.shape)[:, :-1].to(device)
@@ -543,9 +575,12 @@ def _shared_prefix_hidden(
         cache = out.past_key_values
         cache.batch_select_indices(index.to(device))
         out2 = model(
-            input_ids=fed.to(device), attention_mask=torch.cat([mask[index], real.long()], 1).to(device),
-            position_ids=positions.to(device), past_key_values=cache, use_cache=True,
-        )  # fmt: skip
+            input_ids=fed.to(device),
+            attention_mask=torch.cat([mask[index], real.long()], 1).to(device),
+            position_ids=positions.to(device),
+            past_key_values=cache,
+            use_cache=True,
+        )
     # hidden[:, j] predicts response token j: the prompt's last state, then the responses'.
     hidden = torch.cat([seen[0][index.to(device)], seen[1][:, : R - 1]], dim=1)  # [B, R, H]
     trained = (batch.response_mask.gather(1, cols) > 0) & real

@@ -26,8 +26,8 @@ import ray
 
 from pjray.cluster import connect
 from pjray.config import AlgoConfig, Config, ConfigError, to_dict
-from pjray.errors import InputError
 from pjray.data.images import decode_image
+from pjray.errors import InputError
 from pjray.models.loading import load_processor, render_chat
 from pjray.placement import Placement, RoleResources
 from pjray.rl.learner import LearnerRank
@@ -67,7 +67,11 @@ def read_chat_examples(path: str | Path, source: str) -> list[ChatExample]:
     out = []
     for n, row in enumerate(rows, 1):
         where = f"{path}: row {n}"
-        if not isinstance(row, dict) or not isinstance(row.get("user"), str) or not isinstance(row.get("response"), str):
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("user"), str)
+            or not isinstance(row.get("response"), str)
+        ):
             raise SFTDataError(f"{where}: needs string fields 'user' and 'response'")
         image = row.get("image")
         if isinstance(image, str):  # a path, relative to the file
@@ -81,9 +85,16 @@ def read_chat_examples(path: str | Path, source: str) -> list[ChatExample]:
             except ValueError as err:
                 raise SFTDataError(f"{where}: {err}") from None
         prompt = JudgePrompt(
-            item_id=str(row.get("id", n)), system=str(row.get("system") or ""), user=row["user"], image=image,
-            protocol="chat", style="answer", num_candidates=0, shown=(), target="",
-        )  # fmt: skip
+            item_id=str(row.get("id", n)),
+            system=str(row.get("system") or ""),
+            user=row["user"],
+            image=image,
+            protocol="chat",
+            style="answer",
+            num_candidates=0,
+            shown=(),
+            target="",
+        )
         out.append(ChatExample(prompt, row["response"]))
     if not out:
         raise SFTDataError(f"{path}: no chat examples")
@@ -102,7 +113,9 @@ def to_experience(processor: Any, example: ChatExample, think_prefix: bool) -> E
     if untrained is not None:
         start, end = untrained
         if not 0 <= start < end <= len(example.response):
-            raise SFTDataError(f"example {example.prompt.item_id}: untrained span {untrained} is not inside the response")
+            raise SFTDataError(
+                f"example {example.prompt.item_id}: untrained span {untrained} is not inside the response"
+            )
         mask = tuple(not (a < end and b > start) for a, b in enc.offset_mapping)
     return Experience(text, example.prompt.image, tuple(enc.input_ids), advantage=0.0, loss_mask=mask)
 
@@ -137,17 +150,29 @@ def run_sft(cfg: Config, model_path: str, examples: list[ChatExample] | None = N
     learner_cfg = dataclasses.replace(lc, lr=s.lr, warmup_steps=s.warmup_steps, lr_schedule=s.lr_schedule)
     placement = Placement(
         {"learner": RoleResources(lc.num_ranks, lc.num_cpus_per_rank, lc.num_gpus_per_rank)},
-        strategy=cfg.ray.placement_strategy, timeout_s=cfg.ray.placement_timeout_s,
-    )  # fmt: skip
+        strategy=cfg.ray.placement_strategy,
+        timeout_s=cfg.ray.placement_timeout_s,
+    )
     addr, port = placement.master_address("learner")
     per_rank = s.batch_size // lc.num_ranks
     threads = placement.threads("learner", lc.num_threads)
     ranks = [
         placement.launch(
-            "learner", LearnerRank, r, cfg.model, learner_cfg, AlgoConfig(kl_coef=0.0), model_path,
-            rank=r, world_size=lc.num_ranks, master_addr=addr, master_port=lc.master_port or port,
-            total_steps=s.steps, grad_accum_steps=max(1, per_rank // lc.micro_batch_size), num_threads=threads[r],
-        )  # fmt: skip
+            "learner",
+            LearnerRank,
+            r,
+            cfg.model,
+            learner_cfg,
+            AlgoConfig(kl_coef=0.0),
+            model_path,
+            rank=r,
+            world_size=lc.num_ranks,
+            master_addr=addr,
+            master_port=lc.master_port or port,
+            total_steps=s.steps,
+            grad_accum_steps=max(1, per_rank // lc.micro_batch_size),
+            num_threads=threads[r],
+        )
         for r in range(lc.num_ranks)
     ]
     ray.get([r.ready.remote() for r in ranks])
@@ -178,9 +203,14 @@ def run_sft(cfg: Config, model_path: str, examples: list[ChatExample] | None = N
             if step == 1 or step % 25 == 0 or step == s.steps:
                 eta = (time.perf_counter() - loop_started) / step * (s.steps - step)
                 log.info(
-                    "sft step %d/%d loss %.4f token_acc %.3f step %.2fs eta %.0fs", step, s.steps,
-                    metrics["sft/loss"], metrics["sft/token_acc"], metrics["timing_s/step"], eta,
-                )  # fmt: skip
+                    "sft step %d/%d loss %.4f token_acc %.3f step %.2fs eta %.0fs",
+                    step,
+                    s.steps,
+                    metrics["sft/loss"],
+                    metrics["sft/token_acc"],
+                    metrics["timing_s/step"],
+                    eta,
+                )
             if s.save_every and step % s.save_every == 0:
                 path = run_dir / "checkpoints" / f"global_step_{step}"
                 ray.get([r.save_checkpoint.remote(str(path / "learner"), {"step": step}) for r in ranks])

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, TypeVar
+from typing import TypeVar
 
 from pjray.types import Timed
 

@@ -11,23 +11,9 @@ The variant is verl's GRPO as used by the paper's training recipe:
   Every learner log-prob (current, old, reference) is of logits / rollout.temperature, the
   distribution the responses were sampled from, as in verl.
 - Reward = format x ranking, ranking = 1 - Levenshtein/K (the paper) or Kendall (the release).
-
-Where it differs from the paper's written objective: the paper writes a per-sample mean
-(1/n sum_i) and a generic KL term; like verl (which the paper trained with) we aggregate over
-tokens and use the k3 estimator. Groups whose rewards all equal carry no signal; their fraction is
-logged (`rollout/frac_zero_std`) and `algo.filter_zero_std` drops and refills them (DAPO's
-dynamic sampling), a refill sized by the fraction kept so far; `reward/*` stay the mean over every
-response generated, so they measure the policy, not the selection. Beyond the paper,
-`data.counterfactual_pairs` makes each group the same tuple on its image and on its swapped image
-(half the responses each, one advantage group), so a verdict from the text alone cannot win both.
-
-Async rollouts (`trainer.max_staleness` = k >= 1, split layouts): the driver starts the generation
-of steps t+1 .. t+k before training step t, so the rollout workers sample while the learner
-trains. A worker runs its calls in the order the driver sent them, so a sync waits for the
-generations started before it and a generation started after it samples with its weights: the
-batch of step t is sampled by the weights of step t-1-k (before step 1, the starting ones) and
-trained by those of step t-1, never more than k versions apart. Every completion carries the
-version that sampled it (`rollout/staleness_*`), and `algo.rollout_is` corrects the gap.
+Unlike the paper's written objective (a per-sample mean 1/n sum_i, a generic KL term), and like
+verl, which the paper trained with, it aggregates over tokens and uses the k3 estimator. What it
+adds (dynamic sampling, counterfactual pairs, async rollouts): `Trainer`.
 
 The trainer receives its inputs resolved (`pjray.types.TrainInputs`: the judge and the rows,
 `pjray.recipes.training`) and asks its layout (`pjray.rl.layout`) everything that depends on
@@ -42,8 +28,9 @@ import logging
 import signal
 import time
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -91,6 +78,20 @@ StepHook = Callable[[int, dict[str, float]], None]
 
 
 class Trainer:
+    """One run. Groups whose rewards all equal carry no signal: their fraction is logged
+    (`rollout/frac_zero_std`), `algo.filter_zero_std` drops and refills them (DAPO's dynamic
+    sampling, a refill sized by the fraction kept so far), and `reward/*` stay the mean over every
+    response generated (the policy, not the selection). `data.counterfactual_pairs` makes a group
+    the same tuple on its image and its swapped image (half the responses each, one advantage
+    group), so a verdict from the text alone cannot win both. Async rollouts
+    (`trainer.max_staleness` = k >= 1, split layouts): steps t+1 .. t+k start generating before
+    step t trains, so rollout workers sample while the learner trains. A worker runs its calls in
+    the order sent (a sync waits for the generations sent before it, and later ones sample with
+    its weights), so the batch of step t is sampled by the weights of step t-1-k (before step 1,
+    the starting ones) and trained by those of step t-1, never more than k versions apart. Every
+    completion carries the version that sampled it (`rollout/staleness_*`); `algo.rollout_is`
+    corrects the gap."""
+
     def __init__(
         self,
         cfg: Config,
@@ -114,7 +115,11 @@ class Trainer:
         self.stalls = StallWatch(cfg.rollout.max_new_tokens)
         self.run_dir = Path(cfg.trainer.run_dir).resolve()
         # trainer.keep_best: the judge of the best validation so far (pjray.rl.best).
-        self.best = BestJudge(self.run_dir, cfg.trainer.keep_best, cfg.trainer.keep_best_mode) if cfg.trainer.keep_best else None
+        self.best = (
+            BestJudge(self.run_dir, cfg.trainer.keep_best, cfg.trainer.keep_best_mode)
+            if cfg.trainer.keep_best
+            else None
+        )
         self.step = 0
         self.checkpointed_step = 0  # the step of the newest checkpoint, saved or resumed from
         # The training step whose update the learner's weights hold; the engines hold it after a
@@ -149,15 +154,20 @@ class Trainer:
         sampler = item_sampler(train, cfg, self.processor, saved, self.run_dir / DATA_REJECTS)
         self.collector = Collector(cfg, sampler, self.processor, self.rollout, self.reward)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        self.tracker = Tracker(cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None, start_step=self.step)
+        self.tracker = Tracker(
+            cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None, start_step=self.step
+        )
 
     def start_actors(self, clock: PhaseClock) -> None:
         """Place the roles and start them side by side (imports, weights, engines; the layout
         says when its engines may start), then connect the weight transport."""
         cfg = self.cfg
         self.placement = Placement(
-            self.layout.roles(), strategy=cfg.ray.placement_strategy, timeout_s=cfg.ray.placement_timeout_s,
-            group=self.placement_group, first=self.first_bundle,
+            self.layout.roles(),
+            strategy=cfg.ray.placement_strategy,
+            timeout_s=cfg.ray.placement_timeout_s,
+            group=self.placement_group,
+            first=self.first_bundle,
         )
         clock.done("placement group")
         self.model = stage_on_nodes(self.inputs.model, cfg.model.stage_dir, self.placement.nodes())
@@ -165,11 +175,17 @@ class Trainer:
         self.learners = self.launch_learners()
         starting = [r.ready.remote() for r in self.learners]
         self.reward = WorkerPool(
-            self.placement, "reward", RewardWorker, lambda i: (cfg.reward, cfg.rollout.max_new_tokens),
-            max_retries=cfg.trainer.max_step_retries, wait=False,
+            self.placement,
+            "reward",
+            RewardWorker,
+            lambda i: (cfg.reward, cfg.rollout.max_new_tokens),
+            max_retries=cfg.trainer.max_step_retries,
+            wait=False,
         )
         starting += self.reward.ready()
-        self.rollout = self.layout.start_rollout(self.placement, self.learners, starting, self.model, self.sync_worker)
+        self.rollout = self.layout.start_rollout(
+            self.placement, self.learners, starting, self.model, lambda: self.weight_version
+        )
         ray.get(starting)
         clock.done("learners and workers")
         self.layout.connect(self.learners, self.rollout)
@@ -186,12 +202,25 @@ class Trainer:
         threads = self.placement.threads("learner", cfg.learner.num_threads)
         return [
             self.placement.launch(
-                "learner", LearnerRank, r, cfg.model, cfg.learner, cfg.algo, self.model,
-                rank=r, world_size=cfg.learner.num_ranks, master_addr=addr, master_port=port,
-                total_steps=total_updates, grad_accum_steps=max(1, per_rank // cfg.learner.micro_batch_size),
-                norm_len=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-                num_threads=threads[r], rollout_cfg=self.layout.learner_rollout(),
+                "learner",
+                LearnerRank,
+                r,
+                cfg.model,
+                cfg.learner,
+                cfg.algo,
+                self.model,
+                rank=r,
+                world_size=cfg.learner.num_ranks,
+                master_addr=addr,
+                master_port=port,
+                total_steps=total_updates,
+                grad_accum_steps=max(1, per_rank // cfg.learner.micro_batch_size),
+                norm_len=cfg.rollout.max_new_tokens,
+                temperature=cfg.rollout.temperature,
+                top_k=cfg.rollout.top_k,
+                top_p=cfg.rollout.top_p,
+                num_threads=threads[r],
+                rollout_cfg=self.layout.learner_rollout(),
             )
             for r in range(cfg.learner.num_ranks)
         ]
@@ -240,8 +269,12 @@ class Trainer:
         verdicts = result.pop("verdicts")
         pq.write_table(pa.Table.from_pylist(verdicts), self.run_dir / HELD_OUT_ITEMS)
         (self.run_dir / HELD_OUT).write_text(json.dumps(result, indent=2))
-        log.info("held-out check: %.1fs, written to %s (per item: %s)", time.perf_counter() - started,
-                 self.run_dir / HELD_OUT, HELD_OUT_ITEMS)  # fmt: skip
+        log.info(
+            "held-out check: %.1fs, written to %s (per item: %s)",
+            time.perf_counter() - started,
+            self.run_dir / HELD_OUT,
+            HELD_OUT_ITEMS,
+        )
 
     def loop(self) -> None:
         cfg = self.cfg.trainer
@@ -274,15 +307,19 @@ class Trainer:
         rollouts = self.collector.collect(self.step, timer)
         stale = self.layout.staleness(self.weight_version, rollouts.completions)
         if max(stale, default=0) > self.cfg.trainer.max_staleness:
-            raise RuntimeError(f"step {self.step}: a sample {max(stale)} weight versions old, over "
-                               f"trainer.max_staleness={self.cfg.trainer.max_staleness}")  # fmt: skip
+            raise RuntimeError(
+                f"step {self.step}: a sample {max(stale)} weight versions old, over "
+                f"trainer.max_staleness={self.cfg.trainer.max_staleness}"
+            )
         self.layout.after_generation(self.rollout, timer)
 
         # Group-relative advantages over the kept groups.
         with timer("adv"):
             rewards = torch.tensor([r.total for r in rollouts.rewards], dtype=torch.float32)
             advantages = group_advantages(
-                rewards, self.cfg.algo.group_size, norm_by_std=self.cfg.algo.norm_adv_by_std,
+                rewards,
+                self.cfg.algo.group_size,
+                norm_by_std=self.cfg.algo.norm_adv_by_std,
                 eps=self.cfg.algo.adv_eps,
             )
             experiences = self.experiences(rollouts, advantages.tolist())
@@ -318,7 +355,10 @@ class Trainer:
         """Peak host (and GPU) memory so far of each role's largest actor, and of the driver."""
         roles = self.layout.memory_roles(self.learners, self.reward, self.rollout)
         answers = iter(ray.get([a.peak_memory.remote() for actors in roles.values() for a in actors]))
-        peaks = {"driver": [peak_memory_mib()], **{role: [next(answers) for _ in actors] for role, actors in roles.items()}}
+        peaks = {
+            "driver": [peak_memory_mib()],
+            **{role: [next(answers) for _ in actors] for role, actors in roles.items()},
+        }
         return peak_memory_metrics(peaks)
 
     # ----------------------------------------------------------------------------- phases
@@ -376,12 +416,10 @@ class Trainer:
         """The learner's weights to every rollout engine, as the layout does it."""
         self.layout.sync(self.learners, self.rollout, self.weight_version)
 
-    def sync_worker(self, worker) -> None:
-        """Bring one rebuilt rollout worker to the learner's current weights."""
-        self.layout.refresh(self.learners, self.rollout, worker, self.weight_version)
-
     # ----------------------------------------------------------------------------- outputs
-    def step_metrics(self, rollouts: Rollouts, advantages: torch.Tensor, actor: dict[str, float], timer: Timer) -> dict[str, float]:
+    def step_metrics(
+        self, rollouts: Rollouts, advantages: torch.Tensor, actor: dict[str, float], timer: Timer
+    ) -> dict[str, float]:
         tokens = sum(len(c.token_ids) for c in rollouts.completions)
         return {
             **rollout_metrics(rollouts, advantages, self.cfg.algo.group_size),
@@ -423,8 +461,6 @@ class Trainer:
             if hasattr(self, "learners"):
                 self.layout.close(self.learners)
             self.placement.shutdown()  # every learner, rollout and reward actor
-
-
 
 
 def train(

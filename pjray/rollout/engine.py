@@ -1,7 +1,9 @@
 """Rollout: sample n judge responses per prompt, and take weight updates from the learner.
 
 `RolloutEngine` is the interface the driver talks to (through `RolloutWorker`); each backend
-implements it once:
+implements it once and keeps the semantics listed there (sampling exactly as configured, stop
+only at EOS, placeholders never sampled, the learner's log-probs, deterministic in the seed), so
+the driver and the reward never need to know which backend ran:
 
 * `pjray.rollout.hf_engine.HFEngine`: a transformers model sampled with a KV cache, each prompt
   prefilled once for its n samples; the CPU default and the tested path.
@@ -10,33 +12,6 @@ implements it once:
 * `pjray.rollout.vllm_engine.VllmEngine` (GPU, or vLLM's CPU build): loaded lazily
   by `RolloutWorker` when `rollout.backend=vllm`, as `VllmEngine(model_path, model_cfg,
   rollout_cfg)`; it also takes broadcast (gloo / NCCL) and CUDA-IPC weight updates.
-
-Semantics every engine keeps, so the driver and the reward never need to know the backend:
-
-* Sampling is exactly `RolloutConfig` (temperature, top_p, top_k, max_new_tokens). Sampling
-  defaults shipped in a checkpoint's `generation_config.json` are ignored on purpose: a run's
-  samples must not depend on which checkpoint directory they came from.
-* Generation stops only at EOS (`<|im_end|>` plus the checkpoint's own EOS ids) or at
-  `max_new_tokens`, never at `</answer>`: the `scores` style writes K answer blocks, so the
-  first `</answer>` is not the end of a response. The EOS token is part of `token_ids` (with
-  its logprob), so the learner trains the decision to stop; `text` skips special tokens.
-* The image / video placeholder tokens (`<|image_pad|>`, `<|video_pad|>`) are never sampled:
-  in a response they would make the learner's forward pass look for image features that do
-  not exist ("image features and image tokens do not match"). Random tiny judges sample them
-  often; real checkpoints almost never do.
-* `logprobs[t]` is log softmax(logits / temperature) at the sampled token, over the vocabulary
-  without the banned placeholders (before top-k / top-p): exactly what the learner computes for
-  the same weights (it bans them too, `pjray.models.loading.ban_tokens`), so the driver can measure
-  how far the two differ (`rollout/logprob_diff_*`). With top-k and top-p off it is the
-  sampler's own logprob.
-* Completions come back ordered by (prompt_index, sample_index).
-* Same prompts, n and seed -> same completions (on the same hardware and chunking).
-* Weight sync (`load_weights`) takes the learner's bucket plan plus one Ray ObjectRef per
-  bucket (a flat tensor from `pjray.sync.buckets.pack`, put once by the learner), fetches the
-  buckets one at a time so only one bucket is in flight, and copies them in place.
-* Adapter sync (`load_adapter`, model.lora.sync=adapter): the learner's LoRA adapter alone
-  (`pjray.sync.adapter.AdapterUpdate`); the engine serves the base weights it loaded at start-up
-  with that adapter from then on (vLLM: a new LoRA adapter id per sync; HF: through PEFT).
 """
 
 from __future__ import annotations
@@ -53,14 +28,35 @@ __all__ = ["RolloutEngine", "checkpoint_eos_ids", "stop_token_ids"]
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """What the driver needs from a rollout backend (HF now, vLLM on GPU)."""
+    """What the driver needs from a rollout backend (HF, vLLM). Every engine keeps these:
+
+    * Sampling is exactly `RolloutConfig` (temperature, top_p, top_k, max_new_tokens). Sampling
+      defaults shipped in a checkpoint's `generation_config.json` are ignored on purpose: a run's
+      samples must not depend on which checkpoint directory they came from.
+    * Generation stops only at EOS (`stop_token_ids`) or at `max_new_tokens`, never at
+      `</answer>`: the `scores` style writes K answer blocks, so the first `</answer>` is not the
+      end of a response. The EOS token is part of `token_ids` (with its logprob), so the learner
+      trains the decision to stop; `text` skips special tokens.
+    * The image / video placeholder tokens (`<|image_pad|>`, `<|video_pad|>`) are never sampled:
+      in a response they would make the learner's forward pass look for image features that do
+      not exist ("image features and image tokens do not match"). Random tiny judges sample them
+      often; real checkpoints almost never do.
+    * `logprobs[t]` is log softmax(logits / temperature) at the sampled token, over the vocabulary
+      without the banned placeholders (before top-k / top-p): what the learner computes for the
+      same weights (it bans them too, `pjray.models.loading.ban_tokens`), so the driver can
+      measure how far the two differ (`rollout/logprob_diff_*`). With top-k and top-p off it is
+      the sampler's own logprob.
+    """
 
     def generate(self, prompts: list[JudgePrompt], n: int, seed: int) -> list[Completion]:
-        """n samples per prompt, ordered by (prompt_index, sample_index); deterministic in seed."""
+        """n samples per prompt, ordered by (prompt_index, sample_index). The same prompts, n and
+        seed give the same completions (on the same hardware and chunking)."""
         ...
 
     def load_weights(self, plan: list[Bucket], refs: list[Any]) -> None:
-        """Copy the learner's parameters in place: `refs[i]` holds the flat tensor of `plan[i]`."""
+        """Copy the learner's parameters in place: `refs[i]` is one Ray ObjectRef to the flat
+        tensor of `plan[i]` (`pjray.sync.buckets.pack`, put once by the learner), fetched one at a
+        time so that only one bucket is in flight."""
         ...
 
     def load_shared(self, plan: list[Bucket], paths: list[str]) -> None:
@@ -68,7 +64,9 @@ class RolloutEngine(Protocol):
         ...
 
     def load_adapter(self, update: AdapterUpdate) -> None:
-        """Adapter sync: serve the base weights with the learner's LoRA adapter `update`."""
+        """Adapter sync (model.lora.sync=adapter): serve the base weights loaded at start-up with
+        the learner's LoRA adapter `update` from then on (vLLM: a new LoRA adapter id per sync;
+        HF: through PEFT)."""
         ...
 
     def checksums(self) -> dict[str, str]:

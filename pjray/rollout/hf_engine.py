@@ -3,7 +3,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import ray
@@ -71,7 +72,11 @@ class HFEngine:
         max_batch_prompts: int = 8,
     ) -> None:
         model, processor = load_judge(
-            model_path, dtype=model_cfg.dtype, device=torch.device(device), trainable=False, budget=model_cfg.image_budget
+            model_path,
+            dtype=model_cfg.dtype,
+            device=torch.device(device),
+            trainable=False,
+            budget=model_cfg.image_budget,
         )
         self._attach(model, processor, model_cfg, rollout_cfg, device, max_batch_prompts, name=model_path)
 
@@ -91,7 +96,9 @@ class HFEngine:
         collectives (ZeRO-3 gathering layer by layer), so every rank keeps stepping until all
         have finished (as HF's `synced_gpus`)."""
         engine = cls.__new__(cls)
-        engine._attach(model, processor, model_cfg, rollout_cfg, device, max_batch_prompts, type(model).__name__, synced)
+        engine._attach(
+            model, processor, model_cfg, rollout_cfg, device, max_batch_prompts, type(model).__name__, synced
+        )
         return engine
 
     def _attach(
@@ -142,9 +149,7 @@ class HFEngine:
             completions.extend(self._generate_chunk(chunk, start, n, _chunk_seed(seed, start)))
         return completions
 
-    def _generate_chunk(
-        self, prompts: Sequence[JudgePrompt], first_index: int, n: int, seed: int
-    ) -> list[Completion]:
+    def _generate_chunk(self, prompts: Sequence[JudgePrompt], first_index: int, n: int, seed: int) -> list[Completion]:
         texts = [render_chat(self.processor, p, think_prefix=self.model_cfg.think_prefix) for p in prompts]
         inputs = processor_inputs(self.processor, texts, [p.image for p in prompts], padding_side="left")
         model_inputs = {k: v.to(self.device) for k, v in inputs.items() if v is not None}
@@ -204,9 +209,12 @@ class HFEngine:
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = self.model(
-                input_ids=token[:, None], attention_mask=mask, position_ids=continued_positions(positions, position, 1),
-                past_key_values=cache, use_cache=True,
-            )  # fmt: skip
+                input_ids=token[:, None],
+                attention_mask=mask,
+                position_ids=continued_positions(positions, position, 1),
+                past_key_values=cache,
+                use_cache=True,
+            )
             cache, logits, position = out.past_key_values, out.logits[:, -1], position + 1
         return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
 
@@ -229,8 +237,10 @@ class HFEngine:
         engine's dtype (a float32 learner may feed a bfloat16 rollout); shapes must match.
         """
         if self._peft is not None:
-            raise RuntimeError("load_weights: this engine serves a LoRA adapter (adapter sync); merged weights "
-                               "loaded into its base layers would carry the adapter twice")  # fmt: skip
+            raise RuntimeError(
+                "load_weights: this engine serves a LoRA adapter (adapter sync); merged weights "
+                "loaded into its base layers would carry the adapter twice"
+            )
         if len(plan) != len(refs):
             raise ValueError(f"load_weights: {len(plan)} buckets in the plan but {len(refs)} refs")
         for bucket in plan:
@@ -274,12 +284,16 @@ class HFEngine:
             self._peft.eval()
             self._adapter_config = update.config
         elif update.config != self._adapter_config:
-            raise ValueError("load_adapter: the adapter's config (rank, alpha, target modules) differs from the "
-                             "one this engine was wrapped with")  # fmt: skip
+            raise ValueError(
+                "load_adapter: the adapter's config (rank, alpha, target modules) differs from the "
+                "one this engine was wrapped with"
+            )
         loaded = set_peft_model_state_dict(self._peft, update.tensors)
         if loaded.unexpected_keys:
-            raise ValueError(f"load_adapter: {len(loaded.unexpected_keys)} adapter tensors match no LoRA layer of "
-                             f"the rollout model, e.g. {loaded.unexpected_keys[0]!r}")  # fmt: skip
+            raise ValueError(
+                f"load_adapter: {len(loaded.unexpected_keys)} adapter tensors match no LoRA layer of "
+                f"the rollout model, e.g. {loaded.unexpected_keys[0]!r}"
+            )
 
     def checksums(self) -> dict[str, str]:
         """`state_checksums` of the served parameters by the HF model's names; with an adapter,

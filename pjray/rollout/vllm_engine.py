@@ -1,73 +1,26 @@
 """The vLLM rollout engine: `RolloutEngine` over `vllm.LLM`, and its weight-sync worker extension.
 
 `VllmEngine(model_path, model_cfg, rollout_cfg)` keeps every semantic `pjray.rollout.engine`
-documents for engines (sampling exactly from RolloutConfig, stop only at EOS, placeholder
-tokens never sampled, completions ordered by prompt and sample, deterministic in the seed), so
-the driver and the reward never see which backend ran. Log-probs are vLLM's "processed" ones:
-of logits / temperature with the placeholder ids banned (a logit bias, which vLLM applies
-before it computes them), as the learner computes them (`forward_logprobs(banned=...)`); with
-top-k or top-p on they are of the truncated distribution, a difference the driver's
-`rollout/logprob_diff_*` then shows.
+documents for engines, so the driver and the reward never see which backend ran. Log-probs are
+vLLM's "processed" ones: of logits / temperature with the placeholder ids banned (a logit bias,
+applied before vLLM computes them), as the learner computes them (`forward_logprobs(banned=...)`);
+with top-k or top-p on they are of the truncated distribution, which `rollout/logprob_diff_*` shows.
 
-vLLM's engine core runs in a process of its own (vLLM's default, on GPU and on CPU), so every
-argument of `collective_rpc` crosses a process boundary, where vLLM decodes a tensor argument as
-a list: plans, handles and weights cross as bytes (`dumps`, `flat_bytes`) or as paths.
+vLLM's engine core runs in a process of its own (its default, on GPU and on CPU), where a tensor
+argument of `collective_rpc` arrives as a list: plans, handles and weights cross as bytes
+(`dumps`, `flat_bytes`) or as paths.
 
-Images: vLLM gets the raw `render_chat` text (ONE un-expanded placeholder) plus the decoded
-image as `multi_modal_data` (`vllm_request`), and expands the placeholder itself. It never
-sees processor-expanded ids, so the double expansion of image tokens (an M-RoPE crash or a
-silently corrupted prompt in other frameworks) cannot happen here; the learner builds its own
-inputs (pixel values, grid sizes) from the same text and image with the HF processor.
+Images: vLLM gets the raw `render_chat` text (ONE un-expanded placeholder) and the decoded image
+(`vllm_request`) and expands the placeholder itself. It never sees processor-expanded ids, so
+image tokens cannot be expanded twice (an M-RoPE crash or a silently corrupted prompt in other
+frameworks); the learner builds its own inputs from the same text and image with the HF processor.
 
-Weights, one call per sync from the driver, in one of four transports (trainer.sync_backend):
-
-* object_store: `load_weights(plan, refs)`, fetching one bucket at a time from the Ray object
-  store and handing its bytes to every vLLM worker (`collective_rpc`, one per bucket). Works
-  for any layout (also used to bring one rebuilt worker up to date).
-* shm: `load_shared(plan, paths)`: every vLLM worker maps learner rank 0's shared-memory
-  buffers (same node) and copies from them; only the paths cross the RPC.
-* gloo / nccl: `init_weight_sync(...)` once, then `receive_weights(plan)` per sync: one
-  `collective_rpc` in which every vLLM rank receives all buckets by broadcast from learner
-  rank 0 (`pjray.sync`).
-* ipc: `begin_ipc(handles)`, `load_ipc_bucket(bucket, slot)` per bucket, `finish_ipc()`:
-  called by the colocated learner rank itself, which streams its buckets through two CUDA
-  buffers that every vLLM worker maps (`pjray.sync.ipc`).
-
-With model.lora.sync=adapter (LoRA, rollout workers of their own) the engine starts with vLLM's
-LoRA support on (`enable_lora`, one adapter slot, `max_lora_rank` the smallest vLLM offers at
-least model.lora.rank) and takes the adapter alone: `load_adapter(update)` writes it into a fresh
-directory in PEFT's format and serves it as a new `LoRARequest` (a new adapter id per sync, so
-vLLM never serves a cached older adapter under the same id) for every later generation, the
-previous adapter removed from the engine and its directory deleted. The base weights stay those
-loaded at start-up: with LoRA they never train.
-
-Each vLLM worker loads buckets with the model's own `load_weights` (HF names in, vLLM's fused
-layout out) inside vLLM's layerwise in-place reload (`pjray_begin_update` /
-`pjray_finish_update`), which re-runs the post-load processing of every layer (e.g. repacked CPU
-linear weights); a head tied to the input embedding (Qwen3-VL-4B) is fed the embedding too, or
-its processed copy would keep the old weights. After every sync the engine resets its encoder
-cache (the vision tower's embeddings of images it has seen, computed with the old weights) and
-its prefix cache (KV blocks of the old weights). vLLM's multimodal processor cache is kept: it
-holds the processor's outputs (pixel values, grid sizes), which no weight changes; colocated
-engines run without it, since every sleep clears it. Colocated engines run with sleep mode:
-`sleep()` frees weights and KV cache while the learner trains; a sync wakes the weights alone
-and loads them, and the KV cache wakes only when the driver calls `wake_up()`, after the learner
-has released its two stream buffers and its allocator's cached blocks
-(`pjray.sync.sender.WeightSender`). At `rollout.sleep_level=2` (the default) a sleeping engine
-discards its weights instead of keeping a copy in pinned host memory: the sync that follows
-every sleep loads all of them, and waking weights that no sync loaded is refused
-(`wake_up`). After every load a worker returns its CUDA caching allocator's free blocks (the
-buckets' copies) to the driver, so the KV cache that wakes next finds the memory it had.
-
-The served model is what vLLM's `get_model()` returns (`served_model`): on a GPU with CUDA
-graphs, the model runner's `model` attribute is a graph wrapper around it, and a load through
-the wrapper is not guaranteed to reach the model. Engines are compiled by default on GPU
-(torch.compile, CUDA graphs) and eager on CPU (`rollout.enforce_eager`); a load copies into
-the tensors the compiled graphs captured, so they serve the new weights.
-
-vLLM's model names differ from the learner's (fused qkv / gate_up projections), so
-`checksums()` hashes vLLM's own parameters: compare two engines with it, and an engine with the
-learner through logprobs (the tests do).
+Weights arrive in one call per sync, by transport (`VllmEngine`); each vLLM worker loads them with
+the model's own `load_weights` inside vLLM's layerwise in-place reload (`WeightSyncExtension`).
+The served model is what vLLM's `get_model()` returns (`served_model`): with CUDA graphs the model
+runner's `model` attribute is a wrapper, and a load through it is not sure to reach the model.
+vLLM's parameter names differ from the learner's (fused qkv / gate_up), so `checksums()` compares
+two engines; an engine and the learner are compared through logprobs (the tests do).
 """
 
 from __future__ import annotations
@@ -97,8 +50,8 @@ __all__ = ["VllmEngine", "WeightSyncExtension", "served_model", "vllm_request"]
 
 # vLLM caps a logit bias at +-100: exp(-100) is 0 in every float format, an exact ban.
 _BAN_BIAS = -100.0
-# How long an engine call's error may precede vLLM's mark that the engine died (measured on CPU:
-# 0.2 s after a worker process was killed).
+# How long an engine call's error may precede vLLM's mark that the engine died (a fraction of a
+# second on CPU: benchmarks/results/design_notes.md), with a wide margin.
 ENGINE_DEATH_GRACE_S = 3.0
 
 
@@ -158,7 +111,13 @@ def release_cached_memory(device: torch.device) -> None:
 class WeightSyncExtension:
     """Methods added to every vLLM worker (`worker_extension_cls`), called by `collective_rpc`.
 
-    `self` is the vLLM worker: `served_model(self)` is the served model, `self.rank` the
+    A worker loads buckets with the model's own `load_weights` (HF names in, vLLM's fused layout
+    out) inside vLLM's layerwise in-place reload (`pjray_begin_update` / `pjray_finish_update`),
+    which re-runs each layer's post-load processing (e.g. repacked CPU linear weights); a head
+    tied to the input embedding (Qwen3-VL-4B) is fed the embedding too, or its processed copy
+    would keep the old weights. After every load the worker returns its CUDA caching allocator's
+    free blocks (the buckets' copies) to the driver, so the KV cache that wakes next finds the
+    memory it had. `self` is the vLLM worker: `served_model(self)` is the served model, `self.rank` the
     worker's rank inside its engine, `self.device` its device. Arguments are plain types: plans
     and handles pickled (`pjray.sync.collective.dumps`), weights as raw bytes or shared-memory paths (an
     engine core in its own process decodes a tensor argument as a list).
@@ -312,7 +271,9 @@ def llm_kwargs(model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConf
         # The learner's image budget (`ModelConfig.image_budget`, `load_processor`), so
         # both sides resize an image to the same grid.
         size = processor.image_processor.size
-        kwargs["mm_processor_kwargs"] = {"size": {"shortest_edge": size.shortest_edge, "longest_edge": size.longest_edge}}
+        kwargs["mm_processor_kwargs"] = {
+            "size": {"shortest_edge": size.shortest_edge, "longest_edge": size.longest_edge}
+        }
         if sleep:
             # Every sleep clears the processor cache (its front-end half, and with it what the
             # engine core mirrors), so a sleeping engine gains nothing from it but its host
@@ -325,9 +286,24 @@ class VllmEngine:
     """Rollouts with `vllm.LLM` (GPU, or vLLM's CPU build).
 
     The engine lives inside a `RolloutWorker` actor, which holds rollout.tensor_parallel_size
-    GPUs (split mode) or a share of one learner GPU (colocated, with sleep mode). It serves LoRA
-    adapters (`load_adapter`) when `model_cfg.lora.sync` is "adapter" (the layout resolves auto
-    before it starts the workers).
+    GPUs (split mode) or a share of one learner GPU (colocated, with sleep mode). Compiled by
+    default on GPU (torch.compile, CUDA graphs), eager on CPU (`rollout.enforce_eager`); a load
+    copies into the tensors the graphs captured, so they serve the new weights.
+
+    Weights, one call per sync from the driver (trainer.sync_backend):
+    - object_store: `load_weights(plan, refs)`, one bucket at a time from the object store to
+      every vLLM worker; works for any layout (also brings one rebuilt worker up to date);
+    - shm: `load_shared(plan, paths)`: the workers map learner rank 0's shared-memory buffers;
+    - gloo / nccl: `init_weight_sync(...)` once, then `receive_weights(plan)`: every vLLM rank
+      receives all buckets by broadcast from learner rank 0 in one RPC (`pjray.sync`);
+    - ipc: `begin_ipc`, `load_ipc_bucket` per bucket, `finish_ipc`, called by the colocated
+      learner rank itself through two CUDA buffers every worker maps (`pjray.sync.ipc`);
+    - adapter (model.lora.sync=adapter, LoRA on with one slot): `load_adapter(update)`.
+    After every sync the encoder cache and the prefix cache (both of the old weights) are reset;
+    vLLM's multimodal processor cache (pixel values, grid sizes) is kept, except on colocated
+    engines, which run without it since every sleep clears it. Colocated engines sleep while the
+    learner trains (`sleep`): a sync wakes the weights alone and loads them, and the KV cache
+    wakes only at `wake_up`, after the learner has released its buffers and cached blocks.
     """
 
     def __init__(self, model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig) -> None:
@@ -339,7 +315,9 @@ class VllmEngine:
         self.processor = load_processor(model_path, model_cfg.image_budget)
         # The engine runs with generation_config="vllm" (sampling from RolloutConfig only), so the
         # checkpoint's EOS ids are read here and passed as stop tokens.
-        self.eos_ids: tuple[int, ...] = stop_token_ids(self.processor.tokenizer, checkpoint_eos_ids(model_path), model_path)
+        self.eos_ids: tuple[int, ...] = stop_token_ids(
+            self.processor.tokenizer, checkpoint_eos_ids(model_path), model_path
+        )
         self.banned_ids: tuple[int, ...] = placeholder_ids(self.processor)
         self.sleep_enabled = rollout_cfg.colocate
         self.sleep_level = rollout_cfg.sleep_level
@@ -447,7 +425,13 @@ class VllmEngine:
     def load_adapter(self, update: AdapterUpdate) -> None:
         """Adapter sync: serve the base weights with the learner's LoRA adapter `update`, under a
         new adapter id, from now on. The previous adapter leaves the engine (and its directory
-        the disk) first: the engine holds one adapter slot."""
+        the disk) first: the engine holds one adapter slot.
+
+        The adapter is written in PEFT's format to a fresh directory and served as a new
+        `LoRARequest`: a new id per sync, so vLLM never serves a cached older adapter under the
+        same id. The engine starts with LoRA on (`enable_lora`, one slot, `max_lora_rank` the
+        smallest vLLM offers at least model.lora.rank); the base weights stay those loaded at
+        start-up (with LoRA they never train)."""
         from vllm.lora.request import LoRARequest
 
         if not self.lora_enabled:
@@ -466,9 +450,7 @@ class VllmEngine:
 
     def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
         """Join the learner's broadcast group; returns the ranks of this engine's workers."""
-        return self.llm.collective_rpc(
-            "pjray_init_sync_group", args=(host, port, rank_offset, world_size, backend)
-        )
+        return self.llm.collective_rpc("pjray_init_sync_group", args=(host, port, rank_offset, world_size, backend))
 
     def receive_weights(self, plan: list[Bucket]) -> None:
         """Broadcast sync: every vLLM rank receives all buckets of `plan` in one RPC."""
@@ -551,8 +533,9 @@ class VllmEngine:
             shutil.rmtree(self.lora.lora_path, ignore_errors=True)
 
     def sleep(self) -> None:
-        """Release weights and KV cache (colocated engines); a no-op without sleep mode. At
-        rollout.sleep_level=2 the weights are discarded, at 1 kept in pinned host memory."""
+        """Release weights and KV cache (colocated engines, while the learner trains); a no-op
+        without sleep mode. At rollout.sleep_level=2 (the default) the weights are discarded, at 1
+        kept in pinned host memory: at 2 the sync that follows every sleep loads all of them."""
         if self.sleep_enabled and not self.sleeping:
             self.llm.sleep(level=self.sleep_level)
             self.sleeping = {"weights", "kv_cache"}

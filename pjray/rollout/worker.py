@@ -36,7 +36,9 @@ GPU_RELEASE_WAIT_S = 120.0  # how long a new worker waits for a dead engine's me
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def generate_with_pool(pool: WorkerPool | RankGroup, prompts: list[JudgePrompt], n: int, seed: int) -> Timed[list[Completion]]:
+def generate_with_pool(
+    pool: WorkerPool | RankGroup, prompts: list[JudgePrompt], n: int, seed: int
+) -> Timed[list[Completion]]:
     """n completions per prompt from a pool of `RolloutWorker`s (or the hybrid engine's learner
     ranks), one contiguous chunk of prompts per worker (worker w samples with seed
     `seed * 1000 + w`).
@@ -90,9 +92,7 @@ def submit_generation(pool: WorkerPool | RankGroup, prompts: list[JudgePrompt], 
     return PendingGeneration(chunks, pool.submit("generate_timed", calls))
 
 
-def wait_for_gpu_memory(
-    wanted: int, timeout_s: float, free: Callable[[], int], pause_s: float = 1.0
-) -> float:
+def wait_for_gpu_memory(wanted: int, timeout_s: float, free: Callable[[], int], pause_s: float = 1.0) -> float:
     """Wait until `free()` bytes of the GPU reach `wanted` (the share a vLLM engine will claim);
     returns the seconds waited. A worker rebuilt in the bundle of one whose engine died starts
     while the dead engine's processes may still hold the GPU; vLLM would fail its start-up
@@ -101,8 +101,12 @@ def wait_for_gpu_memory(
     start = time.monotonic()
     while free() < wanted:
         if time.monotonic() - start > timeout_s:
-            log.warning("the GPU still has %.1f GiB free of the %.1f GiB the engine wants after %.0fs",
-                        free() / 2**30, wanted / 2**30, timeout_s)  # fmt: skip
+            log.warning(
+                "the GPU still has %.1f GiB free of the %.1f GiB the engine wants after %.0fs",
+                free() / 2**30,
+                wanted / 2**30,
+                timeout_s,
+            )
             break
         time.sleep(pause_s)
     return time.monotonic() - start
@@ -154,7 +158,12 @@ class RolloutWorker:
     """
 
     def __init__(
-        self, model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, worker_index: int, num_threads: int = 0
+        self,
+        model_path: str,
+        model_cfg: ModelConfig,
+        rollout_cfg: RolloutConfig,
+        worker_index: int,
+        num_threads: int = 0,
     ) -> None:
         self.worker_index = worker_index
         if num_threads:
@@ -164,7 +173,9 @@ class RolloutWorker:
         if device == "cuda" and rollout_cfg.backend == "vllm" and not rollout_cfg.colocate:
             total = torch.cuda.get_device_properties(0).total_memory
             waited = wait_for_gpu_memory(
-                int(rollout_cfg.gpu_memory_utilization * total), GPU_RELEASE_WAIT_S, lambda: torch.cuda.mem_get_info(0)[0]
+                int(rollout_cfg.gpu_memory_utilization * total),
+                GPU_RELEASE_WAIT_S,
+                lambda: torch.cuda.mem_get_info(0)[0],
             )
             if waited > 1:
                 log.info("rollout worker %d: waited %.0fs for the GPU's memory to be released", worker_index, waited)

@@ -45,9 +45,7 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def plan_buckets(
-    named_shapes: list[tuple[str, torch.Size, torch.dtype]], bucket_bytes: int
-) -> list[Bucket]:
+def plan_buckets(named_shapes: list[tuple[str, torch.Size, torch.dtype]], bucket_bytes: int) -> list[Bucket]:
     """Group parameters, keeping their order, into buckets of at most `bucket_bytes`.
 
     A bucket holds one dtype, so a dtype change starts a new one. A parameter larger than
@@ -138,12 +136,9 @@ def unpack(bucket: Bucket, flat: Tensor) -> dict[str, Tensor]:
     """
     if flat.dim() != 1 or flat.numel() != bucket.numel or flat.dtype != bucket.dtype:
         raise ValueError(
-            f"unpack: buffer is {tuple(flat.shape)} {flat.dtype}, "
-            f"bucket expects ({bucket.numel},) {bucket.dtype}"
+            f"unpack: buffer is {tuple(flat.shape)} {flat.dtype}, bucket expects ({bucket.numel},) {bucket.dtype}"
         )
-    return {
-        e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in bucket.entries
-    }
+    return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in bucket.entries}
 
 
 def flat_bytes(flat: Tensor) -> bytes:

@@ -53,14 +53,22 @@ class WeightSyncGroup:
     """
 
     def __init__(
-        self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 600.0,
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float = 600.0,
         wait_s: float = 60.0,
     ) -> None:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"weight-sync backend must be gloo or nccl, got {backend!r}")
         timeout = timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.backend, self.wait_s = rank, world_size, backend, wait_s
-        self.where = where = f"weight-sync group ({backend}, rank {rank} of {world_size}, store {host}:{port}, timeout {timeout_s:g}s)"
+        self.where = where = (
+            f"weight-sync group ({backend}, rank {rank} of {world_size}, store {host}:{port}, timeout {timeout_s:g}s)"
+        )
         try:
             store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
             prefixed = dist.PrefixStore(_STORE_PREFIX, store)
@@ -152,9 +160,7 @@ def broadcast_buckets(
     return plan
 
 
-def receive_buckets(
-    group: WeightSyncGroup, plan: list[Bucket], load: Callable[[Bucket, Tensor], None]
-) -> None:
+def receive_buckets(group: WeightSyncGroup, plan: list[Bucket], load: Callable[[Bucket, Tensor], None]) -> None:
     """Receiver side: for each bucket of `plan`, receive its flat buffer and `load` it."""
     for bucket in plan:
         flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=group.device)

@@ -63,7 +63,9 @@ def stream_buckets(
         if in_slot[slot] is not None:
             receiver.wait(in_slot[slot])
         if bucket.nbytes > slots[slot].numel():
-            raise ValueError(f"stream_buckets: a {bucket.nbytes}-byte bucket does not fit a {slots[slot].numel()}-byte slot")
+            raise ValueError(
+                f"stream_buckets: a {bucket.nbytes}-byte bucket does not fit a {slots[slot].numel()}-byte slot"
+            )
         flat = pack(bucket, tensors, out=slot_view(slots[slot], bucket))
         if flat.is_cuda:
             torch.cuda.current_stream(flat.device).synchronize()  # written before another process reads it

@@ -1,10 +1,10 @@
-"""`WeightSender`: the learner's side of every weight transport, mixed into the learner rank."""
+"""`WeightSender`: the learner's side of every weight transport, a part the learner rank holds."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -47,31 +47,40 @@ class WorkerReceiver:
         self.get(self.worker.finish_ipc.remote())
 
 
-class WeightSender:
-    """The learner's side of weight sync, checksums included; mixed into `LearnerRank`.
+class TrainedWeights(Protocol):
+    """What the sender reads of the model a learner rank trains (`pjray.rl.policy.PolicyModel`)."""
 
-    The host class provides `engine` (the DeepSpeed engine, whose `module` is the HF model),
-    `rank`, `zero3` and `_ds` (the deepspeed module). Like the learner's other methods, each
-    one here is called on ALL learner ranks: ZeRO-3 gathers every bucket collectively.
-    Exported weights carry the names of a freshly loaded HF model's `named_parameters()`
-    (`model.visual...`, `lm_head.weight`): no DeepSpeed `module.` prefix.
-    """
-
-    engine: Any
+    engine: Any  # the DeepSpeed engine; its `module` is the HF model (or a PeftModel over it)
+    ds: Any  # the deepspeed module
     rank: int
     zero3: bool
-    _ds: Any
+
+
+class WeightSender:
+    """The learner's side of weight sync, checksums included; `LearnerRank` holds one and offers
+    its methods as the actor's.
+
+    Like the learner's other methods, each one here is called on ALL learner ranks: ZeRO-3
+    gathers every bucket collectively. Exported weights carry the names of a freshly loaded HF
+    model's `named_parameters()` (`model.visual...`, `lm_head.weight`): no DeepSpeed `module.`
+    prefix.
+    """
+
+    def __init__(self, model: TrainedWeights) -> None:
+        self.model = model
+        self._shared: SharedBuckets | None = None  # the shm transport's buffers (rank 0)
+        self._sync_group: WeightSyncGroup | None = None  # the broadcast group (rank 0)
 
     def _exported(self) -> list[ExportedParam]:
         # The engine's inner module is the HF model (or a PeftModel over it): the view names its
         # parameters as a plain HF model does, LoRA adapters merged.
-        return export_view(self.engine.module)
+        return export_view(self.model.engine.module)
 
     def weight_plan(self, bucket_bytes: int) -> list[Bucket]:
         """The bucket plan of the full weights (from parameter shapes; no gather)."""
         return _plan(self._exported(), bucket_bytes)
 
-    def _full_buckets(self, bucket_bytes: int) -> Iterator[tuple[Bucket, dict[str, Tensor]]]:
+    def full_buckets(self, bucket_bytes: int) -> Iterator[tuple[Bucket, dict[str, Tensor]]]:
         """(bucket, name -> full tensor) for every bucket; ALL ranks must iterate to the end.
 
         Under ZeRO-3 each bucket's parameters are all-gathered (a collective) for the duration
@@ -83,7 +92,9 @@ class WeightSender:
         for bucket in _plan(exported, bucket_bytes):
             params = [param for e in bucket.entries for param in by_name[e.name].params]
             gathered = (
-                self._ds.zero.GatheredParameters(params, modifier_rank=None) if self.zero3 else contextlib.nullcontext()
+                self.model.ds.zero.GatheredParameters(params, modifier_rank=None)
+                if self.model.zero3
+                else contextlib.nullcontext()
             )
             with gathered:
                 yield bucket, {e.name: by_name[e.name].value() for e in bucket.entries}
@@ -101,11 +112,11 @@ class WeightSender:
 
         plan: list[Bucket] = []
         refs: list[ray.ObjectRef] = []
-        for bucket, tensors in self._full_buckets(bucket_bytes):
-            if self.rank == 0:
+        for bucket, tensors in self.full_buckets(bucket_bytes):
+            if self.model.rank == 0:
                 plan.append(bucket)
                 refs.append(ray.put(pack(bucket, tensors).cpu()))
-        return (plan, refs) if self.rank == 0 else None
+        return (plan, refs) if self.model.rank == 0 else None
 
     # -- the adapter alone (LoRA) --------------------------------------------------------------
 
@@ -113,11 +124,15 @@ class WeightSender:
         """LoRA: the adapter alone (`pjray.sync.adapter.AdapterUpdate`: PEFT's config and state
         dict, on CPU) on rank 0, None on other ranks. Under ZeRO-3 the adapter's partitions are
         gathered for the copy (a collective: call on all ranks)."""
-        module = self.engine.module
+        module = self.model.engine.module
         adapters = [p for n, p in module.named_parameters() if ".lora_" in n]
-        gathered = self._ds.zero.GatheredParameters(adapters, modifier_rank=None) if self.zero3 else contextlib.nullcontext()
+        gathered = (
+            self.model.ds.zero.GatheredParameters(adapters, modifier_rank=None)
+            if self.model.zero3
+            else contextlib.nullcontext()
+        )
         with gathered:
-            return adapter_update(module) if self.rank == 0 else None
+            return adapter_update(module) if self.model.rank == 0 else None
 
     def export_adapter(self) -> tuple[ray.ObjectRef, int] | None:
         """model.lora.sync=adapter: `adapter()` put in the Ray object store once by rank 0, which
@@ -132,26 +147,19 @@ class WeightSender:
     def export_shared(self, bucket_bytes: int) -> tuple[list[Bucket], list[str]] | None:
         """Rank 0 writes the full weights into its shared-memory buffers in place
         (`SharedBuckets`) and returns (plan, their paths); other ranks return None."""
-        if self.rank != 0:
-            for _ in self._full_buckets(bucket_bytes):  # ZeRO-3 gathers are collective
+        if self.model.rank != 0:
+            for _ in self.full_buckets(bucket_bytes):  # ZeRO-3 gathers are collective
                 pass
             return None
-        if getattr(self, "_shared", None) is None:
+        if self._shared is None:
             self._shared = SharedBuckets()
-        return self._shared.write(self._full_buckets(bucket_bytes))
+        return self._shared.write(self.full_buckets(bucket_bytes))
 
     def close_shared(self) -> None:
         """Remove the shared-memory buffers (the trainer calls it before it stops the learners)."""
-        shared = getattr(self, "_shared", None)
-        if shared is not None:
-            shared.close()
+        if self._shared is not None:
+            self._shared.close()
             self._shared = None
-
-    def node_id(self) -> str:
-        """The Ray node this rank runs on."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
 
     # -- broadcast ----------------------------------------------------------------------------
 
@@ -165,18 +173,17 @@ class WeightSender:
     def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
         """Rank 0 joins (and hosts) the broadcast group with the engines; other ranks do nothing.
         The engines join concurrently (`RolloutWorker.init_weight_sync`)."""
-        old = getattr(self, "_sync_group", None)
-        if old is not None:
-            old.close()
-        self._sync_group = WeightSyncGroup(host, port, 0, world_size, backend) if self.rank == 0 else None
+        if self._sync_group is not None:
+            self._sync_group.close()
+        self._sync_group = WeightSyncGroup(host, port, 0, world_size, backend) if self.model.rank == 0 else None
 
     def broadcast_weights(self, bucket_bytes: int) -> list[Bucket]:
         """Send every bucket from rank 0 over the broadcast group; returns the plan sent. If the
         collective fails (an engine died), rank 0 leaves the group, so the other engines' receives
         fail at once instead of waiting out the timeout; the driver then forms a new one."""
-        group = getattr(self, "_sync_group", None)
+        group = self._sync_group
         try:
-            return broadcast_buckets(group, self._full_buckets(bucket_bytes))
+            return broadcast_buckets(group, self.full_buckets(bucket_bytes))
         except Exception:
             if group is not None:
                 group.close()
@@ -197,7 +204,7 @@ class WeightSender:
         plan = self.weight_plan(bucket_bytes)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         buffers = [torch.empty(max(b.nbytes for b in plan), dtype=torch.uint8, device=device) for _ in range(slots)]
-        buckets = self._full_buckets(bucket_bytes)
+        buckets = self.full_buckets(bucket_bytes)
         try:
             stream_buckets(buckets, buffers, WorkerReceiver(worker))
             return True
@@ -223,7 +230,7 @@ class WeightSender:
         apart show up as different dicts.
         """
         result: dict[str, str] = {}
-        for _, tensors in self._full_buckets(64 << 20):
-            if self.rank == 0 or on_all_ranks:
+        for _, tensors in self.full_buckets(64 << 20):
+            if self.model.rank == 0 or on_all_ranks:
                 result.update(state_checksums(tensors))
         return result

@@ -86,7 +86,10 @@ class ObjectStoreTransport(Transport):
 
 class SharedMemoryTransport(Transport):
     """Rank 0 writes the buckets in place into shared-memory buffers; the engines on its node copy
-    from them (`pjray.sync.shared`)."""
+    from them (`pjray.sync.shared`). What `auto` picks for HF engines on that node: the buffers
+    (files in /dev/shm mapped by both sides) are created once and reused at every sync, and each
+    engine maps them once, so a sync is one copy in and one copy out; nothing is serialised or
+    sent over a socket."""
 
     name = "shm"
 
@@ -103,8 +106,12 @@ class SharedMemoryTransport(Transport):
 
 
 class BroadcastTransport(Transport):
-    """A process group of learner rank 0 and every engine rank (`pjray.sync.collective`): one
-    broadcast per bucket. `gloo` on CPU tensors, `nccl` GPU to GPU."""
+    """A process group of learner rank 0 and every engine rank (`pjray.sync.collective`; world =
+    1 + engines x tensor_parallel_size, on its own TCP store so it never touches DeepSpeed's
+    default group): rank 0 packs each bucket and broadcasts the flat buffer, each vLLM rank
+    receives it into an empty buffer and loads it; one collective per bucket, one RPC per engine
+    per sync. `gloo` on CPU tensors, `nccl` GPU to GPU for engines on GPUs of their own (NCCL
+    refuses two ranks of one communicator on the same GPU)."""
 
     name = "gloo"
     # How long the members of a collective that lost one may take to fail out of it.
@@ -117,8 +124,10 @@ class BroadcastTransport(Transport):
         host, port = ray.get(learners[0].sync_address.remote())
         world = 1 + len(workers) * self.tensor_parallel_size
         joins = [r.init_weight_sync.remote(host, port, world, self.name) for r in learners]
-        joins += [w.init_weight_sync.remote(host, port, 1 + i * self.tensor_parallel_size, world, self.name)
-                  for i, w in enumerate(workers.actors)]  # fmt: skip
+        joins += [
+            w.init_weight_sync.remote(host, port, 1 + i * self.tensor_parallel_size, world, self.name)
+            for i, w in enumerate(workers.actors)
+        ]
         ray.get(joins)
         self.plan = ray.get(learners[0].weight_plan.remote(self.bucket_bytes))
 
@@ -168,7 +177,9 @@ class NcclTransport(BroadcastTransport):
 class CudaIpcTransport(Transport):
     """Colocated engines: learner rank i streams its weights to engine i, on the GPU they share,
     through two reused CUDA buffers (`WeightSender.stream_ipc`); an engine that died meanwhile is
-    rebuilt and brought up to date (`refresh`)."""
+    rebuilt and brought up to date (`refresh`). The learner packs bucket k+1 while the engine
+    loads bucket k; the cost is two buckets of GPU memory, freed (with the allocator's cached
+    blocks) before the engine wakes its KV cache."""
 
     name = "ipc"
 

@@ -1,8 +1,8 @@
 """Fixtures shared by the integration tests."""
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import ray

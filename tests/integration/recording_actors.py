@@ -57,7 +57,12 @@ class RecordingLearnerRank:
         plan = plan_buckets([(f"w{i}", torch.Size([4]), torch.float32) for i in range(3)], 16)
         buckets = ((bucket, {e.name: torch.ones(4) for e in bucket.entries}) for bucket in plan)
         try:
-            stream_buckets(buckets, [torch.empty(16, dtype=torch.uint8) for _ in range(2)], WorkerReceiver(worker), share=lambda slot: None)
+            stream_buckets(
+                buckets,
+                [torch.empty(16, dtype=torch.uint8) for _ in range(2)],
+                WorkerReceiver(worker),
+                share=lambda slot: None,
+            )
         except WORKER_FAILURES:
             return False
         return True

@@ -21,13 +21,23 @@ from pjray.signals import Interrupted
 pytestmark = pytest.mark.slow
 
 SPLIT = [
-    "model.init=tiny", "algo.prefilter_zero_std=false", "data.num_items=32", "data.image_size=64", "rollout.max_new_tokens=8",
-    "trainer.prompts_per_step=2", "algo.group_size=4", "learner.micro_batch_size=4",
-    "tracking.wandb=false", "trainer.export_hf=false", "rollout.backend=hf",
-    "rollout.num_threads=1", "learner.num_threads=1",
+    "model.init=tiny",
+    "algo.prefilter_zero_std=false",
+    "data.num_items=32",
+    "data.image_size=64",
+    "rollout.max_new_tokens=8",
+    "trainer.prompts_per_step=2",
+    "algo.group_size=4",
+    "learner.micro_batch_size=4",
+    "tracking.wandb=false",
+    "trainer.export_hf=false",
+    "rollout.backend=hf",
+    "rollout.num_threads=1",
+    "learner.num_threads=1",
     # A reward the random judge earns sometimes (a leading space), so groups differ and weights move.
-    "reward.function=learnable_rewards:starts_with_space", "learner.lr=1e-2",
-]  # fmt: skip
+    "reward.function=learnable_rewards:starts_with_space",
+    "learner.lr=1e-2",
+]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -47,8 +57,16 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def test_no_sample_older_than_max_staleness_is_trained_on(ray_local, tmp_path, slow_side):
     k = 2
     run_dir = tmp_path / "run"
-    cfg = load(overrides=[*SPLIT, *slow_side, f"trainer.run_dir={run_dir}", "trainer.steps=5",
-                          f"trainer.max_staleness={k}", "algo.rollout_is=token"])  # fmt: skip
+    cfg = load(
+        overrides=[
+            *SPLIT,
+            *slow_side,
+            f"trainer.run_dir={run_dir}",
+            "trainer.steps=5",
+            f"trainer.max_staleness={k}",
+            "algo.rollout_is=token",
+        ]
+    )
     train(cfg, training_inputs(cfg))
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
@@ -67,7 +85,7 @@ def test_no_sample_older_than_max_staleness_is_trained_on(ray_local, tmp_path, s
 
 
 def test_a_run_stopped_with_batches_in_flight_resumes_at_the_same_items(ray_local, tmp_path):
-    """"Exact" with batches in flight: the checkpoint of step t records the data position after
+    """ "Exact" with batches in flight: the checkpoint of step t records the data position after
     the items of step t, not after those the in-flight batches of steps t+1 .. t+k had taken; the
     resumed run takes those items again and generates them anew (with the checkpoint's weights,
     so their samples may differ from the lost ones). Every step trains on the same items as an

@@ -21,12 +21,24 @@ def test_a_corrupt_image_is_skipped_and_counted(ray_local, tmp_path):
     items[7] = dataclasses.replace(items[7], image=items[7].image[:60])  # a truncated PNG
     data = write_items(items, tmp_path / "train.parquet")
     run_dir = tmp_path / "run"
-    code = main([
-        "train", "model.init=tiny", "algo.prefilter_zero_std=false", "data.source=parquet", f"data.path={data}", "data.max_reject_fraction=0.1",
-        "rollout.max_new_tokens=8", "trainer.prompts_per_step=10", "algo.group_size=2",
-        "learner.micro_batch_size=4", "tracking.wandb=false", "trainer.export_hf=false", "trainer.steps=2",
-        f"trainer.run_dir={run_dir}",
-    ])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "model.init=tiny",
+            "algo.prefilter_zero_std=false",
+            "data.source=parquet",
+            f"data.path={data}",
+            "data.max_reject_fraction=0.1",
+            "rollout.max_new_tokens=8",
+            "trainer.prompts_per_step=10",
+            "algo.group_size=2",
+            "learner.micro_batch_size=4",
+            "tracking.wandb=false",
+            "trainer.export_hf=false",
+            "trainer.steps=2",
+            f"trainer.run_dir={run_dir}",
+        ]
+    )
     assert code == 0
     rejects = [json.loads(line) for line in (run_dir / DATA_REJECTS).read_text().splitlines()]
     assert rejects == [{"where": f"{data} row 7", "row_id": items[7].id, "reason": rejects[0]["reason"]}]

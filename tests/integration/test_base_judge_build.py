@@ -52,7 +52,9 @@ def test_build_is_cached_and_deterministic(built, tmp_path: Path, monkeypatch):
     report = json.loads((path.parent / "report.json").read_text())
     assert set(report["vision_cell_accuracy"]) == {"color", "shape", "size", "row", "col"}
     assert all(0.0 <= v <= 1.0 for v in report["vision_cell_accuracy"].values())
-    assert set(report["probe_accuracy"]) == {"color", "shape", "size", "location"} | {f"question:{k}" for k in SMALL.kinds}
+    assert set(report["probe_accuracy"]) == {"color", "shape", "size", "location"} | {
+        f"question:{k}" for k in SMALL.kinds
+    }
     assert set(report["batch_ranking"]) == {"greedy", "sampled"} and report["held_out_scenes"] == 16
 
     monkeypatch.setenv("PJRAY_CACHE", str(root))

@@ -36,8 +36,10 @@ def default_run(tmp_path_factory) -> tuple[Path, str]:
     run_dir = tmp_path_factory.mktemp("default") / "run"
     done = subprocess.run(
         [sys.executable, "-m", "pjray", "train", f"trainer.run_dir={run_dir}"],
-        capture_output=True, text=True, timeout=60 * 60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60 * 60,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return run_dir, done.stdout + done.stderr
 
@@ -69,8 +71,16 @@ def test_the_default_run_writes_the_format_from_step_1_learns_and_trains_the_tex
     assert 0 < len(left_out) < cfg["data"]["num_items"], len(left_out)
     assert f"(algo.prefilter_zero_std): {len(left_out)} (listed in" in out
     # A quiet start: none of the stack's INFO lines, progress bars or build notices.
-    noise = ("\tINFO ", "Started a local Ray instance", "Execution plan", "Loading weights", "Writing model shards",
-             "built successfully", "Setting accelerator to CPU", "Progress bars disabled")
+    noise = (
+        "\tINFO ",
+        "Started a local Ray instance",
+        "Execution plan",
+        "Loading weights",
+        "Writing model shards",
+        "built successfully",
+        "Setting accelerator to CPU",
+        "Progress bars disabled",
+    )
     assert not [line for line in out.splitlines() if any(n in line for n in noise)], out[:3000]
     # The held-out check: the same held-out tuples (held out by content), greedy, before and
     # after the run, on the original, swapped and blank images per question kind.
@@ -81,8 +91,14 @@ def test_the_default_run_writes_the_format_from_step_1_learns_and_trains_the_tex
     parts = {"pooled", "color", "size", "taught", "untaught", "color/taught", "color/untaught", "size/taught"}
     assert set(trained["looks"]) == parts, check
     # What GRPO taught: the untaught part, the taught one kept (the thresholds).
-    following = {judge: {p: check[judge]["looks"][p]["image_following"] for p in ("taught", "untaught")} for judge in ("base", "trained")}
-    assert following["trained"]["untaught"] >= 0.6 and following["trained"]["untaught"] >= following["base"]["untaught"] + 0.2, following
+    following = {
+        judge: {p: check[judge]["looks"][p]["image_following"] for p in ("taught", "untaught")}
+        for judge in ("base", "trained")
+    }
+    assert (
+        following["trained"]["untaught"] >= 0.6
+        and following["trained"]["untaught"] >= following["base"]["untaught"] + 0.2
+    ), following
     assert following["trained"]["taught"] >= following["base"]["taught"] - 0.1, following
     assert base["looks"]["pooled"]["forced"] is not None and trained["looks"]["pooled"]["forced"] is None
     assert f"held-out check ({check['tuples']} independent tuples held out by content" in out

@@ -33,8 +33,19 @@ def _report(out: Path) -> dict:
 
 def test_pair_bench_end_to_end_and_cache(judge, tmp_path, capsys):
     out = tmp_path / "pair"
-    args = ["eval", "--judge", judge, "--bench", "pair", "--data", str(FIXTURES / "mllm_judge" / "pair.jsonl"),
-            "--output-dir", str(out), "eval.seeds=[0,1]", *COMMON]  # fmt: skip
+    args = [
+        "eval",
+        "--judge",
+        judge,
+        "--bench",
+        "pair",
+        "--data",
+        str(FIXTURES / "mllm_judge" / "pair.jsonl"),
+        "--output-dir",
+        str(out),
+        "eval.seeds=[0,1]",
+        *COMMON,
+    ]
     assert main(args) == 0
     report = _report(out)
     assert report["outputs"] == 6 and report["cache_hits"] == 0
@@ -65,8 +76,25 @@ def test_vl_rewardbench_blind_twin_judge_vs_judge_and_rescoring(judge, tmp_path)
     data = write_vlrb(tmp_path / "vlrb")
     other = build_tiny_judge(tmp_path / "other_judge", seed=1)
     out = tmp_path / "vlrb_run"
-    assert main(["eval", "--judge", judge, "--bench", "vl_rewardbench", "--data", str(data), "--output-dir", str(out),
-                 "eval.blind=[mismatched]", f"eval.compare=[{other}]", *COMMON]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--judge",
+                judge,
+                "--bench",
+                "vl_rewardbench",
+                "--data",
+                str(data),
+                "--output-dir",
+                str(out),
+                "eval.blind=[mismatched]",
+                f"eval.compare=[{other}]",
+                *COMMON,
+            ]
+        )
+        == 0
+    )
     first = out / f"0_{Path(judge).stem}"
     report = _report(first)
     assert report["outputs"] == 8 and set(report["tables"]) == {"official_k1", "strict"}
@@ -77,20 +105,68 @@ def test_vl_rewardbench_blind_twin_judge_vs_judge_and_rescoring(judge, tmp_path)
     assert compare["judges"] == [judge, str(other)] and compare["paired"][0]["tests"][-1]["n"] == 8
 
     rescored = tmp_path / "rescored"
-    assert main(["eval", "--bench", "vl_rewardbench", "--data", str(data), "--output-dir", str(rescored),
-                 f"eval.outputs={first / 'outputs.jsonl'}", "eval.plots=false"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--bench",
+                "vl_rewardbench",
+                "--data",
+                str(data),
+                "--output-dir",
+                str(rescored),
+                f"eval.outputs={first / 'outputs.jsonl'}",
+                "eval.plots=false",
+            ]
+        )
+        == 0
+    )
     assert _report(rescored)["tables"] == report["tables"]
 
 
 def test_perceptual_bias_and_mm_judgebias_on_scenes(judge, tmp_path):
     out = tmp_path / "modes"
-    assert main(["eval", "--judge", judge, "--bench", "perceptual_bias", "--output-dir", str(out),
-                 "eval.num_items=3", "eval.image_size=64", *COMMON]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--judge",
+                judge,
+                "--bench",
+                "perceptual_bias",
+                "--output-dir",
+                str(out),
+                "eval.num_items=3",
+                "eval.image_size=64",
+                *COMMON,
+            ]
+        )
+        == 0
+    )
     report = _report(out)
-    assert report["outputs"] >= 9 and set(report["tables"]["perceptual_bias"]) >= {"error_rate", "mode_a_rate", "mode_b_rate"}
+    assert report["outputs"] >= 9 and set(report["tables"]["perceptual_bias"]) >= {
+        "error_rate",
+        "mode_a_rate",
+        "mode_b_rate",
+    }
     out = tmp_path / "mmjb"
-    assert main(["eval", "--judge", judge, "--bench", "mm_judgebias", "--output-dir", str(out),
-                 "eval.num_items=2", "eval.image_size=64", *COMMON]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                "--judge",
+                judge,
+                "--bench",
+                "mm_judgebias",
+                "--output-dir",
+                str(out),
+                "eval.num_items=2",
+                "eval.image_size=64",
+                *COMMON,
+            ]
+        )
+        == 0
+    )
     report = _report(out)
     assert report["outputs"] == 2 * 9 * 2
     assert "text_dominance" in report["tables"]["bias"] and (out / "bias_radar.png").exists()
@@ -109,14 +185,24 @@ def test_training_eval_through_a_rollout_pool(judge):
     from pjray.placement import Placement, RoleResources, WorkerPool
     from pjray.rollout.worker import RolloutWorker, generate_with_pool
 
-    cfg = load(overrides=["model.init=tiny", "eval.every_steps=1", "eval.train_num_items=2", "data.image_size=64",
-                          "rollout.max_new_tokens=8", "ray.num_cpus=2"])  # fmt: skip
+    cfg = load(
+        overrides=[
+            "model.init=tiny",
+            "eval.every_steps=1",
+            "eval.train_num_items=2",
+            "data.image_size=64",
+            "rollout.max_new_tokens=8",
+            "ray.num_cpus=2",
+        ]
+    )
     connect(cfg.ray)
     placement = Placement({"rollout": RoleResources(1, 0.5, 0.0)}, strategy="PACK")
     pool = WorkerPool(placement, "rollout", RolloutWorker, lambda i: (judge, cfg.model, cfg.rollout, i), max_retries=1)
     try:
         # What the trainer hands its evaluation hook: the rollout pool as a generate function.
-        metrics = training_eval(cfg, lambda prompts, seed: [c.text for c in generate_with_pool(pool, prompts, 1, seed).value], 3)
+        metrics = training_eval(
+            cfg, lambda prompts, seed: [c.text for c in generate_with_pool(pool, prompts, 1, seed).value], 3
+        )
     finally:
         pool.shutdown()
         placement.shutdown()
@@ -135,9 +221,18 @@ def test_looking_bench_on_the_shipped_base_judge(tmp_path):
     from pjray.recipes.base_judge import SHIPPED
 
     out = tmp_path / "looking"
-    args = ["eval", "--config", str(Path(__file__).parents[2] / "configs" / "eval_looking.yaml"), "--judge",
-            str(SHIPPED / "hf_model"), "--output-dir", str(out), "eval.num_items=24", "eval.num_cpus_per_worker=0.5",
-            "ray.num_cpus=2"]  # fmt: skip
+    args = [
+        "eval",
+        "--config",
+        str(Path(__file__).parents[2] / "configs" / "eval_looking.yaml"),
+        "--judge",
+        str(SHIPPED / "hf_model"),
+        "--output-dir",
+        str(out),
+        "eval.num_items=24",
+        "eval.num_cpus_per_worker=0.5",
+        "ray.num_cpus=2",
+    ]
     assert main(args) == 0
     report = _report(out)
     tables = report["tables"]

@@ -20,9 +20,15 @@ from pjray.ppjd.perturb import scene_items
 pytestmark = pytest.mark.slow
 
 TINY = [
-    "model.init=tiny", "algo.prefilter_zero_std=false", "rollout.max_new_tokens=8", "trainer.prompts_per_step=4", "algo.group_size=2",
-    "learner.micro_batch_size=4", "tracking.wandb=false", "trainer.export_hf=false",
-]  # fmt: skip
+    "model.init=tiny",
+    "algo.prefilter_zero_std=false",
+    "rollout.max_new_tokens=8",
+    "trainer.prompts_per_step=4",
+    "algo.group_size=2",
+    "learner.micro_batch_size=4",
+    "tracking.wandb=false",
+    "trainer.export_hf=false",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -42,8 +48,19 @@ def sampler_state(run_dir: Path, step: int) -> dict:
 
 def test_ppjd_round_trip_through_datasets(ray_local, tmp_path):
     out = tmp_path / "ppjd"
-    assert main(["ppjd", "ppjd.num_items=16", "ppjd.image_size=64", "ppjd.shard_size=8", "ppjd.license=apache-2.0",
-                 f"ppjd.output_dir={out}"]) == 0
+    assert (
+        main(
+            [
+                "ppjd",
+                "ppjd.num_items=16",
+                "ppjd.image_size=64",
+                "ppjd.shard_size=8",
+                "ppjd.license=apache-2.0",
+                f"ppjd.output_dir={out}",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     kept = manifest["counts"]["kept"]
     assert kept >= 12
@@ -55,8 +72,11 @@ def test_ppjd_round_trip_through_datasets(ray_local, tmp_path):
 
     card = DatasetCard.load(out / "README.md")
     assert card.data.license == "apache-2.0"
-    assert card.data.dataset_info["splits"][0] == {"name": "train", "num_examples": kept,
-                                                   "num_bytes": card.data.dataset_info["dataset_size"]}
+    assert card.data.dataset_info["splits"][0] == {
+        "name": "train",
+        "num_examples": kept,
+        "num_bytes": card.data.dataset_info["dataset_size"],
+    }
     counts = manifest["counts"]
     assert f"{counts['read']} rows read, {kept} kept, {counts['rejected']} rejected" in card.text
     for stage, e in manifest["stages"].items():
@@ -66,8 +86,10 @@ def test_ppjd_round_trip_through_datasets(ray_local, tmp_path):
     saved = tmp_path / "saved"
     rows.save_to_disk(saved)
     run_dir = tmp_path / "run"
-    assert main(["train", "data.source=hf", f"data.path={saved}", *TINY, "trainer.steps=2",
-                 f"trainer.run_dir={run_dir}"]) == 0
+    assert (
+        main(["train", "data.source=hf", f"data.path={saved}", *TINY, "trainer.steps=2", f"trainer.run_dir={run_dir}"])
+        == 0
+    )
     steps = metrics(run_dir)
     assert [m["step"] for m in steps] == [1, 2]
     assert steps[-1]["data/consumed"] == 8 and steps[-1]["data/rejected"] == 0
@@ -83,13 +105,31 @@ def test_a_renamed_pair_dataset_streams_and_resumes_at_its_position(ray_local, t
     lines = []
     for i, it in enumerate(items):
         (folder / "img" / f"{i}.png").write_bytes(it.image)
-        lines.append(json.dumps({"uid": it.id, "prompt": it.question, "picture": f"img/{i}.png" if i != 2 else "img/gone.png",
-                                 "chosen": it.candidates[it.order[0]], "rejected": it.candidates[it.order[-1]]}))
+        lines.append(
+            json.dumps(
+                {
+                    "uid": it.id,
+                    "prompt": it.question,
+                    "picture": f"img/{i}.png" if i != 2 else "img/gone.png",
+                    "chosen": it.candidates[it.order[0]],
+                    "rejected": it.candidates[it.order[-1]],
+                }
+            )
+        )
     (folder / "train.jsonl").write_text("\n".join(lines) + "\n")
     run_dir = tmp_path / "run"
-    common = ["data.source=hf", f"data.path={folder}", "data.streaming=true", "data.num_candidates=2",
-              "data.columns.id=uid", "data.columns.question=prompt", "data.columns.image=picture",
-              "data.max_reject_fraction=0.1", *TINY, f"trainer.run_dir={run_dir}"]  # fmt: skip
+    common = [
+        "data.source=hf",
+        f"data.path={folder}",
+        "data.streaming=true",
+        "data.num_candidates=2",
+        "data.columns.id=uid",
+        "data.columns.question=prompt",
+        "data.columns.image=picture",
+        "data.max_reject_fraction=0.1",
+        *TINY,
+        f"trainer.run_dir={run_dir}",
+    ]
     assert main(["train", *common, "trainer.steps=1"]) == 0
     first = sampler_state(run_dir, 1)
     # 4 prompts: rows 0..4, row 2 has no image.

@@ -10,8 +10,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import ray
@@ -25,10 +25,18 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 
 TINY = [
-    "model.init=tiny", "algo.prefilter_zero_std=false", "data.num_items=16", "data.image_size=64", "rollout.max_new_tokens=8",
-    "trainer.prompts_per_step=2", "algo.group_size=2", "learner.micro_batch_size=4",
-    "tracking.wandb=false", "trainer.export_hf=false", "ray.num_cpus=2",
-]  # fmt: skip
+    "model.init=tiny",
+    "algo.prefilter_zero_std=false",
+    "data.num_items=16",
+    "data.image_size=64",
+    "rollout.max_new_tokens=8",
+    "trainer.prompts_per_step=2",
+    "algo.group_size=2",
+    "learner.micro_batch_size=4",
+    "tracking.wandb=false",
+    "trainer.export_hf=false",
+    "ray.num_cpus=2",
+]
 
 # What an interrupt must never show.
 NOISE = ("Traceback", "discovered a bug", "StackTrace", "KeyboardInterrupt")
@@ -49,7 +57,9 @@ def last_pjray_line(out: str) -> str:
     return [line for line in out.strip().splitlines() if line.startswith("pjray:")][-1]
 
 
-def train_until(run_dir: Path, args: list[str], ready: Callable[[], bool], signum: int, command: str = "train") -> tuple[int, str]:
+def train_until(
+    run_dir: Path, args: list[str], ready: Callable[[], bool], signum: int, command: str = "train"
+) -> tuple[int, str]:
     """Run `pjray train` (or another `command`) in its own process group (as a terminal runs
     it), send `signum` once `ready()`, and return (exit code, output). SIGINT goes to the whole
     group, as Ctrl-C in a terminal sends it (the local Ray cluster's processes ignore it);
@@ -57,9 +67,14 @@ def train_until(run_dir: Path, args: list[str], ready: Callable[[], bool], signu
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pjray", command, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, env=env, cwd=run_dir.parent, start_new_session=True,
-    )  # fmt: skip
+        [sys.executable, "-m", "pjray", command, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=run_dir.parent,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
         if ready():
@@ -105,7 +120,9 @@ def test_ctrl_c_during_set_up_is_one_line(tmp_path):
     """Ctrl-C while the actors start (the tiny judge is built just before): one line, 130, and
     no actor dying on a failed check with a C++ stack dump as Ray goes down under it."""
     run_dir = tmp_path / "run"
-    code, out = train_until(run_dir, [*TINY, f"trainer.run_dir={run_dir}"], (run_dir / "base_model").exists, signal.SIGINT)
+    code, out = train_until(
+        run_dir, [*TINY, f"trainer.run_dir={run_dir}"], (run_dir / "base_model").exists, signal.SIGINT
+    )
     assert code == 130, out[-3000:]
     assert last_pjray_line(out) == "pjray: interrupted (SIGINT)"
     assert not [n for n in NOISE if n in out], out[-3000:]
@@ -129,11 +146,21 @@ def test_an_error_in_an_actor_constructor_is_its_own_line(ray_local, tmp_path, c
     judge = tmp_path / "judge"
     judge.mkdir()
     (judge / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    code = main(["eval", "--judge", str(judge), "--bench", "perceptual_bias", "--output-dir", str(tmp_path / "out"),
-                 "eval.num_items=2", "eval.image=none"])  # fmt: skip
+    code = main(
+        [
+            "eval",
+            "--judge",
+            str(judge),
+            "--bench",
+            "perceptual_bias",
+            "--output-dir",
+            str(tmp_path / "out"),
+            "eval.num_items=2",
+            "eval.image=none",
+        ]
+    )
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and last.startswith(f"pjray: bad model: {judge}: cannot load the model: "), last
-
 
 
 def test_an_interrupted_sweep_resumes_without_rerunning_a_finished_trial(tmp_path):
@@ -141,8 +168,18 @@ def test_an_interrupted_sweep_resumes_without_rerunning_a_finished_trial(tmp_pat
     and saves the experiment, the command exits 130 saying how to resume; the same command again
     restores the experiment and runs only the unfinished trial."""
     sweep_dir = tmp_path / "sweep"
-    args = ["--name", "resumable", "--sweep-dir", str(sweep_dir), "--max-concurrent", "1",
-            *TINY, "trainer.steps=2", "--grid", "trainer.seed=0,1"]  # fmt: skip
+    args = [
+        "--name",
+        "resumable",
+        "--sweep-dir",
+        str(sweep_dir),
+        "--max-concurrent",
+        "1",
+        *TINY,
+        "trainer.steps=2",
+        "--grid",
+        "trainer.seed=0,1",
+    ]
     records = [sweep_dir / f"seed-{i}" / "sweep_trial.json" for i in (0, 1)]
 
     code, out = train_until(sweep_dir, args, lambda: any(r.exists() for r in records), signal.SIGINT, command="sweep")

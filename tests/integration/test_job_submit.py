@@ -32,7 +32,8 @@ TESTS_DIR = Path(__file__).resolve().parent
 BIN = Path(sys.executable).parent  # the environment's `ray` and `pjray` scripts
 
 TRAIN = [
-    "model.init=tiny", "algo.prefilter_zero_std=false",
+    "model.init=tiny",
+    "algo.prefilter_zero_std=false",
     "data.num_items=16",
     "data.image_size=64",
     "rollout.max_new_tokens=8",
@@ -113,10 +114,20 @@ def local_cluster(head_resources: dict[str, float] | None = None, worker_resourc
     # Every port with a fixed default is chosen here, so a second cluster on the machine
     # (another test run, another user) cannot collide with this one.
     command = [
-        str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", "--num-gpus=0",
-        f"--port={gcs}", f"--dashboard-port={dashboard}", "--dashboard-host=127.0.0.1",
-        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={head_agent}",
-        f"--temp-dir={temp_dir}", "--include-dashboard=true", "--disable-usage-stats",
+        str(BIN / "ray"),
+        "start",
+        "--head",
+        "--block",
+        "--num-cpus=2",
+        "--num-gpus=0",
+        f"--port={gcs}",
+        f"--dashboard-port={dashboard}",
+        "--dashboard-host=127.0.0.1",
+        f"--ray-client-server-port={client}",
+        f"--dashboard-agent-listen-port={head_agent}",
+        f"--temp-dir={temp_dir}",
+        "--include-dashboard=true",
+        "--disable-usage-stats",
     ]
     if head_resources:
         command.append(f"--resources={json.dumps(head_resources)}")
@@ -124,20 +135,33 @@ def local_cluster(head_resources: dict[str, float] | None = None, worker_resourc
     logs = []
     try:
         logs.append(open(Path(temp_dir) / "head.log", "w"))
-        sessions.append(subprocess.Popen(command, env=ray_env(), stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+        sessions.append(
+            subprocess.Popen(command, env=ray_env(), stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True)
+        )
         address = f"http://127.0.0.1:{dashboard}"
         wait_for_jobs_api(address, sessions[0], Path(temp_dir) / "head.log")
         if worker_resources is not None:
             worker = [
-                str(BIN / "ray"), "start", "--block", f"--address=127.0.0.1:{gcs}", "--num-cpus=2", "--num-gpus=0",
-                f"--resources={json.dumps(worker_resources)}", f"--dashboard-agent-listen-port={worker_agent}",
+                str(BIN / "ray"),
+                "start",
+                "--block",
+                f"--address=127.0.0.1:{gcs}",
+                "--num-cpus=2",
+                "--num-gpus=0",
+                f"--resources={json.dumps(worker_resources)}",
+                f"--dashboard-agent-listen-port={worker_agent}",
                 # A temp dir of its own, as a second machine has: in a shared one the worker node
                 # would delete the job's unpacked working dir (the head's driver's cwd) when its
                 # actors end.
-                f"--temp-dir={Path(temp_dir) / 'w'}", "--disable-usage-stats",
-            ]  # fmt: skip
+                f"--temp-dir={Path(temp_dir) / 'w'}",
+                "--disable-usage-stats",
+            ]
             logs.append(open(Path(temp_dir) / "worker.log", "w"))
-            sessions.append(subprocess.Popen(worker, env=ray_env(), stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
+            sessions.append(
+                subprocess.Popen(
+                    worker, env=ray_env(), stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
         yield address
     finally:
         for session in reversed(sessions):
@@ -154,7 +178,10 @@ def wait_for_jobs_api(address: str, head: subprocess.Popen, log: Path, timeout: 
             raise RuntimeError(f"ray start exited with {head.returncode}:\n{log.read_text()[-3000:]}")
         probe = subprocess.run(
             [str(BIN / "ray"), "job", "list", "--address", address],
-            env=ray_env(), capture_output=True, text=True, timeout=60,
+            env=ray_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         if probe.returncode == 0:
             return
@@ -175,15 +202,18 @@ def stop_session(head: subprocess.Popen) -> None:
         pass
 
 
-def submit(address: str, working_dir: Path, entrypoint: list[str], runtime_env: Path | None = None,
-           timeout: float = 240.0) -> subprocess.CompletedProcess:
+def submit(
+    address: str, working_dir: Path, entrypoint: list[str], runtime_env: Path | None = None, timeout: float = 240.0
+) -> subprocess.CompletedProcess:
     command = [str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(working_dir)]
     if runtime_env is not None:
         command += ["--runtime-env", str(runtime_env)]
     result = subprocess.run(
         command + ["--", *entrypoint], env=ray_env(), capture_output=True, text=True, timeout=timeout
     )
-    assert result.returncode == 0, f"ray job submit failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, (
+        f"ray job submit failed ({result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    )
     return result
 
 
@@ -199,7 +229,8 @@ def working_dir(tmp_path):
 def test_submit_train_job(cluster, working_dir, tmp_path):
     run_dir = tmp_path / "train_run"
     result = submit(
-        cluster, working_dir,
+        cluster,
+        working_dir,
         ["pjray", "train", "--config", "configs/demo.yaml", *TRAIN, f"trainer.run_dir={run_dir}"],
         # The shipped runtime env: its variables overlap pjray's actor defaults, which must yield.
         runtime_env=REPO / "clusters" / "runtime_env.yaml",
@@ -215,7 +246,8 @@ def test_submit_train_job(cluster, working_dir, tmp_path):
 def test_submit_ppjd_job(cluster, working_dir, tmp_path):
     out = tmp_path / "ppjd_out"
     result = submit(
-        cluster, working_dir,
+        cluster,
+        working_dir,
         ["pjray", "ppjd", "--config", "configs/ppjd_scenes.yaml", *PPJD, f"ppjd.output_dir={out}"],
     )
     assert "succeeded" in result.stdout
@@ -235,23 +267,45 @@ def test_a_sweep_job_runs_trials_at_once_on_tune_and_reports_the_one_that_failed
     from ray.util.state import list_actors, list_placement_groups, list_tasks
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # for the state API client here
-    shutil.copy(TESTS_DIR / "learnable_rewards.py", working_dir / "learnable_rewards.py")  # imported by the reward workers
+    shutil.copy(
+        TESTS_DIR / "learnable_rewards.py", working_dir / "learnable_rewards.py"
+    )  # imported by the reward workers
     sweep_dir = tmp_path / "sweep"
     with local_cluster(worker_resources={}) as address:
         command = [
-            str(BIN / "ray"), "job", "submit", "--address", address, "--working-dir", str(working_dir), "--",
-            "pjray", "sweep", "--config", "configs/demo.yaml", "--name", "tuned", "--sweep-dir", str(sweep_dir),
-            *TRAIN, "trainer.export_hf=false",
-            "--grid", "reward.function=learnable_rewards:starts_with_space,learnable_rewards:broken",
-        ]  # fmt: skip
+            str(BIN / "ray"),
+            "job",
+            "submit",
+            "--address",
+            address,
+            "--working-dir",
+            str(working_dir),
+            "--",
+            "pjray",
+            "sweep",
+            "--config",
+            "configs/demo.yaml",
+            "--name",
+            "tuned",
+            "--sweep-dir",
+            str(sweep_dir),
+            *TRAIN,
+            "trainer.export_hf=false",
+            "--grid",
+            "reward.function=learnable_rewards:starts_with_space,learnable_rewards:broken",
+        ]
         result = subprocess.run(command, env=ray_env(), capture_output=True, text=True, timeout=420)
         out = result.stdout + result.stderr
-        learners = list_actors(address=address, filters=[("class_name", "=", "LearnerRank")], detail=True, raise_on_missing_output=False)
+        learners = list_actors(
+            address=address, filters=[("class_name", "=", "LearnerRank")], detail=True, raise_on_missing_output=False
+        )
         groups = list_placement_groups(address=address, detail=True, raise_on_missing_output=False)
         learner_tasks = list_tasks(address=address, detail=True, raise_on_missing_output=False, limit=10_000)
         learner_tasks = [t for t in learner_tasks if t.func_or_class_name.startswith("LearnerRank")]
     assert result.returncode != 0, out[-4000:]
-    assert "trial function-learnable_rewards_broken failed: RuntimeError: this reward is made to fail" in out, out[-4000:]
+    assert "trial function-learnable_rewards_broken failed: RuntimeError: this reward is made to fail" in out, out[
+        -4000:
+    ]
     results = {r["trial"]: r for r in json.loads((sweep_dir / "results.json").read_text())["results"]}
     ok, failed = results["function-learnable_rewards_starts_with_space"], results["function-learnable_rewards_broken"]
     assert (ok["status"], ok["steps"]) == ("ok", 2)
@@ -269,8 +323,11 @@ def test_a_sweep_job_runs_trials_at_once_on_tune_and_reports_the_one_that_failed
     assert max(first for first, _ in spans.values()) < min(last for _, last in spans.values()), spans
     # Each trial's placement group held a driver bundle and its training's (learner 0.5 CPU,
     # reward worker 0.25), and each training's learner rank ran inside its trial's group.
-    trial_groups = {g.placement_group_id: g for g in groups if [b["unit_resources"] for b in g.bundles] == [
-        {"CPU": 0.1}, {"CPU": 0.5}, {"CPU": 0.25}]}
+    trial_groups = {
+        g.placement_group_id: g
+        for g in groups
+        if [b["unit_resources"] for b in g.bundles] == [{"CPU": 0.1}, {"CPU": 0.5}, {"CPU": 0.25}]
+    }
     assert len(trial_groups) == 2, groups
     assert len(learners) == 2 and {a.placement_group_id for a in learners} == set(trial_groups), learners
 
@@ -285,14 +342,26 @@ def test_learner_and_rollout_on_two_nodes(working_dir, tmp_path):
     run_dir = tmp_path / "two_nodes"
     with local_cluster(head_resources={"pjray_learner": 1}, worker_resources={"pjray_rollout": 1}) as address:
         result = submit(
-            address, working_dir,
-            ["pjray", "train", "--config", "configs/demo.yaml", *TRAIN, "rollout.backend=hf",
-             "learner.resources.pjray_learner=1", "rollout.resources.pjray_rollout=1",
-             f"trainer.run_dir={run_dir}"],
+            address,
+            working_dir,
+            [
+                "pjray",
+                "train",
+                "--config",
+                "configs/demo.yaml",
+                *TRAIN,
+                "rollout.backend=hf",
+                "learner.resources.pjray_learner=1",
+                "rollout.resources.pjray_rollout=1",
+                f"trainer.run_dir={run_dir}",
+            ],
             timeout=420.0,
-        )  # fmt: skip
+        )
     out = result.stdout + result.stderr
-    chosen = re.search(r"weight sync: (\w+) \(trainer.sync_backend=auto; learner rank 0 on node (\w+), rollout workers on \['(\w+)'\]\)", out)
+    chosen = re.search(
+        r"weight sync: (\w+) \(trainer.sync_backend=auto; learner rank 0 on node (\w+), rollout workers on \['(\w+)'\]\)",
+        out,
+    )
     assert chosen, out[-3000:]
     backend, learner_node, rollout_node = chosen.groups()
     assert backend == "object_store" and learner_node != rollout_node

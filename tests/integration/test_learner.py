@@ -117,9 +117,17 @@ def _configs(zero_stage: int = 2, micro_batch_size: int = 2, kl_coef: float = 0.
 def _direct_rank(judge_dir: str, grad_accum_steps: int, micro_batch_size: int, **kw) -> LearnerRank:
     model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=micro_batch_size, **kw)
     return LearnerRank(
-        model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=free_address()[1], total_steps=10, grad_accum_steps=grad_accum_steps,
-    )  # fmt: skip
+        model_cfg,
+        learner_cfg,
+        algo_cfg,
+        judge_dir,
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_address()[1],
+        total_steps=10,
+        grad_accum_steps=grad_accum_steps,
+    )
 
 
 def _counts(experiences: list[Experience]) -> tuple[float, float]:
@@ -128,7 +136,7 @@ def _counts(experiences: list[Experience]) -> tuple[float, float]:
 
 
 def _weights(rank: LearnerRank) -> dict[str, torch.Tensor]:
-    return {n: p.detach().to("cpu", copy=True) for n, p in rank.engine.module.named_parameters()}
+    return {n: p.detach().to("cpu", copy=True) for n, p in rank.policy.engine.module.named_parameters()}
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -228,7 +236,9 @@ def test_only_the_response_positions_are_projected(judge_dir: str) -> None:
     hook = model.lm_head.register_forward_hook(lambda module, args, out: projected.append(out.shape[-2]))
     try:
         with torch.no_grad():
-            logp, stats = forward_logprobs(model, processor, batch, temperature=0.7, shared_prefix=False, chunk_tokens=4)
+            logp, stats = forward_logprobs(
+                model, processor, batch, temperature=0.7, shared_prefix=False, chunk_tokens=4
+            )
     finally:
         hook.remove()
     with torch.no_grad():
@@ -295,9 +305,13 @@ def test_a_shared_prompt_is_forwarded_once_with_the_same_logprobs_and_gradients(
     assert tokens0 == B * T
     assert tokens1 == len(heads) * int(batch.prompt_lens[heads].max()) + B * R < tokens0
     # perf/padding_fraction counts what was forwarded.
-    assert forwarded_positions(batch, shared=False)[1] == tokens0 and forwarded_positions(batch, shared=True)[1] == tokens1
+    assert (
+        forwarded_positions(batch, shared=False)[1] == tokens0 and forwarded_positions(batch, shared=True)[1] == tokens1
+    )
     padding, total = forwarded_positions(batch, shared=True)
-    assert 0 < padding < total and total - padding == int(batch.prompt_lens[heads].sum()) + int(batch.attention_mask.sum() - batch.prompt_lens.sum())
+    assert 0 < padding < total and total - padding == int(batch.prompt_lens[heads].sum()) + int(
+        batch.attention_mask.sum() - batch.prompt_lens.sum()
+    )
 
 
 @pytest.mark.parametrize(("zero_stage", "checkpointing"), [(2, False), (3, False), (2, True)])
@@ -316,9 +330,18 @@ def test_a_step_with_shared_prompts_equals_one_without(
         learner_cfg = dataclasses.replace(learner_cfg, shared_prefix=shared)
         overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero_stage == 3 else None
         rank = LearnerRank(
-            model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-            master_port=free_address()[1], total_steps=10, grad_accum_steps=2, ds_config_overrides=overrides,
-        )  # fmt: skip
+            model_cfg,
+            learner_cfg,
+            algo_cfg,
+            judge_dir,
+            rank=0,
+            world_size=1,
+            master_addr="127.0.0.1",
+            master_port=free_address()[1],
+            total_steps=10,
+            grad_accum_steps=2,
+            ds_config_overrides=overrides,
+        )
         try:
             logprobs = rank.compute_logprobs(exps)
             metrics = rank.train_step(exps, *_counts(exps))
@@ -363,7 +386,7 @@ def test_step_follows_advantage_sign(judge_dir: str, rank_env: None) -> None:
     assert metrics["actor/lr"] == pytest.approx(LR)
     assert metrics["actor/ppo_kl"] == 0 and metrics["actor/pg_clipfrac"] == 0  # on-policy: ratio 1
     assert metrics["actor/grad_norm"] > 0 and 0 < metrics["actor/entropy"] < 7
-    masks = [collate(rank.processor, part).attention_mask for part in (exps[:4], exps[4:])]
+    masks = [collate(rank.policy.processor, part).attention_mask for part in (exps[:4], exps[4:])]
     padding = sum(int((m == 0).sum()) for m in masks) / sum(m.numel() for m in masks)
     assert padding > 0 and metrics["perf/padding_fraction"] == pytest.approx(padding)
 
@@ -417,9 +440,17 @@ def test_other_stages_precisions_and_checkpointing(
     )
     learner_cfg = dataclasses.replace(learner_cfg, bf16=bf16)
     rank = LearnerRank(
-        model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=free_address()[1], total_steps=10, grad_accum_steps=2,
-    )  # fmt: skip
+        model_cfg,
+        learner_cfg,
+        algo_cfg,
+        judge_dir,
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_address()[1],
+        total_steps=10,
+        grad_accum_steps=2,
+    )
     try:
         metrics = rank.train_step(exps, *_counts(exps))
         rank.save_hf(str(tmp_path / "hf"))
@@ -454,12 +485,20 @@ def test_token_budget_and_packed_steps_equal_fixed_micro_batches(judge_dir: str,
         model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=4)
         learner_cfg = dataclasses.replace(learner_cfg, micro_batch_tokens=tokens, packing=packing, shared_prefix=False)
         rank = LearnerRank(
-            model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-            master_port=free_address()[1], total_steps=10, grad_accum_steps=2,
-        )  # fmt: skip
+            model_cfg,
+            learner_cfg,
+            algo_cfg,
+            judge_dir,
+            rank=0,
+            world_size=1,
+            master_addr="127.0.0.1",
+            master_port=free_address()[1],
+            total_steps=10,
+            grad_accum_steps=2,
+        )
         try:
             metrics = [rank.train_step(s, *_counts(s)) for s in shards]
-            results.append((metrics, _weights(rank), rank.engine.global_steps))
+            results.append((metrics, _weights(rank), rank.policy.engine.global_steps))
         finally:
             rank.shutdown()
     (fixed, fixed_weights, fixed_steps), *budgeted = results
@@ -547,13 +586,13 @@ def test_a_tied_judge_trains_syncs_and_exports_tied(arch: str, rank_env: None, t
     exps = _experiences(4, seed=7)
     rank = _direct_rank(path, grad_accum_steps=2, micro_batch_size=2)
     try:
-        module = rank.engine.module
+        module = rank.policy.engine.module
         assert module.get_output_embeddings().weight is module.get_input_embeddings().weight
         before = module.get_input_embeddings().weight.detach().clone()
         rank.train_step(exps, *_counts(exps))
         assert module.get_output_embeddings().weight is module.get_input_embeddings().weight
         assert not torch.equal(module.get_input_embeddings().weight.detach(), before)  # the tied tensor trained
-        buckets = list(rank._full_buckets(64 << 10))
+        buckets = list(rank.weights.full_buckets(64 << 10))
         plan = [b for b, _ in buckets]
         names = [e.name for b in plan for e in b.entries]
         assert "lm_head.weight" not in names and sum("embed_tokens" in n for n in names) == 1, names
@@ -584,9 +623,17 @@ def test_lr_schedule_advances_once_per_optimizer_step(judge_dir: str, rank_env: 
     model_cfg, learner_cfg, algo_cfg = _configs()
     learner_cfg = dataclasses.replace(learner_cfg, warmup_steps=4)
     rank = LearnerRank(
-        model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=free_address()[1], total_steps=10, grad_accum_steps=3,
-    )  # fmt: skip
+        model_cfg,
+        learner_cfg,
+        algo_cfg,
+        judge_dir,
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_address()[1],
+        total_steps=10,
+        grad_accum_steps=3,
+    )
     try:
         exps = _experiences(6)
         lrs = [rank.train_step(exps, *_counts(exps))["actor/lr"] for _ in range(3)]
@@ -613,8 +660,11 @@ def _sharpen(path: Path) -> None:
     """Scale every matrix of a saved tiny judge by 10: its logits then spread over several nats,
     so scoring them at the wrong temperature is far off (a random judge is nearly uniform)."""
     weights = load_file(path / "model.safetensors")
-    save_file({k: v * 10 if v.dim() >= 2 else v for k, v in weights.items()}, path / "model.safetensors",
-              metadata={"format": "pt"})  # fmt: skip
+    save_file(
+        {k: v * 10 if v.dim() >= 2 else v for k, v in weights.items()},
+        path / "model.safetensors",
+        metadata={"format": "pt"},
+    )
 
 
 def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, rank_env: None) -> None:
@@ -626,29 +676,56 @@ def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, ra
     _sharpen(judge)
     engine = HFEngine(str(judge), ModelConfig(), RolloutConfig(max_new_tokens=8, temperature=0.7), device=str(DEVICE))
     prompts = [
-        JudgePrompt(item_id=str(i), system="Judge.", user=user, image=image, protocol="batch", style="ranking",
-                    num_candidates=3, shown=(0, 1, 2), target="ABC")  # fmt: skip
-        for i, (user, image) in enumerate([("Rank the answers A, B and C.", noisy_png(84, 56, 3)), ("No image here.", None)])
+        JudgePrompt(
+            item_id=str(i),
+            system="Judge.",
+            user=user,
+            image=image,
+            protocol="batch",
+            style="ranking",
+            num_candidates=3,
+            shown=(0, 1, 2),
+            target="ABC",
+        )
+        for i, (user, image) in enumerate(
+            [("Rank the answers A, B and C.", noisy_png(84, 56, 3)), ("No image here.", None)]
+        )
     ]
     completions = engine.generate(prompts, n=3, seed=0)
     exps = [
-        Experience(prompt_text=render_chat(engine.processor, prompts[c.prompt_index]), image=prompts[c.prompt_index].image,
-                   response_ids=c.token_ids, advantage=(-1.0) ** c.sample_index, rollout_logprobs=c.logprobs)  # fmt: skip
+        Experience(
+            prompt_text=render_chat(engine.processor, prompts[c.prompt_index]),
+            image=prompts[c.prompt_index].image,
+            response_ids=c.token_ids,
+            advantage=(-1.0) ** c.sample_index,
+            rollout_logprobs=c.logprobs,
+        )
         for c in completions
     ]
     model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=3, kl_coef=0.01, rollout_is="token")  # an engine apart
     rank = LearnerRank(
-        model_cfg, learner_cfg, algo_cfg, str(judge), rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=free_address()[1], total_steps=10, grad_accum_steps=2, temperature=0.7,
-    )  # fmt: skip
+        model_cfg,
+        learner_cfg,
+        algo_cfg,
+        str(judge),
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_address()[1],
+        total_steps=10,
+        grad_accum_steps=2,
+        temperature=0.7,
+    )
     try:
         policy = rank.compute_logprobs(exps)
         ref = rank.compute_logprobs(exps, "ref")
-        batch = collate(rank.processor, exps)
+        batch = collate(rank.policy.processor, exps)
         mask = batch.response_mask[:, 1:].bool()
         with torch.no_grad():
-            raw, _ = forward_logprobs(rank.engine, rank.processor, batch, DEVICE, temperature=1.0)
-            _, scaled = forward_logprobs(rank.engine, rank.processor, batch, DEVICE, temperature=0.7, banned=rank.banned)
+            raw, _ = forward_logprobs(rank.policy.engine, rank.policy.processor, batch, DEVICE, temperature=1.0)
+            _, scaled = forward_logprobs(
+                rank.policy.engine, rank.policy.processor, batch, DEVICE, temperature=0.7, banned=rank.policy.banned
+            )
             entropy = float(scaled.entropy.mean())
         exps = [dataclasses.replace(e, ref_logprobs=r) for e, r in zip(exps, ref)]
         metrics = rank.train_step(exps, *_counts(exps))
@@ -657,9 +734,14 @@ def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, ra
     for c, lp, rp in zip(completions, policy, ref):
         torch.testing.assert_close(torch.tensor(lp), torch.tensor(c.logprobs), atol=1e-4, rtol=0)
         torch.testing.assert_close(torch.tensor(rp), torch.tensor(c.logprobs), atol=1e-4, rtol=0)
-    raw_diff = max(float((raw[i].cpu()[mask[i]] - torch.tensor(c.logprobs)).abs().max()) for i, c in enumerate(completions))
+    raw_diff = max(
+        float((raw[i].cpu()[mask[i]] - torch.tensor(c.logprobs)).abs().max()) for i, c in enumerate(completions)
+    )
     assert raw_diff > 0.1, raw_diff
-    assert metrics["rollout/logprob_diff_max"] < 1e-4 and metrics["rollout/logprob_diff_mean"] <= metrics["rollout/logprob_diff_max"]
+    assert (
+        metrics["rollout/logprob_diff_max"] < 1e-4
+        and metrics["rollout/logprob_diff_mean"] <= metrics["rollout/logprob_diff_max"]
+    )
     assert metrics["actor/entropy"] == pytest.approx(entropy, rel=1e-4)
 
 
@@ -671,28 +753,60 @@ def test_rollout_correction_weighs_the_engines_samples_and_gspo_trains(tmp_path:
     whose engine log-probs are off dropped, the others trained."""
     judge = build_tiny_judge(tmp_path / "judge", seed=0)
     engine = HFEngine(str(judge), ModelConfig(), RolloutConfig(max_new_tokens=8), device=str(DEVICE))
-    prompts = [JudgePrompt(item_id="0", system="Judge.", user="Rank the answers A, B and C.", image=noisy_png(84, 56, 3),
-                           protocol="batch", style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC")]  # fmt: skip
+    prompts = [
+        JudgePrompt(
+            item_id="0",
+            system="Judge.",
+            user="Rank the answers A, B and C.",
+            image=noisy_png(84, 56, 3),
+            protocol="batch",
+            style="ranking",
+            num_candidates=3,
+            shown=(0, 1, 2),
+            target="ABC",
+        )
+    ]
     completions = engine.generate(prompts, n=4, seed=0)
     exps = [
-        Experience(prompt_text=render_chat(engine.processor, prompts[0]), image=prompts[0].image,
-                   response_ids=c.token_ids, advantage=(-1.0) ** c.sample_index)  # fmt: skip
+        Experience(
+            prompt_text=render_chat(engine.processor, prompts[0]),
+            image=prompts[0].image,
+            response_ids=c.token_ids,
+            advantage=(-1.0) ** c.sample_index,
+        )
         for c in completions
     ]
     model_cfg, learner_cfg, _ = _configs(micro_batch_size=2)
     algo_cfg = AlgoConfig(kl_coef=0.0, rollout_is="token", rollout_is_upper=2.0)
     rank = LearnerRank(
-        model_cfg, learner_cfg, algo_cfg, str(judge), rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=free_address()[1], total_steps=10, grad_accum_steps=2,
-    )  # fmt: skip
+        model_cfg,
+        learner_cfg,
+        algo_cfg,
+        str(judge),
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_address()[1],
+        total_steps=10,
+        grad_accum_steps=2,
+    )
     try:
         policy = rank.compute_logprobs(exps)
         shifts = [tuple(1.0 if t % 2 == 0 else -0.3 for t in range(len(lp))) for lp in policy]
-        shifted = [dataclasses.replace(e, rollout_logprobs=tuple(p - d for p, d in zip(lp, ds)))
-                   for e, lp, ds in zip(exps, policy, shifts)]  # fmt: skip
+        shifted = [
+            dataclasses.replace(e, rollout_logprobs=tuple(p - d for p, d in zip(lp, ds)))
+            for e, lp, ds in zip(exps, policy, shifts)
+        ]
         tis = rank.train_step(shifted, *_counts(shifted))
-        rank.algo_cfg = dataclasses.replace(algo_cfg, policy_loss="gspo", loss_agg="seq-mean-token-mean",
-                                            clip_low=3e-4, clip_high=4e-4, rollout_is="sequence", rollout_is_lower=0.5)  # fmt: skip
+        rank.algo_cfg = dataclasses.replace(
+            algo_cfg,
+            policy_loss="gspo",
+            loss_agg="seq-mean-token-mean",
+            clip_low=3e-4,
+            clip_high=4e-4,
+            rollout_is="sequence",
+            rollout_is_lower=0.5,
+        )
         # The engine's log-probs as the learner's now, but the first response's 0.5 lower per
         # token: its sequence weight e^(0.5 n) leaves the band and IcePop drops it.
         current = rank.compute_logprobs(exps)
@@ -707,7 +821,9 @@ def test_rollout_correction_weighs_the_engines_samples_and_gspo_trains(tmp_path:
     assert tis["rollout_is/mean"] == pytest.approx(sum(weights) / len(flat), abs=1e-3)
     assert tis["rollout_is/max"] == pytest.approx(math.e, abs=1e-2)
     assert tis["rollout_is/frac_clipped"] == pytest.approx(sum(d > 0 for d in flat) / len(flat))
-    assert tis["rollout_is/ess"] == pytest.approx(sum(weights) ** 2 / (len(flat) * sum(w * w for w in weights)), abs=1e-3)
+    assert tis["rollout_is/ess"] == pytest.approx(
+        sum(weights) ** 2 / (len(flat) * sum(w * w for w in weights)), abs=1e-3
+    )
     assert tis["rollout/logprob_diff_max"] == pytest.approx(1.0, abs=1e-3)
     assert gspo["rollout_is/units"] == len(exps)
     assert gspo["rollout_is/frac_clipped"] == pytest.approx(1 / len(exps))
@@ -734,9 +850,18 @@ def _launch(judge_dir: str, zero_stage: int, world_size: int, grad_accum_steps: 
     remote = ray.remote(num_cpus=0.5)(LearnerRank)
     ranks = [
         remote.remote(
-            model_cfg, learner_cfg, algo_cfg, judge_dir, rank=r, world_size=world_size, master_addr="127.0.0.1",
-            master_port=port, total_steps=10, grad_accum_steps=grad_accum_steps, ds_config_overrides=overrides,
-        )  # fmt: skip
+            model_cfg,
+            learner_cfg,
+            algo_cfg,
+            judge_dir,
+            rank=r,
+            world_size=world_size,
+            master_addr="127.0.0.1",
+            master_port=port,
+            total_steps=10,
+            grad_accum_steps=grad_accum_steps,
+            ds_config_overrides=overrides,
+        )
         for r in range(world_size)
     ]
     ray.get([r.ready.remote() for r in ranks])
@@ -778,7 +903,7 @@ def test_two_ranks_match_one_rank(judge_dir: str, zero_stage: int, ray_local: No
     pair = _launch(judge_dir, zero_stage, world_size=2, grad_accum_steps=2)
     single = _launch(judge_dir, zero_stage, world_size=1, grad_accum_steps=4)
     if zero_stage == 3:
-        held = _call(pair, "__ray_call__", lambda self: sum(p.numel() for p in self.engine.module.parameters()))
+        held = _call(pair, "__ray_call__", lambda rank: sum(p.numel() for p in rank.policy.engine.module.parameters()))
         full = sum(p.numel() for p in load_judge(judge_dir)[0].parameters())
         assert max(held) < full  # really sharded
 
@@ -853,9 +978,17 @@ HYBRID_ROLLOUT = RolloutConfig(backend="hybrid", max_new_tokens=8, temperature=0
 
 def _judge_prompts(count: int) -> list[JudgePrompt]:
     return [
-        JudgePrompt(item_id=str(i), system="Judge.", user=f"Rank the answers A, B and C. ({i})",
-                    image=noisy_png(84, 56, i) if i % 2 == 0 else None, protocol="batch", style="ranking",
-                    num_candidates=3, shown=(0, 1, 2), target="ABC")  # fmt: skip
+        JudgePrompt(
+            item_id=str(i),
+            system="Judge.",
+            user=f"Rank the answers A, B and C. ({i})",
+            image=noisy_png(84, 56, i) if i % 2 == 0 else None,
+            protocol="batch",
+            style="ranking",
+            num_candidates=3,
+            shown=(0, 1, 2),
+            target="ABC",
+        )
         for i in range(count)
     ]
 
@@ -877,19 +1010,34 @@ def test_hybrid_generation_equals_the_hf_engine(tmp_path: Path, rank_env: None) 
     prompts = _judge_prompts(3)
     model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=3)
     rank = LearnerRank(
-        model_cfg, learner_cfg, algo_cfg, str(judge), rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=free_address()[1], total_steps=10, grad_accum_steps=2, temperature=0.7, rollout_cfg=HYBRID_ROLLOUT,
-    )  # fmt: skip
+        model_cfg,
+        learner_cfg,
+        algo_cfg,
+        str(judge),
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_address()[1],
+        total_steps=10,
+        grad_accum_steps=2,
+        temperature=0.7,
+        rollout_cfg=HYBRID_ROLLOUT,
+    )
     try:
-        own_config = rank.engine.module.generation_config
+        own_config = rank.policy.engine.module.generation_config
         hybrid = rank.generate(prompts, n=2, seed=11)
         split = HFEngine(str(judge), ModelConfig(), HYBRID_ROLLOUT, device=str(DEVICE)).generate(prompts, n=2, seed=11)
         _same_completions(hybrid, split)
-        assert rank.engine.training and rank.engine.module.generation_config is own_config
+        assert rank.policy.engine.training and rank.policy.engine.module.generation_config is own_config
 
         exps = [
-            Experience(prompt_text=render_chat(rank.processor, prompts[c.prompt_index]), image=prompts[c.prompt_index].image,
-                       response_ids=c.token_ids, advantage=(-1.0) ** c.sample_index, rollout_logprobs=c.logprobs)  # fmt: skip
+            Experience(
+                prompt_text=render_chat(rank.policy.processor, prompts[c.prompt_index]),
+                image=prompts[c.prompt_index].image,
+                response_ids=c.token_ids,
+                advantage=(-1.0) ** c.sample_index,
+                rollout_logprobs=c.logprobs,
+            )
             for c in hybrid
         ]
         metrics = rank.train_step(exps, *_counts(exps))
@@ -928,10 +1076,20 @@ def test_hybrid_zero3_ranks_generate_what_the_hf_engine_does(judge_dir: str, gat
     port = free_address()[1]
     ranks = [
         ray.remote(num_cpus=0.5)(LearnerRank).remote(
-            model_cfg, learner_cfg, algo_cfg, judge_dir, rank=r, world_size=2, master_addr="127.0.0.1", master_port=port,
-            total_steps=10, grad_accum_steps=1, temperature=0.7, rollout_cfg=rollout_cfg,
+            model_cfg,
+            learner_cfg,
+            algo_cfg,
+            judge_dir,
+            rank=r,
+            world_size=2,
+            master_addr="127.0.0.1",
+            master_port=port,
+            total_steps=10,
+            grad_accum_steps=1,
+            temperature=0.7,
+            rollout_cfg=rollout_cfg,
             ds_config_overrides={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
-        )  # fmt: skip
+        )
         for r in range(2)
     ]
     try:
@@ -964,29 +1122,45 @@ def test_lora_trains_only_adapters_and_exports_merged_weights(judge_dir: str, ra
     learner_cfg = dataclasses.replace(learner_cfg, lr=0.05)
     rollout_cfg = dataclasses.replace(HYBRID_ROLLOUT, max_new_tokens=6)
     rank = LearnerRank(
-        model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=free_address()[1], total_steps=10, grad_accum_steps=2, temperature=0.7, rollout_cfg=rollout_cfg,
-    )  # fmt: skip
+        model_cfg,
+        learner_cfg,
+        algo_cfg,
+        judge_dir,
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_address()[1],
+        total_steps=10,
+        grad_accum_steps=2,
+        temperature=0.7,
+        rollout_cfg=rollout_cfg,
+    )
     try:
         base = load_judge(judge_dir, trainable=False)[0]
         base_sums = state_checksums(base.named_parameters())
         assert rank.checksums() == base_sums  # fresh adapters (B = 0) change nothing
-        trainable = [n for n, p in rank.engine.module.named_parameters() if p.requires_grad]
+        trainable = [n for n, p in rank.policy.engine.module.named_parameters() if p.requires_grad]
         assert trainable and all(".lora_" in n for n in trainable)
         assert not any("visual" in n for n in trainable)  # no adapters in the vision tower
 
         exps = _experiences(4, seed=2)
         ref = rank.compute_logprobs(exps, "ref")
         exps = [dataclasses.replace(e, ref_logprobs=r) for e, r in zip(exps, ref)]
-        frozen_before = {n: p.detach().clone() for n, p in rank.engine.module.named_parameters() if not p.requires_grad}
+        frozen_before = {
+            n: p.detach().clone() for n, p in rank.policy.engine.module.named_parameters() if not p.requires_grad
+        }
         for _ in range(2):
             metrics = rank.train_step(exps, *_counts(exps))
         assert metrics["actor/kl_loss"] > 0  # the adapters moved the policy away from the base
-        frozen_after = {n: p for n, p in rank.engine.module.named_parameters() if not p.requires_grad}
+        frozen_after = {n: p for n, p in rank.policy.engine.module.named_parameters() if not p.requires_grad}
         assert all(torch.equal(frozen_before[n], frozen_after[n]) for n in frozen_before)  # base untouched
         assert rank.compute_logprobs(exps, "ref") == ref  # the reference is still the base
 
-        merged = {name: t.to("cpu", copy=True) for _, tensors in rank._full_buckets(4096) for name, t in tensors.items()}
+        merged = {
+            name: t.to("cpu", copy=True)
+            for _, tensors in rank.weights.full_buckets(4096)
+            for name, t in tensors.items()
+        }
         assert merged.keys() == dict(base.named_parameters()).keys()  # plain HF names
         changed = [n for n, t in merged.items() if not torch.equal(t, dict(base.named_parameters())[n])]
         assert changed and all("language_model" in n or ".layers." in n for n in changed), changed[:3]
@@ -1020,11 +1194,19 @@ def test_a_sharded_reference_gives_the_replicated_ones_logprobs(judge_dir: str, 
         model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=3, kl_coef=0.01)
         learner_cfg = dataclasses.replace(learner_cfg, shard_reference=shard)
         rank = LearnerRank(
-            model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-            master_port=free_address()[1], total_steps=10, grad_accum_steps=2,
-        )  # fmt: skip
+            model_cfg,
+            learner_cfg,
+            algo_cfg,
+            judge_dir,
+            rank=0,
+            world_size=1,
+            master_addr="127.0.0.1",
+            master_port=free_address()[1],
+            total_steps=10,
+            grad_accum_steps=2,
+        )
         try:
-            assert hasattr(rank.ref, "zero_optimization_partition_weights") == shard
+            assert hasattr(rank.policy.ref, "zero_optimization_partition_weights") == shard
             before = rank.compute_logprobs(exps, "ref")
             with_ref = [dataclasses.replace(e, ref_logprobs=r) for e, r in zip(exps, before)]
             rank.train_step(with_ref, *_counts(with_ref))
@@ -1032,7 +1214,11 @@ def test_a_sharded_reference_gives_the_replicated_ones_logprobs(judge_dir: str, 
         finally:
             rank.shutdown()
     (full_before, full_after), (sharded_before, sharded_after) = results
-    for a, b in [*zip(full_before, sharded_before), *zip(sharded_before, sharded_after), *zip(full_after, sharded_after)]:
+    for a, b in [
+        *zip(full_before, sharded_before),
+        *zip(sharded_before, sharded_after),
+        *zip(full_after, sharded_after),
+    ]:
         assert a == pytest.approx(b, abs=1e-5)
 
 
@@ -1045,14 +1231,22 @@ def test_lora_adapter_export_under_zero3(judge_dir: str, rank_env: None) -> None
     model_cfg, learner_cfg, algo_cfg = _configs(zero_stage=3, micro_batch_size=2)
     model_cfg = dataclasses.replace(model_cfg, lora=LoraConfig(rank=4, alpha=8.0))
     rank = LearnerRank(
-        model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-        master_port=free_address()[1], total_steps=10, grad_accum_steps=1,
-    )  # fmt: skip
+        model_cfg,
+        learner_cfg,
+        algo_cfg,
+        judge_dir,
+        rank=0,
+        world_size=1,
+        master_addr="127.0.0.1",
+        master_port=free_address()[1],
+        total_steps=10,
+        grad_accum_steps=1,
+    )
     try:
-        module = rank.engine.module
+        module = rank.policy.engine.module
         adapters = {n: p for n, p in module.named_parameters() if ".lora_B" in n}
         assert all(p.numel() == 0 for p in adapters.values())  # partitioned outside a gather
-        with rank._ds.zero.GatheredParameters(list(adapters.values()), modifier_rank=0):
+        with rank.policy.ds.zero.GatheredParameters(list(adapters.values()), modifier_rank=0):
             generator = torch.Generator().manual_seed(0)
             for p in adapters.values():
                 p.data.copy_(torch.randn(p.shape, generator=generator) * 0.1)  # as after training
@@ -1084,9 +1278,18 @@ def test_lora_under_zero3_trains_as_under_zero2(judge_dir: str, rank_env: None) 
         overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if stage == 3 else None
         torch.manual_seed(0)  # the same random A matrices in both
         rank = LearnerRank(
-            model_cfg, learner_cfg, algo_cfg, judge_dir, rank=0, world_size=1, master_addr="127.0.0.1",
-            master_port=free_address()[1], total_steps=10, grad_accum_steps=2, ds_config_overrides=overrides,
-        )  # fmt: skip
+            model_cfg,
+            learner_cfg,
+            algo_cfg,
+            judge_dir,
+            rank=0,
+            world_size=1,
+            master_addr="127.0.0.1",
+            master_port=free_address()[1],
+            total_steps=10,
+            grad_accum_steps=2,
+            ds_config_overrides=overrides,
+        )
         try:
             metrics.append([rank.train_step(exps, *_counts(exps)) for _ in range(2)])
         finally:

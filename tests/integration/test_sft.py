@@ -24,8 +24,15 @@ def write_rows(folder: Path, n: int) -> Path:
     for i in range(n):
         name = f"img{i}.png"
         (folder / name).write_bytes(render(generate_scene(i, 64)))
-        rows.append({"id": f"r{i}", "system": "Answer.", "user": f"Question {i}?", "image": name,
-                     "response": "ok\n</think>\n<answer>A</answer>"})  # fmt: skip
+        rows.append(
+            {
+                "id": f"r{i}",
+                "system": "Answer.",
+                "user": f"Question {i}?",
+                "image": name,
+                "response": "ok\n</think>\n<answer>A</answer>",
+            }
+        )
     path = folder / "chat.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
@@ -35,10 +42,20 @@ def test_sft_learns_the_target_and_exports_a_loadable_judge(tmp_path: Path, ray_
     judge = build_tiny_judge(tmp_path / "judge", seed=0)
     data = write_rows(tmp_path, 8)
     run_dir = tmp_path / "run"
-    cfg = load(None, [
-        "sft.source=jsonl", f"sft.path={data}", "sft.steps=30", "sft.batch_size=8", "sft.lr=5e-3",
-        "sft.warmup_steps=0", "learner.micro_batch_size=4", f"trainer.run_dir={run_dir}", "tracking.wandb=false",
-    ])  # fmt: skip
+    cfg = load(
+        None,
+        [
+            "sft.source=jsonl",
+            f"sft.path={data}",
+            "sft.steps=30",
+            "sft.batch_size=8",
+            "sft.lr=5e-3",
+            "sft.warmup_steps=0",
+            "learner.micro_batch_size=4",
+            f"trainer.run_dir={run_dir}",
+            "tracking.wandb=false",
+        ],
+    )
     export = run_sft(cfg, str(judge))
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 31))
@@ -58,7 +75,11 @@ def test_an_untrained_span_carries_no_loss(tmp_path: Path):
     masked = to_experience(processor, ChatExample(prompt, response, untrained=(start, start + 5)), think_prefix=True)
     assert whole.loss_mask is None and masked.response_ids == whole.response_ids
     skipped = [t for t, keep in zip(masked.response_ids, masked.loss_mask) if not keep]
-    assert skipped and "image" in processor.tokenizer.decode(skipped) and "answer" not in processor.tokenizer.decode(skipped)
+    assert (
+        skipped
+        and "image" in processor.tokenizer.decode(skipped)
+        and "answer" not in processor.tokenizer.decode(skipped)
+    )
     batch = collate(processor, [whole, masked])
     assert batch.response_mask[0].sum() == len(whole.response_ids)
     assert batch.response_mask[1].sum() == len(whole.response_ids) - len(skipped)

@@ -26,10 +26,10 @@ def test_a_learner_starts_past_a_build_lock_a_killed_build_left(judge_dir: str, 
     lock.parent.mkdir()
     lock.touch()
     start = (
-        "import sys, torch; sys.path.insert(0, {here!r}); import test_learner as t; "
-        "rank = t._direct_rank({judge!r}, 1, 2); print('started', type(rank).__name__); "
+        f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_learner as t; "
+        f"rank = t._direct_rank({judge_dir!r}, 1, 2); print('started', type(rank).__name__); "
         "print('op loaded', hasattr(torch.ops.deepspeed, 'inference_all_reduce_'))"
-    ).format(here=str(Path(__file__).parent), judge=judge_dir)
+    )
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
     done = subprocess.run([sys.executable, "-c", start], capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]

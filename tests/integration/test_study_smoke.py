@@ -26,8 +26,12 @@ STUDY = Path(__file__).resolve().parents[2] / "benchmarks" / "study_looking.py"
 
 def run_study(*args: str) -> None:
     # In a process of its own, as a user runs it: its GRPO runs start Ray in that process.
-    done = subprocess.run([sys.executable, str(STUDY), "--smoke", "--bases", "one_disposition", *args],
-                          capture_output=True, text=True, timeout=30 * 60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(STUDY), "--smoke", "--bases", "one_disposition", *args],
+        capture_output=True,
+        text=True,
+        timeout=30 * 60,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -41,7 +45,17 @@ def test_the_looking_study_runs_every_variant_along_its_curve(tmp_path: Path, mo
 
     results = json.loads((out / "looking_study.json").read_text())
     rows = results["rows"]
-    fields = {"variant", "base_judge", "seed", "steps", "kind", "image_following", "correct_first", "blind_correct_first", "disposition_image"}
+    fields = {
+        "variant",
+        "base_judge",
+        "seed",
+        "steps",
+        "kind",
+        "image_following",
+        "correct_first",
+        "blind_correct_first",
+        "disposition_image",
+    }
     assert all(fields <= set(r) for r in rows)
     judges = {(r["variant"], r["steps"]) for r in rows}
     assert judges == {("base", 0), ("forced", 0), *((v, s) for v in study.VARIANTS for s in study.SMOKE.curve)}
@@ -52,7 +66,10 @@ def test_the_looking_study_runs_every_variant_along_its_curve(tmp_path: Path, mo
     assert plain == {(r["kind"], r.get("part")): r["image_following"] for r in rows if r["forced"]}
     assert all(r["disposition_image"] == 0.0 for r in rows if not r["forced"])
     trained = [r for r in rows if r["variant"] in study.VARIANTS]
-    assert all(r["train_reward"] is not None and r["reward_greedy"] is not None and r["reward_sampled"] is not None for r in trained)
+    assert all(
+        r["train_reward"] is not None and r["reward_greedy"] is not None and r["reward_sampled"] is not None
+        for r in trained
+    )
     for cell in results["summary"]:
         for m in study.METRICS:
             boot = cell[m]["bootstrap"]
@@ -92,10 +109,26 @@ def test_the_group_size_study_runs_and_reuses_its_runs(tmp_path: Path):
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.count(" trained ") == 3
     results = json.loads((out / "group_size.json").read_text())
-    fields = {"G", "budget", "seed", "steps", "kind", "image_following", "correct_first", "zero_variance_groups",
-              "step_s", "responses_per_s", "peak_mib", "phases_s"}  # fmt: skip
+    fields = {
+        "G",
+        "budget",
+        "seed",
+        "steps",
+        "kind",
+        "image_following",
+        "correct_first",
+        "zero_variance_groups",
+        "step_s",
+        "responses_per_s",
+        "peak_mib",
+        "phases_s",
+    }
     assert all(fields <= set(r) for r in results["rows"])
-    assert sorted({(r["budget"], r["G"]) for r in results["rows"]}) == [("equal_prompts", 8), ("equal_samples", 2), ("equal_samples", 4)]
+    assert sorted({(r["budget"], r["G"]) for r in results["rows"]}) == [
+        ("equal_prompts", 8),
+        ("equal_samples", 2),
+        ("equal_samples", 4),
+    ]
     assert {r["kind"] for r in results["rows"]} == {"color", "size", "pooled"}
     assert all(0 <= r["image_following"] <= 1 and r["step_s"] > 0 and r["responses_per_s"] > 0 for r in results["rows"])
     assert all(r["peak_mib"]["learner"] > r["peak_mib"]["reward"] > 0 for r in results["rows"])

@@ -11,21 +11,21 @@ import ray
 import torch
 
 from pjray.cli import main
-from pjray.console import run_summary
 from pjray.config import load
-from pjray.rl.checkpoint import latest_checkpoint
+from pjray.console import run_summary
 from pjray.recipes.training import training_inputs
+from pjray.rl.checkpoint import latest_checkpoint
 from pjray.rl.timer import Timer
 from pjray.rl.trainer import Trainer
 from pjray.sync.transports import make_transport
 from pjray.types import Completion, Timed
 from tests.support.preference import write_vlrb
 
-
 pytestmark = pytest.mark.slow
 
 TINY = [
-    "model.init=tiny", "algo.prefilter_zero_std=false",
+    "model.init=tiny",
+    "algo.prefilter_zero_std=false",
     "data.num_items=32",
     "data.image_size=64",
     "rollout.max_new_tokens=12",
@@ -155,7 +155,9 @@ def test_lora_learns_the_trivial_reward_and_exports_merged_weights(ray_local, tm
     assert merged.keys() == base.keys()
     changed = sorted(k for k in base if not torch.equal(base[k], merged[k]))
     assert "lm_head.weight" in changed
-    assert all(k == "lm_head.weight" or (k.endswith(("q_proj.weight", "v_proj.weight")) and "visual" not in k) for k in changed), changed
+    assert all(
+        k == "lm_head.weight" or (k.endswith(("q_proj.weight", "v_proj.weight")) and "visual" not in k) for k in changed
+    ), changed
 
 
 def test_train_checkpoint_export_and_resume(ray_local, tmp_path):
@@ -174,23 +176,48 @@ def test_train_checkpoint_export_and_resume(ray_local, tmp_path):
     # Validation on VL-RewardBench rows (real and mismatched images) runs on step 3 only, and
     # keeps the best judge by its gap; the judge of step 2 is exported too.
     bench = write_vlrb(tmp_path / "vlrb")
-    validation = ["eval.every_steps=3", "eval.train_bench=vl_rewardbench", f"eval.data={bench}", "eval.train_num_items=4",
-                  "eval.blind=[mismatched]", "eval.prompt_format=paper", "trainer.keep_best=eval/vl_rewardbench/gap"]  # fmt: skip
+    validation = [
+        "eval.every_steps=3",
+        "eval.train_bench=vl_rewardbench",
+        f"eval.data={bench}",
+        "eval.train_num_items=4",
+        "eval.blind=[mismatched]",
+        "eval.prompt_format=paper",
+        "trainer.keep_best=eval/vl_rewardbench/gap",
+    ]
     assert main(["train", *common, *validation, "trainer.steps=3", "trainer.export_steps=[2]"]) == 0
     first = read_metrics(run_dir)
     assert [m["step"] for m in first] == [1, 2, 3]
     assert all(m["rollout/groups_kept"] == 4 for m in first)  # trainer.prompts_per_step groups of algo.group_size
     assert (run_dir / "hf_model_step_2" / "model.safetensors").exists() and not (run_dir / "hf_model_step_1").exists()
     assert "eval/vl_rewardbench/accuracy" not in first[1]
-    assert {"eval/vl_rewardbench/accuracy", "eval/vl_rewardbench/accuracy_mismatched", "eval/vl_rewardbench/gap"} <= set(first[2])
+    assert {
+        "eval/vl_rewardbench/accuracy",
+        "eval/vl_rewardbench/accuracy_mismatched",
+        "eval/vl_rewardbench/gap",
+    } <= set(first[2])
     best = json.loads((run_dir / "best.json").read_text())
     assert best["step"] == 3 and best["value"] == first[2]["eval/vl_rewardbench/gap"]
     assert (run_dir / "hf_model_best" / "model.safetensors").exists()
     assert any("best validation: eval/vl_rewardbench/gap" in line for line in run_summary(run_dir, 1.0))
-    for key in ("reward/mean", "reward/std", "rollout/frac_zero_std", "actor/pg_loss", "actor/kl_loss",
-                "actor/grad_norm", "timing_s/gen", "timing_s/reward", "timing_s/ref", "timing_s/update",
-                "timing_s/sync", "perf/throughput", "response_length/mean", "response_length/clip_ratio",
-                "rollout/logprob_diff_mean", "rollout/logprob_diff_max"):
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "rollout/frac_zero_std",
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/grad_norm",
+        "timing_s/gen",
+        "timing_s/reward",
+        "timing_s/ref",
+        "timing_s/update",
+        "timing_s/sync",
+        "perf/throughput",
+        "response_length/mean",
+        "response_length/clip_ratio",
+        "rollout/logprob_diff_mean",
+        "rollout/logprob_diff_max",
+    ):
         assert key in first[-1], key
     for metrics in first:  # two learner ranks: compute is the slower rank's
         check_ray_overhead(metrics, ("gen", "reward", "ref", "update"))
@@ -217,7 +244,10 @@ def test_train_checkpoint_export_and_resume(ray_local, tmp_path):
 
 def test_missing_data_path_is_a_clear_error(tmp_path):
     with pytest.raises(Exception, match="no such file"):
-        cfg = load(overrides=TINY + [f"trainer.run_dir={tmp_path}", "data.source=parquet", f"data.path={tmp_path}/none.parquet"])
+        cfg = load(
+            overrides=TINY
+            + [f"trainer.run_dir={tmp_path}", "data.source=parquet", f"data.path={tmp_path}/none.parquet"]
+        )
         Trainer(cfg, training_inputs(cfg)).setup()
 
 
@@ -341,24 +371,40 @@ def test_colocated_sync_hands_gpu_memory_over_in_order(ray_local, tmp_path):
 
     from pjray.placement import Placement, RoleResources, WorkerPool
 
-    cfg = load(overrides=TINY + [
-        f"trainer.run_dir={tmp_path}", "rollout.backend=vllm", "rollout.colocate=true", "trainer.sync_backend=ipc",
-        "learner.num_ranks=2", "rollout.num_workers=2", "learner.micro_batch_size=2",
-        "learner.num_gpus_per_rank=0.5", "rollout.num_gpus_per_worker=0.4",
-    ])  # fmt: skip
+    cfg = load(
+        overrides=TINY
+        + [
+            f"trainer.run_dir={tmp_path}",
+            "rollout.backend=vllm",
+            "rollout.colocate=true",
+            "trainer.sync_backend=ipc",
+            "learner.num_ranks=2",
+            "rollout.num_workers=2",
+            "learner.micro_batch_size=2",
+            "learner.num_gpus_per_rank=0.5",
+            "rollout.num_gpus_per_worker=0.4",
+        ]
+    )
     log = ray.remote(num_cpus=0)(CallLog).remote()
     trainer = Trainer(cfg, training_inputs(cfg))
     trainer.learners = [ray.remote(num_cpus=0)(RecordingLearnerRank).remote(log, r) for r in range(2)]
     placement = Placement({"rollout": RoleResources(2, 0.1, 0.0)}, strategy="PACK")
-    trainer.rollout = WorkerPool(placement, "rollout", RecordingRolloutWorker, lambda i: (log, i), max_retries=0,
-                                 on_restart=trainer.sync_worker)  # fmt: skip
+
+    def refresh(worker):  # what the colocated layout's own pool does for a rebuilt worker
+        trainer.layout.refresh(trainer.learners, trainer.rollout, worker, trainer.weight_version)
+
+    trainer.rollout = WorkerPool(
+        placement, "rollout", RecordingRolloutWorker, lambda i: (log, i), max_retries=0, on_restart=refresh
+    )
     try:
-        trainer.layout.connect(trainer.learners, trainer.rollout)  # trainer.sync_backend=ipc: the CUDA IPC transport, nothing to connect
+        trainer.layout.connect(
+            trainer.learners, trainer.rollout
+        )  # trainer.sync_backend=ipc: the CUDA IPC transport, nothing to connect
         trainer.sync_weights()
         calls = ray.get(log.calls.remote())
         ray.get(log.doom.remote(1))
         trainer.sync_weights()
-        after_death = ray.get(log.calls.remote())[len(calls):]
+        after_death = ray.get(log.calls.remote())[len(calls) :]
     finally:
         trainer.rollout.shutdown()
         placement.shutdown()
@@ -372,7 +418,13 @@ def test_colocated_sync_hands_gpu_memory_over_in_order(ray_local, tmp_path):
     assert methods.index("set_weight_version") > max(k for k, m in enumerate(methods) if m == "finish_ipc")
     # Worker 1 dies at its first bucket; the rebuilt one takes the weights from the object store.
     assert [m for m, j in after_death if j == 1] == [
-        "release_memory", "stream_ipc", "begin_ipc", "export_weights", "load_weights", "set_weight_version",
-        "set_weight_version", "wake_up",
-    ], after_death  # fmt: skip
+        "release_memory",
+        "stream_ipc",
+        "begin_ipc",
+        "export_weights",
+        "load_weights",
+        "set_weight_version",
+        "set_weight_version",
+        "wake_up",
+    ], after_death
     assert trainer.rollout.restarts == 1

@@ -56,8 +56,8 @@ from pjray.models.tiny import build_tiny_judge  # noqa: E402
 from pjray.ppjd import llm as ppjd_llm  # noqa: E402
 from pjray.ppjd.pipeline import LlmStage, _frame  # noqa: E402
 from pjray.ppjd.sources import RawRow  # noqa: E402
-from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
 from pjray.recipes.training import training_inputs  # noqa: E402
+from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.rollout.vllm_engine import VllmEngine  # noqa: E402
 from pjray.sync.adapter import adapter_update  # noqa: E402
@@ -73,7 +73,8 @@ pytestmark = [
 ]
 
 VLLM_CPU = [
-    "model.init=tiny", "algo.prefilter_zero_std=false",
+    "model.init=tiny",
+    "algo.prefilter_zero_std=false",
     "rollout.backend=vllm",
     "rollout.device=cpu",
     "rollout.max_model_len=1024",
@@ -86,9 +87,16 @@ VLLM_CPU = [
 
 def _prompt(user: str) -> JudgePrompt:
     return JudgePrompt(
-        item_id=user[:8], system="You are a careful judge.", user=user, image=None, protocol="batch",
-        style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC",
-    )  # fmt: skip
+        item_id=user[:8],
+        system="You are a careful judge.",
+        user=user,
+        image=None,
+        protocol="batch",
+        style="ranking",
+        num_candidates=3,
+        shown=(0, 1, 2),
+        target="ABC",
+    )
 
 
 PROMPTS = [_prompt("Which answer is right? A: red B: blue C: green"), _prompt("Rank the three answers.")]
@@ -124,7 +132,9 @@ def test_generate_n_samples_with_logprobs(judge_dir: str, engine: VllmEngine) ->
     for c in out:
         assert 1 <= len(c.token_ids) <= 12 and len(c.logprobs) == len(c.token_ids)
         assert all(math.isfinite(lp) and lp <= 0 for lp in c.logprobs)
-        assert c.finish_reason == ("length" if len(c.token_ids) == 12 and c.token_ids[-1] not in engine.eos_ids else "stop")
+        assert c.finish_reason == (
+            "length" if len(c.token_ids) == 12 and c.token_ids[-1] not in engine.eos_ids else "stop"
+        )
     assert len({c.token_ids for c in out}) > 1  # sampled, not n copies of one answer
     # Deterministic in the seed; another seed samples differently.
     assert engine.generate(PROMPTS, n=n, seed=7) == out
@@ -132,15 +142,15 @@ def test_generate_n_samples_with_logprobs(judge_dir: str, engine: VllmEngine) ->
 
     # The logprobs are the model's own (temperature 1, no top-k/top-p): recompute them with HF.
     model, processor = load_judge(judge_dir, trainable=False)
-    for c in out[:: n]:
+    for c in out[::n]:
         hf = _hf_logprobs(model, processor, PROMPTS[c.prompt_index], c.token_ids)
         torch.testing.assert_close(torch.tensor(c.logprobs), hf, atol=2e-3, rtol=0)
-        assert engine.continuation_logprobs(PROMPTS[c.prompt_index], c.token_ids) == pytest.approx(
-            c.logprobs, abs=2e-3
-        )
+        assert engine.continuation_logprobs(PROMPTS[c.prompt_index], c.token_ids) == pytest.approx(c.logprobs, abs=2e-3)
 
 
-def _served_against_learner(judge_dir: str, engine: VllmEngine, seed: int, sampling: dict, same: dict, other: dict) -> float:
+def _served_against_learner(
+    judge_dir: str, engine: VllmEngine, seed: int, sampling: dict, same: dict, other: dict
+) -> float:
     """Samples drawn with `sampling` (RolloutConfig fields, read per request): their served
     log-probs equal the learner's `forward_logprobs(**same)` (2e-3); returns their largest
     difference from `forward_logprobs(**other)`."""
@@ -151,8 +161,15 @@ def _served_against_learner(judge_dir: str, engine: VllmEngine, seed: int, sampl
     finally:
         engine.rollout_cfg = saved
     model, processor = load_judge(judge_dir, trainable=False)
-    experiences = [Experience(prompt_text=render_chat(processor, PROMPTS[c.prompt_index]), image=None,
-                              response_ids=c.token_ids, advantage=0.0) for c in out]  # fmt: skip
+    experiences = [
+        Experience(
+            prompt_text=render_chat(processor, PROMPTS[c.prompt_index]),
+            image=None,
+            response_ids=c.token_ids,
+            advantage=0.0,
+        )
+        for c in out
+    ]
     batch = collate(processor, experiences)
     mask = batch.response_mask[:, 1:].bool()
     with torch.no_grad():
@@ -168,7 +185,9 @@ def _served_against_learner(judge_dir: str, engine: VllmEngine, seed: int, sampl
 def test_logprobs_are_of_the_sampling_temperature(judge_dir: str, engine: VllmEngine) -> None:
     """Sampled at T=0.7, vLLM's logprobs (its processed mode) equal the learner's log-probs of the
     same tokens (`forward_logprobs` at T=0.7 on the HF model), not the raw logits' ones."""
-    raw_diff = _served_against_learner(judge_dir, engine, 5, {"temperature": 0.7}, {"temperature": 0.7}, {"temperature": 1.0})
+    raw_diff = _served_against_learner(
+        judge_dir, engine, 5, {"temperature": 0.7}, {"temperature": 0.7}, {"temperature": 1.0}
+    )
     assert raw_diff > 1e-2, raw_diff
 
 
@@ -253,8 +272,10 @@ def test_adapter_sync_serves_the_learners_lora_policy(judge_dir: str) -> None:
     its CPU build) serves its log-probs, sampled and teacher-forced, within the tolerance the
     full-weight path meets above (2e-3), under a new adapter id; before any sync it serves the
     base judge. The message is the adapter's tensors alone."""
-    cfg = load(overrides=VLLM_CPU + ["rollout.max_new_tokens=8", "model.lora.rank=8", "model.lora.alpha=16",
-                                     "model.lora.sync=adapter"])  # fmt: skip
+    cfg = load(
+        overrides=VLLM_CPU
+        + ["rollout.max_new_tokens=8", "model.lora.rank=8", "model.lora.alpha=16", "model.lora.sync=adapter"]
+    )
     engine = VllmEngine(judge_dir, cfg.model, cfg.rollout)
     try:
         model, processor = load_judge(judge_dir, trainable=True)
@@ -299,8 +320,15 @@ def test_adapter_sync_serves_the_learners_lora_policy(judge_dir: str) -> None:
 
             # Sampled tokens' logprobs (processed: temperature 1 here) are the learner's too.
             out = engine.generate(PROMPTS, n=2, seed=3 + sync)
-            experiences = [Experience(prompt_text=render_chat(processor, PROMPTS[c.prompt_index]), image=None,
-                                      response_ids=c.token_ids, advantage=0.0) for c in out]  # fmt: skip
+            experiences = [
+                Experience(
+                    prompt_text=render_chat(processor, PROMPTS[c.prompt_index]),
+                    image=None,
+                    response_ids=c.token_ids,
+                    advantage=0.0,
+                )
+                for c in out
+            ]
             sampled = collate(processor, experiences)
             with torch.no_grad():
                 logp = forward_logprobs(learner, processor, sampled, banned=engine.banned_ids)[0]
@@ -340,18 +368,29 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
     receive (the group member) or before a generation (the engine core). Two async steps
     (trainer.max_staleness=1) run over that group."""
     cfg = load(
-        overrides=VLLM_CPU + [
+        overrides=VLLM_CPU
+        + [
             "trainer.sync_backend=gloo",
             f"trainer.run_dir={tmp_path / 'run'}",
-            "trainer.steps=2", "trainer.prompts_per_step=4", "trainer.save_every=0", "trainer.export_hf=false",
+            "trainer.steps=2",
+            "trainer.prompts_per_step=4",
+            "trainer.save_every=0",
+            "trainer.export_hf=false",
             "trainer.sync_bucket_mb=1",  # several buckets for a ~0.1M-parameter model
             "reward.function=learnable_rewards:starts_with_space",
-            "algo.group_size=4", "learner.micro_batch_size=8", "learner.lr=0.05", "learner.zero_stage=3",
-            "rollout.max_new_tokens=12", "rollout.num_cpus_per_worker=0.5", "learner.num_cpus_per_rank=0.5",
+            "algo.group_size=4",
+            "learner.micro_batch_size=8",
+            "learner.lr=0.05",
+            "learner.zero_stage=3",
+            "rollout.max_new_tokens=12",
+            "rollout.num_cpus_per_worker=0.5",
+            "learner.num_cpus_per_rank=0.5",
             "rollout.num_workers=2",
-            "data.num_items=16", "data.image_size=64", "tracking.wandb=false",
+            "data.num_items=16",
+            "data.image_size=64",
+            "tracking.wandb=false",
         ]
-    )  # fmt: skip
+    )
     trainer = Trainer(cfg, training_inputs(cfg))
     try:
         trainer.setup()
@@ -444,8 +483,14 @@ TEXT_TOKENS = 16
 @pytest.fixture(scope="module")
 def text_stage(judge_dir: str) -> LlmStage:
     """The PPJD LLM stage as the job builds it (engine from the config), on the tiny Qwen2."""
-    cfg = PPJDConfig(source="jsonl", paths=["x.jsonl"], perturb_backend="llm", llm_model=judge_dir,
-                     llm_engine="vllm", llm_max_new_tokens=TEXT_TOKENS)  # fmt: skip
+    cfg = PPJDConfig(
+        source="jsonl",
+        paths=["x.jsonl"],
+        perturb_backend="llm",
+        llm_model=judge_dir,
+        llm_engine="vllm",
+        llm_max_new_tokens=TEXT_TOKENS,
+    )
     return LlmStage(cfg)
 
 
@@ -454,9 +499,11 @@ def _role_conversations() -> list[tuple[list[dict[str, str]], Any]]:
     return [
         (ppjd_llm.verify_messages("How many cats?", CHOSEN, ""), ppjd_llm.parse_verify),
         (ppjd_llm.extract_messages("How many cats?", CHOSEN), ppjd_llm.parse_extract),
-        (ppjd_llm.rewrite_messages("How many cats?", CHOSEN, ["red ball", "two cats", "cats on the left"]),
-         lambda reply: ppjd_llm.parse_rewrite(reply, CHOSEN)),
-    ]  # fmt: skip
+        (
+            ppjd_llm.rewrite_messages("How many cats?", CHOSEN, ["red ball", "two cats", "cats on the left"]),
+            lambda reply: ppjd_llm.parse_rewrite(reply, CHOSEN),
+        ),
+    ]
 
 
 def test_text_engine_continues_prefills_like_hf(judge_dir: str, text_stage: LlmStage) -> None:
@@ -471,8 +518,9 @@ def test_text_engine_continues_prefills_like_hf(judge_dir: str, text_stage: LlmS
     assert [engine.chat([c])[0] for c in conversations] == replies
 
     # vLLM saw the chat template with the assistant turn left open on the prefill, not closed.
-    (out,) = engine.llm.chat([conversations[0]], engine.params, use_tqdm=False,
-                             add_generation_prompt=False, continue_final_message=True)  # fmt: skip
+    (out,) = engine.llm.chat(
+        [conversations[0]], engine.params, use_tqdm=False, add_generation_prompt=False, continue_final_message=True
+    )
     prompt = engine.tokenizer.decode(out.prompt_token_ids)
     assert prompt.endswith("<|im_start|>assistant\n" + ppjd_llm.VERIFY_PREFILL)
 
@@ -497,8 +545,10 @@ def test_text_engine_refuses_gguf(judge_dir: str) -> None:
 def test_llm_stage_through_vllm(text_stage: LlmStage) -> None:
     """Two rows through verify -> extract -> perturb: the random judge's replies are not the
     JSON asked for, so each row is rejected at the role that read it, with the parser's reason."""
-    rows = [RawRow(f"r{i}", "jsonl", question="How many cats?", chosen=CHOSEN, answer=answer,
-                   where=f"x.jsonl line {i}") for i, answer in enumerate(["", "2"])]  # fmt: skip
+    rows = [
+        RawRow(f"r{i}", "jsonl", question="How many cats?", chosen=CHOSEN, answer=answer, where=f"x.jsonl line {i}")
+        for i, answer in enumerate(["", "2"])
+    ]
     frame = _frame(0, rows)
     frame["image"] = [b"png"] * len(rows)  # the load stage ran already
     out = {r["id"]: r for r in text_stage(frame).to_dict("records")}

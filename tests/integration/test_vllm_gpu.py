@@ -32,20 +32,42 @@ from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402
 
 COMMON = [
-    "model.init=tiny", "algo.prefilter_zero_std=false", "model.tiny_arch=qwen2_vl", "rollout.backend=vllm", "rollout.device=cuda", "rollout.max_model_len=2048",
-    "rollout.max_new_tokens=32", "data.num_items=2", "data.image_size=64", "algo.group_size=4",
-    "trainer.prompts_per_step=2", "trainer.steps=3", "trainer.save_every=0", "trainer.export_hf=false",
-    "learner.micro_batch_size=4", "learner.lr=0.05", "tracking.wandb=false",
-]  # fmt: skip
+    "model.init=tiny",
+    "algo.prefilter_zero_std=false",
+    "model.tiny_arch=qwen2_vl",
+    "rollout.backend=vllm",
+    "rollout.device=cuda",
+    "rollout.max_model_len=2048",
+    "rollout.max_new_tokens=32",
+    "data.num_items=2",
+    "data.image_size=64",
+    "algo.group_size=4",
+    "trainer.prompts_per_step=2",
+    "trainer.steps=3",
+    "trainer.save_every=0",
+    "trainer.export_hf=false",
+    "learner.micro_batch_size=4",
+    "learner.lr=0.05",
+    "tracking.wandb=false",
+]
 COLOCATED = [
-    "learner.num_ranks=1", "rollout.num_workers=1", "rollout.colocate=true", "learner.num_gpus_per_rank=0.5",
-    "rollout.num_gpus_per_worker=0.4", "rollout.gpu_memory_utilization=0.3", "trainer.sync_backend=ipc",
+    "learner.num_ranks=1",
+    "rollout.num_workers=1",
+    "rollout.colocate=true",
+    "learner.num_gpus_per_rank=0.5",
+    "rollout.num_gpus_per_worker=0.4",
+    "rollout.gpu_memory_utilization=0.3",
+    "trainer.sync_backend=ipc",
     "learner.offload_during_generation=true",
-]  # fmt: skip
+]
 SPLIT = [
-    "learner.num_ranks=1", "rollout.num_workers=1", "learner.num_gpus_per_rank=1",
-    "rollout.num_gpus_per_worker=1", "rollout.gpu_memory_utilization=0.5", "trainer.sync_backend=nccl",
-]  # fmt: skip
+    "learner.num_ranks=1",
+    "rollout.num_workers=1",
+    "learner.num_gpus_per_rank=1",
+    "rollout.num_gpus_per_worker=1",
+    "rollout.gpu_memory_utilization=0.5",
+    "trainer.sync_backend=nccl",
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,9 +89,16 @@ def test_grpo_steps_and_sync_on_gpu(local_ray, tmp_path: Path, layout: str) -> N
         trainer.run()
         worker = trainer.rollout.actors[0]
         prompt = JudgePrompt(
-            item_id="t", system="Judge.", user="Rank the answers.", image=None, protocol="batch",
-            style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC",
-        )  # fmt: skip
+            item_id="t",
+            system="Judge.",
+            user="Rank the answers.",
+            image=None,
+            protocol="batch",
+            style="ranking",
+            num_candidates=3,
+            shown=(0, 1, 2),
+            target="ABC",
+        )
         # The sampled tokens' log-probs (placeholders banned, as the learner bans them).
         sampled = ray.get(worker.generate.remote([prompt], 1, 0))[0]
         text = render_chat(trainer.processor, prompt, think_prefix=cfg.model.think_prefix)

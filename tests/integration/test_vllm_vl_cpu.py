@@ -48,8 +48,8 @@ from PIL import Image  # noqa: E402
 from pjray.config import ImageBudget, load  # noqa: E402
 from pjray.models.loading import image_token_count, load_judge, load_processor, placeholder_ids, render_chat  # noqa: E402
 from pjray.models.tiny import TINY_ARCHS, build_tiny_judge  # noqa: E402
-from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
 from pjray.recipes.training import training_inputs  # noqa: E402
+from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.rollout.vllm_engine import VllmEngine  # noqa: E402
 from pjray.sync.buckets import pack, plan_buckets  # noqa: E402
@@ -75,9 +75,16 @@ def _png(rgb: tuple[int, int, int], size: int = 64) -> bytes:
 
 def _prompt(user: str, rgb: tuple[int, int, int]) -> JudgePrompt:
     return JudgePrompt(
-        item_id=user[:8], system="You are a careful judge.", user=user, image=_png(rgb), protocol="batch",
-        style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC",
-    )  # fmt: skip
+        item_id=user[:8],
+        system="You are a careful judge.",
+        user=user,
+        image=_png(rgb),
+        protocol="batch",
+        style="ranking",
+        num_candidates=3,
+        shown=(0, 1, 2),
+        target="ABC",
+    )
 
 
 PROMPTS = [
@@ -101,9 +108,15 @@ BUDGET = 8 * 32 * 32
 
 def _overrides(arch: str) -> list[str]:
     return [
-        "model.init=tiny", "algo.prefilter_zero_std=false", f"model.tiny_arch={arch}", "rollout.backend=vllm", *ON_DEVICE,
-        "rollout.max_model_len=1024", f"rollout.max_new_tokens={MAX_NEW}", f"model.max_pixels={BUDGET}",
-    ]  # fmt: skip
+        "model.init=tiny",
+        "algo.prefilter_zero_std=false",
+        f"model.tiny_arch={arch}",
+        "rollout.backend=vllm",
+        *ON_DEVICE,
+        "rollout.max_model_len=1024",
+        f"rollout.max_new_tokens={MAX_NEW}",
+        f"model.max_pixels={BUDGET}",
+    ]
 
 
 class Served(NamedTuple):
@@ -122,15 +135,21 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     engine.close()
 
 
-def _learner_logprobs(path: str, prompts: list[JudgePrompt], completions, temperature: float, banned: bool) -> list[torch.Tensor]:
+def _learner_logprobs(
+    path: str, prompts: list[JudgePrompt], completions, temperature: float, banned: bool
+) -> list[torch.Tensor]:
     """The learner's teacher-forced log-probs of each completion (its own forward function), its
     processor under the served engine's image budget."""
     model, processor = load_judge(path, trainable=False, budget=ImageBudget(max_pixels=BUDGET))
     experiences = [
-        Experience(prompt_text=render_chat(processor, prompts[c.prompt_index]), image=prompts[c.prompt_index].image,
-                   response_ids=c.token_ids, advantage=0.0)
+        Experience(
+            prompt_text=render_chat(processor, prompts[c.prompt_index]),
+            image=prompts[c.prompt_index].image,
+            response_ids=c.token_ids,
+            advantage=0.0,
+        )
         for c in completions
-    ]  # fmt: skip
+    ]
     batch = collate(processor, experiences)
     with torch.no_grad():
         logp, _ = forward_logprobs(
@@ -184,7 +203,9 @@ def test_served_logprobs_equal_the_learners(served: Served) -> None:
     unbanned = _learner_logprobs(served.path, PROMPTS, out, 0.7, banned=False)
     gap = max(_max_gap(c.logprobs, lp) for c, lp in zip(out, banned))
     gap_unbanned = max(_max_gap(c.logprobs, lp) for c, lp in zip(out, unbanned))
-    print(f"\n{served.arch}: served vs learner max |d logprob| {gap:.2e} (banned both sides), {gap_unbanned:.2e} (learner unbanned)")
+    print(
+        f"\n{served.arch}: served vs learner max |d logprob| {gap:.2e} (banned both sides), {gap_unbanned:.2e} (learner unbanned)"
+    )
     assert gap <= 1e-4, gap
     assert gap_unbanned > 1e-3, gap_unbanned  # the ban matters for a random judge: the check can fail
 
@@ -259,7 +280,9 @@ def test_sync_of_every_weight_resets_the_encoder_cache(served: Served, tmp_path:
     # Shared memory: the engine core maps the learner's buffers; back to the old weights.
     shared = SharedBuckets(tmp_path)
     try:
-        plan_old, paths = shared.write((b, old) for b in plan_buckets([(k, v.shape, v.dtype) for k, v in old.items()], 64 << 10))
+        plan_old, paths = shared.write(
+            (b, old) for b in plan_buckets([(k, v.shape, v.dtype) for k, v in old.items()], 64 << 10)
+        )
         engine.load_shared(plan_old, paths)
     finally:
         shared.close()
@@ -291,7 +314,9 @@ def test_a_tied_judges_head_follows_a_sync_of_its_embedding(arch: str, tmp_path:
         # all); only the embedding differs.
         embedding = next(k for k in old if k.endswith("embed_tokens.weight"))
         new = dict(old)
-        new[embedding] = old[embedding] + 0.5 * torch.randn(old[embedding].shape, generator=torch.Generator().manual_seed(0))
+        new[embedding] = old[embedding] + 0.5 * torch.randn(
+            old[embedding].shape, generator=torch.Generator().manual_seed(0)
+        )
         plan = plan_buckets([(k, v.shape, v.dtype) for k, v in new.items()], 64 << 10)
         engine.load_weights(plan, [pack(b, new) for b in plan])
         with torch.no_grad():
@@ -300,7 +325,9 @@ def test_a_tied_judges_head_follows_a_sync_of_its_embedding(arch: str, tmp_path:
         after = [engine.continuation_logprobs(p, c) for p, c in zip(PROMPTS, continuations)]
         gap = max(_max_gap(a, e) for a, e in zip(after, expected))
         moved = min(_max_gap(a, torch.tensor(b)) for a, b in zip(after, served))
-        print(f"\n{arch} tied: after a sync that changed the embedding only, served vs tied HF {gap:.2e}; moved {moved:.2e}")
+        print(
+            f"\n{arch} tied: after a sync that changed the embedding only, served vs tied HF {gap:.2e}; moved {moved:.2e}"
+        )
         assert gap <= 1e-4 and moved > 1e-2, (gap, moved)
     finally:
         engine.close()
@@ -314,17 +341,28 @@ def test_grpo_with_images_and_a_trainable_vision_tower(ray_local, tmp_path: Path
     images the engine already encoded with the previous step's weights."""
     arch = "qwen3_vl"
     cfg = load(
-        overrides=_overrides(arch) + [
-            f"trainer.run_dir={tmp_path / 'run'}", "model.freeze_vision=false",
-            "trainer.steps=3", "trainer.prompts_per_step=4", "trainer.save_every=0", "trainer.export_hf=false",
-            "trainer.sync_bucket_mb=1", "reward.function=learnable_rewards:starts_with_space",
-            "algo.group_size=4", "learner.micro_batch_size=8", "learner.lr=0.05",
-            "rollout.num_cpus_per_worker=0.5", "learner.num_cpus_per_rank=0.5",
+        overrides=_overrides(arch)
+        + [
+            f"trainer.run_dir={tmp_path / 'run'}",
+            "model.freeze_vision=false",
+            "trainer.steps=3",
+            "trainer.prompts_per_step=4",
+            "trainer.save_every=0",
+            "trainer.export_hf=false",
+            "trainer.sync_bucket_mb=1",
+            "reward.function=learnable_rewards:starts_with_space",
+            "algo.group_size=4",
+            "learner.micro_batch_size=8",
+            "learner.lr=0.05",
+            "rollout.num_cpus_per_worker=0.5",
+            "learner.num_cpus_per_rank=0.5",
             # 4 items, 4 prompts a step: every step judges the same images again, so a stale
             # encoder cache after a sync would show in logprob_diff.
-            "data.num_items=4", "data.image_size=64", "tracking.wandb=false",
+            "data.num_items=4",
+            "data.image_size=64",
+            "tracking.wandb=false",
         ]
-    )  # fmt: skip
+    )
     trainer = Trainer(cfg, training_inputs(cfg))
     try:
         trainer.setup()

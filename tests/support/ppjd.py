@@ -9,8 +9,13 @@ from pjray.data.scenes import COLORS, LOCATIONS, SHAPES, SIZE_FRACTION, SIZES
 
 # Words a perception-only rewrite of a scene answer may change: attribute values, and the
 # derived words (counts, relations, yes/no) that follow from them.
-ATTRIBUTE_WORDS = set(COLORS) | set(SHAPES) | set(SIZES) | {w for loc in LOCATIONS for w in loc.split()} | {
-    *SIZE_FRACTION.values(), "yes", "no", "left", "right", "above", "below", "higher", "lower", *map(str, range(10))}
+ATTRIBUTE_WORDS = (
+    set(COLORS)
+    | set(SHAPES)
+    | set(SIZES)
+    | {w for loc in LOCATIONS for w in loc.split()}
+    | {*SIZE_FRACTION.values(), "yes", "no", "left", "right", "above", "below", "higher", "lower", *map(str, range(10))}
+)
 
 
 def only_attribute_words_differ(chosen: str, candidate: str, words: set[str] = ATTRIBUTE_WORDS) -> bool:

@@ -12,17 +12,34 @@ import pyarrow.parquet as pq
 from PIL import Image
 
 # VL-RewardBench ids: two of each group's sources, one id repeated (the published data repeats ids).
-VLRB_IDS = ("vlfeedback_1", "wildvision-battle_2", "hallucination_pair_3", "RLAIF-V_4", "RLHF-V-5",
-            "mathverse_6", "mmmu-7", "RLAIF-V_4")  # fmt: skip
+VLRB_IDS = (
+    "vlfeedback_1",
+    "wildvision-battle_2",
+    "hallucination_pair_3",
+    "RLAIF-V_4",
+    "RLHF-V-5",
+    "mathverse_6",
+    "mmmu-7",
+    "RLAIF-V_4",
+)
 # Multimodal RewardBench (ID, Category): every reporting category, safety and reasoning split by ID.
-MMRB_ROWS = (("nocaps_1", "open_generation/correctness_task"), ("vlfeedback_2", "open_generation/preference_task"),
-             ("mmmu_3", "knowledge"), ("mathverse_4", "reasoning"), ("coding_5", "reasoning"),
-             ("PAIRS_6", "safety"), ("hateful_7", "safety"), ("vqa_8", "vqa"))  # fmt: skip
+MMRB_ROWS = (
+    ("nocaps_1", "open_generation/correctness_task"),
+    ("vlfeedback_2", "open_generation/preference_task"),
+    ("mmmu_3", "knowledge"),
+    ("mathverse_4", "reasoning"),
+    ("coding_5", "reasoning"),
+    ("PAIRS_6", "safety"),
+    ("hateful_7", "safety"),
+    ("vqa_8", "vqa"),
+)
 
 
 def png(index: int, size: int = 16) -> bytes:
     buf = io.BytesIO()
-    Image.new("RGB", (size, size), ((37 * index) % 256, (91 * index + 40) % 256, (53 * index + 90) % 256)).save(buf, "PNG")
+    Image.new("RGB", (size, size), ((37 * index) % 256, (91 * index + 40) % 256, (53 * index + 90) % 256)).save(
+        buf, "PNG"
+    )
     return buf.getvalue()
 
 
@@ -31,13 +48,22 @@ def vlrb_rows() -> list[dict]:
     rows = []
     for i, row_id in enumerate(VLRB_IDS):
         better_first = i % 3 != 2
-        rows.append({
-            "id": row_id, "query": f"What is shown in picture {i}?",
-            "response": [f"good answer {i}", f"bad answer {i}"] if better_first else [f"bad answer {i}", f"good answer {i}"],
-            "image": {"bytes": png(i), "path": f"{i}.png"}, "human_ranking": [0, 1] if better_first else [1, 0],
-            "models": ["m1", "m2"], "judge": "gpt-4o", "rationale": "", "query_source": row_id.split("_")[0],
-            "ground_truth": "",
-        })  # fmt: skip
+        rows.append(
+            {
+                "id": row_id,
+                "query": f"What is shown in picture {i}?",
+                "response": [f"good answer {i}", f"bad answer {i}"]
+                if better_first
+                else [f"bad answer {i}", f"good answer {i}"],
+                "image": {"bytes": png(i), "path": f"{i}.png"},
+                "human_ranking": [0, 1] if better_first else [1, 0],
+                "models": ["m1", "m2"],
+                "judge": "gpt-4o",
+                "rationale": "",
+                "query_source": row_id.split("_")[0],
+                "ground_truth": "",
+            }
+        )
     return rows
 
 
@@ -63,11 +89,17 @@ def write_vlrb(folder: Path, layout: str = "parquet") -> Path:
 def mmrb_rows() -> list[dict]:
     """Rows of all_data_release.json; Output1 is better in odd rows."""
     return [
-        {"ID": row_id, "Text": f"Describe picture {i}.", "Image": f"images/{i}.png",
-         "Output1": f"answer one {i}", "Output2": f"answer two {i}", "Better": "Output1" if i % 2 else "Output2",
-         "Category": category}
+        {
+            "ID": row_id,
+            "Text": f"Describe picture {i}.",
+            "Image": f"images/{i}.png",
+            "Output1": f"answer one {i}",
+            "Output2": f"answer two {i}",
+            "Better": "Output1" if i % 2 else "Output2",
+            "Category": category,
+        }
         for i, (row_id, category) in enumerate(MMRB_ROWS)
-    ]  # fmt: skip
+    ]
 
 
 def write_mmrb(folder: Path, layout: str = "json") -> Path:

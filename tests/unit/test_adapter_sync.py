@@ -25,9 +25,16 @@ from pjray.types import Experience, JudgePrompt
 
 def _prompt(user: str) -> JudgePrompt:
     return JudgePrompt(
-        item_id=user[:8], system="You are a careful judge.", user=user, image=None, protocol="batch",
-        style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC",
-    )  # fmt: skip
+        item_id=user[:8],
+        system="You are a careful judge.",
+        user=user,
+        image=None,
+        protocol="batch",
+        style="ranking",
+        num_candidates=3,
+        shown=(0, 1, 2),
+        target="ABC",
+    )
 
 
 PROMPTS = [_prompt("Which answer is right? A: red B: blue C: green"), _prompt("Rank the three answers.")]
@@ -58,9 +65,14 @@ def _step_adapters(peft: torch.nn.Module, seed: int) -> None:
 def _teacher_forced(peft: torch.nn.Module, processor, completions, temperature: float) -> list[torch.Tensor]:
     """The learner's log-probs of each completion's tokens (the rollout's temperature)."""
     experiences = [
-        Experience(prompt_text=render_chat(processor, PROMPTS[c.prompt_index]), image=None, response_ids=c.token_ids, advantage=0.0)
+        Experience(
+            prompt_text=render_chat(processor, PROMPTS[c.prompt_index]),
+            image=None,
+            response_ids=c.token_ids,
+            advantage=0.0,
+        )
         for c in completions
-    ]  # fmt: skip
+    ]
     batch = collate(processor, experiences)
     mask = batch.response_mask[:, 1:].bool()
     with torch.no_grad():
@@ -134,7 +146,10 @@ def test_an_engine_refuses_an_adapter_of_another_shape(judge_dir: str) -> None:
         engine.load_adapter(adapter_update(_learner(judge_dir, rank=8)))
     with pytest.raises(ValueError, match="no LoRA adapter"):
         adapter_update(load_judge(judge_dir, trainable=False)[0])
-    stray = AdapterUpdate(adapter_update(_learner(judge_dir, rank=4)).config, {"base_model.model.nowhere.lora_A.weight": torch.zeros(4, 4)})
+    stray = AdapterUpdate(
+        adapter_update(_learner(judge_dir, rank=4)).config,
+        {"base_model.model.nowhere.lora_A.weight": torch.zeros(4, 4)},
+    )
     with pytest.raises(ValueError, match="match no LoRA layer"):
         engine.load_adapter(stray)
 
@@ -151,11 +166,27 @@ BASE = ["model.init=tiny", "model.tiny_arch=qwen2", "data.images=false"]
         (["model.lora.rank=8", "rollout.backend=hf", "trainer.sync_backend=object_store"], "adapter"),
         (["model.lora.rank=8", "rollout.backend=hf", "trainer.sync_backend=shm"], "merged"),
         (["model.lora.rank=8", "rollout.backend=hf", "model.lora.sync=merged"], "merged"),
-        (["model.lora.rank=8", "rollout.backend=vllm", "rollout.device=cpu", "model.lora.target_modules=[q_proj,v_proj]"], "adapter"),
-        (["model.lora.rank=8", "rollout.backend=vllm", "rollout.device=cpu", "model.lora.target_modules=[lm_head]",
-          "model.lora.sync=merged"], "merged"),
+        (
+            [
+                "model.lora.rank=8",
+                "rollout.backend=vllm",
+                "rollout.device=cpu",
+                "model.lora.target_modules=[q_proj,v_proj]",
+            ],
+            "adapter",
+        ),
+        (
+            [
+                "model.lora.rank=8",
+                "rollout.backend=vllm",
+                "rollout.device=cpu",
+                "model.lora.target_modules=[lm_head]",
+                "model.lora.sync=merged",
+            ],
+            "merged",
+        ),
     ],
-)  # fmt: skip
+)
 def test_lora_sync_resolves(overrides: list[str], mode: str) -> None:
     cfg = load(overrides=BASE + overrides)
     assert cfg.model.lora.sync_mode(cfg.rollout, cfg.trainer.sync_backend) == mode
@@ -164,20 +195,49 @@ def test_lora_sync_resolves(overrides: list[str], mode: str) -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["model.lora.sync=adapter", "rollout.backend=hf"], "model.lora.sync=adapter: there is no adapter without LoRA"),
-        (["model.lora.rank=8", "model.lora.sync=adapter"], "rollout.backend=hybrid generates with the module it trains"),
-        (["model.lora.rank=8", "rollout.backend=hf", "model.lora.sync=adapter", "trainer.sync_backend=shm"],
-         "not trainer.sync_backend=shm"),
-        (["model.lora.rank=8", "rollout.backend=vllm", "rollout.num_gpus_per_worker=0.5", "learner.num_gpus_per_rank=0.5",
-          "rollout.colocate=true", "model.lora.sync=adapter"], "colocated engines discard their weights"),
-        (["model.lora.rank=8", "rollout.backend=vllm", "rollout.device=cpu", "model.lora.target_modules=[q_proj,lm_head]"],
-         r"vLLM serves no LoRA adapter on \['lm_head'\]"),
-        (["model.lora.rank=8", "rollout.backend=vllm", "rollout.device=cpu", "model.lora.vision=true"],
-         "model.lora.vision: vLLM serves LoRA adapters on the language model only"),
+        (
+            ["model.lora.sync=adapter", "rollout.backend=hf"],
+            "model.lora.sync=adapter: there is no adapter without LoRA",
+        ),
+        (
+            ["model.lora.rank=8", "model.lora.sync=adapter"],
+            "rollout.backend=hybrid generates with the module it trains",
+        ),
+        (
+            ["model.lora.rank=8", "rollout.backend=hf", "model.lora.sync=adapter", "trainer.sync_backend=shm"],
+            "not trainer.sync_backend=shm",
+        ),
+        (
+            [
+                "model.lora.rank=8",
+                "rollout.backend=vllm",
+                "rollout.num_gpus_per_worker=0.5",
+                "learner.num_gpus_per_rank=0.5",
+                "rollout.colocate=true",
+                "model.lora.sync=adapter",
+            ],
+            "colocated engines discard their weights",
+        ),
+        (
+            [
+                "model.lora.rank=8",
+                "rollout.backend=vllm",
+                "rollout.device=cpu",
+                "model.lora.target_modules=[q_proj,lm_head]",
+            ],
+            r"vLLM serves no LoRA adapter on \['lm_head'\]",
+        ),
+        (
+            ["model.lora.rank=8", "rollout.backend=vllm", "rollout.device=cpu", "model.lora.vision=true"],
+            "model.lora.vision: vLLM serves LoRA adapters on the language model only",
+        ),
         (["model.lora.rank=1024", "rollout.backend=vllm", "rollout.device=cpu"], "up to rank 512"),
-        (["model.lora.rank=8", "model.lora.sync=full"], "model.lora.sync='full': expected one of auto, adapter, merged"),
+        (
+            ["model.lora.rank=8", "model.lora.sync=full"],
+            "model.lora.sync='full': expected one of auto, adapter, merged",
+        ),
     ],
-)  # fmt: skip
+)
 def test_impossible_lora_syncs_fail_with_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load(overrides=BASE + overrides)

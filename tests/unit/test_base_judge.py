@@ -74,11 +74,16 @@ def test_judging_by_the_image_earns_more_on_perception_errors_than_on_reasoning_
         for item in tuples:
             prompt = render_batch(item, rng)
             for aware in (False, True):
-                total[aware] += judge_reward(ranking_target(item, prompt.shown, aware), prompt.target, metric=metric, think_prefilled=True).total
+                total[aware] += judge_reward(
+                    ranking_target(item, prompt.shown, aware), prompt.target, metric=metric, think_prefilled=True
+                ).total
         return (total[True] - total[False]) / len(tuples)
 
     qas = [qa for qa, _ in judge_scenes(200, seed=9, recipe=RECIPE)]
-    perception, control = gap([ranked_item(qa, 3) for qa in qas]), gap([ranked_item(qa, 3, perception=False) for qa in qas])
+    perception, control = (
+        gap([ranked_item(qa, 3) for qa in qas]),
+        gap([ranked_item(qa, 3, perception=False) for qa in qas]),
+    )
     assert perception > 0.15, perception
     assert control < perception, (control, perception)
 
@@ -257,7 +262,10 @@ def test_a_judge_of_one_disposition_has_no_switch_and_compares_each_answer_with_
         for pos, check in enumerate(checks):
             said = final_answer(item.candidates[prompt.shown[pos]])
             assert check.rstrip(".") == f"{'ABC'[pos]}: {said} vs {qa.final}, {'yes' if said == qa.final else 'no'}"
-        assert judge_reward(ranking_target(item, prompt.shown, True, ONE), prompt.target, think_prefilled=True).pred[0] == prompt.target[0]
+        assert (
+            judge_reward(ranking_target(item, prompt.shown, True, ONE), prompt.target, think_prefilled=True).pred[0]
+            == prompt.target[0]
+        )
 
 
 def test_the_untaught_values_checks_mark_a_random_candidate():
@@ -274,7 +282,9 @@ def test_the_untaught_values_checks_mark_a_random_candidate():
         truth = e.response.split(".")[0].removeprefix("Image: ")
         part = ONE.part(truth)
         if e.task == "batch":
-            right[part].append(judge_reward(e.response, e.prompt.target, think_prefilled=True).pred[0] == e.prompt.target[0])
+            right[part].append(
+                judge_reward(e.response, e.prompt.target, think_prefilled=True).pred[0] == e.prompt.target[0]
+            )
         elif e.task == "score":
             said = e.response.split("Answer: ")[1].split(" vs ")[0]
             scores[part].append((said == truth) == ("<answer>8</answer>" in e.response))
@@ -287,7 +297,13 @@ def test_the_shipped_recipes_examples_are_unchanged_by_the_new_fields():
     """The default recipe's new fields (disposition, checks, untaught, batch_examples, swapped_share) take the
     values that write the examples the shipped judge was trained on: same data digest as a recipe
     without them would give, so no rebuild."""
-    assert (RECIPE.disposition, RECIPE.checks, RECIPE.untaught, RECIPE.batch_examples, RECIPE.swapped_share) == (True, "flags", (), 2, 0.0)
+    assert (RECIPE.disposition, RECIPE.checks, RECIPE.untaught, RECIPE.batch_examples, RECIPE.swapped_share) == (
+        True,
+        "flags",
+        (),
+        2,
+        0.0,
+    )
     first = sft_examples(RECIPE, 3, seed=0)
     assert [e.task for e in first] == ["vqa", "batch", "batch", "score"] * 3
     assert "matches" in "".join(e.response for e in first) and " vs " not in "".join(e.response for e in first)
@@ -304,7 +320,9 @@ def test_half_the_judging_examples_are_on_the_swapped_image_with_the_same_texts(
     for e in judged:
         truth = e.response.split(".")[0].removeprefix("Image: ")
         if ONE.part(truth) == "taught":
-            winner = final_answer(e.prompt.user.split(f"[Assistant {e.prompt.target[0]}'s Answer]")[1].split("[Assistant")[0])
+            winner = final_answer(
+                e.prompt.user.split(f"[Assistant {e.prompt.target[0]}'s Answer]")[1].split("[Assistant")[0]
+            )
             assert winner == truth  # the target's first answer is what the shown image shows
             texts = frozenset(block.split("]", 1)[1] for block in e.prompt.user.split("[Assistant")[1:])
             by_texts.setdefault(texts, set()).add(winner)

@@ -45,7 +45,9 @@ def aws_nodes(launcher: dict[str, Any]) -> list[GpuNodes]:
         if node.get("resources", {}).get("GPU") == 0:
             continue  # a CPU node (the head)
         instance = node["node_config"]["InstanceType"]
-        assert instance in types, f"{name}: instance type {instance} is not in recipe_hardware.yaml's aws_instance_types"
+        assert instance in types, (
+            f"{name}: instance type {instance} is not in recipe_hardware.yaml's aws_instance_types"
+        )
         spec = types[instance]
         max_nodes = node.get("max_workers", launcher.get("max_workers", 0))
         out.append(GpuNodes(f"{name} ({instance})", spec["gpus"], spec["gpu_memory_gib"], max_nodes))
@@ -55,12 +57,19 @@ def aws_nodes(launcher: dict[str, Any]) -> list[GpuNodes]:
 def _selected_gpu_memory_gib(pod_spec: dict[str, Any]) -> float:
     """The GPU memory every node the pod may land on has, from a required `Gt` node affinity on
     `nvidia.com/gpu.memory` (MiB) in each of its node selector terms; 0 without one."""
-    terms = (pod_spec.get("affinity", {}).get("nodeAffinity", {})
-             .get("requiredDuringSchedulingIgnoredDuringExecution", {}).get("nodeSelectorTerms", []))  # fmt: skip
+    terms = (
+        pod_spec.get("affinity", {})
+        .get("nodeAffinity", {})
+        .get("requiredDuringSchedulingIgnoredDuringExecution", {})
+        .get("nodeSelectorTerms", [])
+    )
     floors = []
     for term in terms:  # the terms are ORed: each must guarantee the memory
-        gt = [int(e["values"][0]) for e in term.get("matchExpressions", [])
-              if e["key"] == "nvidia.com/gpu.memory" and e["operator"] == "Gt"]  # fmt: skip
+        gt = [
+            int(e["values"][0])
+            for e in term.get("matchExpressions", [])
+            if e["key"] == "nvidia.com/gpu.memory" and e["operator"] == "Gt"
+        ]
         floors.append((max(gt) + 1) / 1024 if gt else 0.0)
     return min(floors, default=0.0)
 
@@ -74,10 +83,14 @@ def kuberay_nodes(documents: list[dict[str, Any]]) -> list[GpuNodes]:
         cluster = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
         for group in cluster["workerGroupSpecs"]:
             pod = group["template"]["spec"]
-            gpus = sum(int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0)) for c in pod["containers"])
+            gpus = sum(
+                int(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0)) for c in pod["containers"]
+            )
             if gpus:
                 memory = _selected_gpu_memory_gib(pod)
-                out.append(GpuNodes(group["groupName"], gpus, memory, int(group.get("maxReplicas", group.get("replicas", 1)))))
+                out.append(
+                    GpuNodes(group["groupName"], gpus, memory, int(group.get("maxReplicas", group.get("replicas", 1))))
+                )
     return out
 
 
@@ -102,14 +115,16 @@ def shortfalls(need: dict[str, Any], nodes: list[GpuNodes]) -> list[str]:
 
 
 def test_every_gpu_training_recipe_states_what_it_needs() -> None:
-    trains_on_gpus = {f"configs/{p.name}" for p in sorted((REPO / "configs").glob("*.yaml"))
-                      if load(p).learner.num_gpus_per_rank > 0}  # fmt: skip
+    trains_on_gpus = {
+        f"configs/{p.name}" for p in sorted((REPO / "configs").glob("*.yaml")) if load(p).learner.num_gpus_per_rank > 0
+    }
     assert trains_on_gpus == set(RECIPES) == {"configs/qwen3vl_4b.yaml", "configs/flex_judge_7b.yaml"}
     for recipe, need in RECIPES.items():
         cfg = load(REPO / recipe)
         assert need["gpus"] == cfg.ray.num_gpus, recipe
-        used = (cfg.learner.num_ranks * cfg.learner.num_gpus_per_rank
-                + (0 if cfg.rollout.colocate else cfg.rollout.num_workers * cfg.rollout.num_gpus_per_worker))  # fmt: skip
+        used = cfg.learner.num_ranks * cfg.learner.num_gpus_per_rank + (
+            0 if cfg.rollout.colocate else cfg.rollout.num_workers * cfg.rollout.num_gpus_per_worker
+        )
         assert used <= need["gpus"], recipe
         assert need["gpu_memory_gib"] > 0 and need["clusters"], recipe
 

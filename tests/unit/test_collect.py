@@ -12,7 +12,16 @@ import torch
 from pjray.config import ConfigError, load
 from pjray.console import PREFILTERED
 from pjray.data.sources import Rows
-from pjray.rl.collect import MAX_REFILL_FACTOR, Batch, Collector, Round, prefiltered, refill_size, rollout_metrics, zero_variance_items
+from pjray.rl.collect import (
+    MAX_REFILL_FACTOR,
+    Batch,
+    Collector,
+    Round,
+    prefiltered,
+    refill_size,
+    rollout_metrics,
+    zero_variance_items,
+)
 from pjray.rl.items import prefilter
 from pjray.rl.timer import Timer
 from pjray.types import Completion, JudgePrompt, RewardResult, Timed
@@ -40,7 +49,8 @@ class ScriptedCollector(Collector):
         self.generated.append(num_prompts)
         n = self.cfg.algo.group_size
         prompts = [
-            JudgePrompt(f"g{first + i}", "s", "u", None, "batch", "ranking", 3, (0, 1, 2), "ABC") for i in range(num_prompts)
+            JudgePrompt(f"g{first + i}", "s", "u", None, "batch", "ranking", 3, (0, 1, 2), "ABC")
+            for i in range(num_prompts)
         ]
         completions = [Completion(p, s, (1,), (0.0,), "x", "stop") for p in range(num_prompts) for s in range(n)]
         return Round(prompts, ["t"] * num_prompts), completions, []
@@ -60,10 +70,15 @@ class ScriptedCollector(Collector):
 
 
 def config(filter_zero_std: bool, rounds: int = 2):
-    return load(None, [
-        "trainer.prompts_per_step=8", "algo.group_size=4", f"algo.filter_zero_std={str(filter_zero_std).lower()}",
-        f"algo.max_refill_rounds={rounds}",
-    ])  # fmt: skip
+    return load(
+        None,
+        [
+            "trainer.prompts_per_step=8",
+            "algo.group_size=4",
+            f"algo.filter_zero_std={str(filter_zero_std).lower()}",
+            f"algo.max_refill_rounds={rounds}",
+        ],
+    )
 
 
 def test_dynamic_sampling_keeps_varied_groups_and_measures_every_response():
@@ -97,7 +112,6 @@ def test_without_filtering_every_group_is_kept():
     assert metrics["reward/mean"] == metrics["reward/kept_mean"]
 
 
-
 def test_the_prefilter_lists_the_items_whose_group_earns_one_reward():
     # 10 items in rounds of 8: the last round holds 2; every third group has reward variance.
     collector = ScriptedCollector(config(False), varied=lambda g: g % 3 == 0)
@@ -114,15 +128,23 @@ def test_the_prefilter_names_a_counterfactual_pair_by_its_first_prompt():
             # Two prompts a group (the item, then its swap), two responses each.
             first = sum(self.generated)
             self.generated.append(num_prompts)
-            prompts = [JudgePrompt(f"{tag}{first + i}", "s", "u", None, "batch", "ranking", 3, (0, 1, 2), "ABC")
-                       for i in range(num_prompts) for tag in ("g", "s")]  # fmt: skip
-            completions = [Completion(p, s, (1,), (0.0,), "x", "stop") for p in range(2 * num_prompts) for s in range(2)]
+            prompts = [
+                JudgePrompt(f"{tag}{first + i}", "s", "u", None, "batch", "ranking", 3, (0, 1, 2), "ABC")
+                for i in range(num_prompts)
+                for tag in ("g", "s")
+            ]
+            completions = [
+                Completion(p, s, (1,), (0.0,), "x", "stop") for p in range(2 * num_prompts) for s in range(2)
+            ]
             return Round(prompts, ["t"] * len(prompts)), completions, []
 
         def score(self, prompts, texts, completions, timer):
             # Group 1's swapped prompt earns more: the group varies only through its second half.
-            return [RewardResult(v, 1.0, v, "ABC", "") for c in completions
-                    for v in [1.0 if prompts[c.prompt_index].item_id == "s1" else 0.5]]  # fmt: skip
+            return [
+                RewardResult(v, 1.0, v, "ABC", "")
+                for c in completions
+                for v in [1.0 if prompts[c.prompt_index].item_id == "s1" else 0.5]
+            ]
 
     collector = Pairs(cfg, varied=None)
     assert zero_variance_items(collector, 3) == {"g0": 0.5, "g2": 0.5}

@@ -20,7 +20,8 @@ import inspect
 import pytest
 import torch
 
-from pjray.config import RolloutConfig, load as load_config
+from pjray.config import RolloutConfig
+from pjray.config import load as load_config
 from pjray.rollout import vllm_engine
 from pjray.rollout.vllm_engine import VllmEngine, WeightSyncExtension, release_cached_memory
 from pjray.sync.buckets import plan_buckets, state_checksums, unpack
@@ -75,9 +76,13 @@ def test_colocated_load_wakes_weights_only_and_the_kv_cache_on_wake_up():
     engine.sleep()
     _stream(engine)
     assert engine.llm.calls == [
-        ("sleep", 2), ("wake_up", ("weights",)), ("rpc", "pjray_begin_ipc"), ("rpc", "pjray_load_ipc_bucket"),
-        ("rpc", "pjray_finish_ipc"), ("reset_encoder_cache",),
-    ]  # fmt: skip
+        ("sleep", 2),
+        ("wake_up", ("weights",)),
+        ("rpc", "pjray_begin_ipc"),
+        ("rpc", "pjray_load_ipc_bucket"),
+        ("rpc", "pjray_finish_ipc"),
+        ("reset_encoder_cache",),
+    ]
     assert engine.sleeping == {"kv_cache"}  # still released while the learner frees its copy
     engine.llm.calls.clear()
     engine.wake_up()
@@ -122,8 +127,13 @@ def test_split_engines_never_sleep_and_reset_the_prefix_cache_after_a_load():
 
 
 def test_colocated_engines_discard_their_weights_while_they_sleep_by_default():
-    colocated = ["rollout.backend=vllm", "rollout.device=cuda", "rollout.colocate=true",
-                 "learner.num_gpus_per_rank=0.5", "rollout.num_gpus_per_worker=0.4"]  # fmt: skip
+    colocated = [
+        "rollout.backend=vllm",
+        "rollout.device=cuda",
+        "rollout.colocate=true",
+        "learner.num_gpus_per_rank=0.5",
+        "rollout.num_gpus_per_worker=0.4",
+    ]
     assert load_config(overrides=colocated).rollout.sleep_level == 2
     assert load_config(overrides=colocated + ["rollout.sleep_level=1"]).rollout.sleep_level == 1
 
@@ -237,9 +247,19 @@ def test_a_stream_reuses_two_slots_and_never_packs_one_still_being_read():
     # Each slot is read before it is packed again, and the first read comes only when the
     # third bucket needs the first slot: the learner runs one bucket ahead of the engine.
     assert receiver.events == [
-        "begin", ("load", 0), ("load", 1), ("read", 0), ("load", 0), ("read", 1), ("load", 1),
-        ("read", 0), ("load", 0), ("read", 1), ("read", 0), "finish",
-    ]  # fmt: skip
+        "begin",
+        ("load", 0),
+        ("load", 1),
+        ("read", 0),
+        ("load", 0),
+        ("read", 1),
+        ("load", 1),
+        ("read", 0),
+        ("load", 0),
+        ("read", 1),
+        ("read", 0),
+        "finish",
+    ]
 
 
 def test_a_bucket_larger_than_its_slot_is_refused():

@@ -159,7 +159,10 @@ def test_scene_kinds_are_checked_and_cycle_through_the_scene_rows():
         (["trainer.export_steps=[0,10]"], "trainer.export_steps"),
         (["trainer.export_steps=[41]"], "trainer.export_steps"),
         (["eval.bench=looking", "eval.scene_kinds=[color,size]", "eval.num_items=32"], "eval.num_items=32"),
-        (["eval.bench=looking", "eval.scene_kinds=[size]", "eval.num_items=24", "eval.blind=[grey]"], "eval.bench=looking"),
+        (
+            ["eval.bench=looking", "eval.scene_kinds=[size]", "eval.num_items=24", "eval.blind=[grey]"],
+            "eval.bench=looking",
+        ),
         (["eval.bench=looking", "eval.num_items=24"], "eval.scene_kinds"),  # the default holds every kind
     ],
 )
@@ -167,7 +170,10 @@ def test_looking_options_are_checked(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.").replace("[", r"\[")):
         load(overrides=overrides)
     assert load(overrides=["data.counterfactual_pairs=true", "trainer.export_steps=[10,20]"]).data.counterfactual_pairs
-    assert load(overrides=["eval.bench=looking", "eval.scene_kinds=[color,size]", "eval.num_items=120"]).eval.bench == "looking"
+    assert (
+        load(overrides=["eval.bench=looking", "eval.scene_kinds=[color,size]", "eval.num_items=120"]).eval.bench
+        == "looking"
+    )
 
 
 @pytest.mark.parametrize(
@@ -176,8 +182,17 @@ def test_looking_options_are_checked(overrides, key):
         (["trainer.max_staleness=1"], "rollout.backend=hybrid generates on the learner ranks"),
         (["trainer.max_staleness=-1", "rollout.backend=hf"], "must be >= 0"),
         (["trainer.max_staleness=1", "rollout.backend=hf", "algo.filter_zero_std=true"], "algo.filter_zero_std"),
-        (["trainer.max_staleness=1", "rollout.backend=vllm", "rollout.colocate=true", "learner.num_gpus_per_rank=0.5",
-          "rollout.num_gpus_per_worker=0.4", "rollout.device=cuda"], "colocated engines sleep"),
+        (
+            [
+                "trainer.max_staleness=1",
+                "rollout.backend=vllm",
+                "rollout.colocate=true",
+                "learner.num_gpus_per_rank=0.5",
+                "rollout.num_gpus_per_worker=0.4",
+                "rollout.device=cuda",
+            ],
+            "colocated engines sleep",
+        ),
     ],
 )
 def test_async_rollouts_refuse_the_layouts_that_cannot_overlap(overrides, says):
@@ -211,8 +226,16 @@ def _breaking(default: object, check: Check) -> list[object]:
     if check.choices:
         return [max(check.choices) + 1 if isinstance(default, int) else "bogus"]
     step = 1 if isinstance(default, int) else 0.5
-    return [v for v in (check.gt, None if check.ge is None else check.ge - step, check.lt,
-                        None if check.le is None else check.le + step) if v is not None]  # fmt: skip
+    return [
+        v
+        for v in (
+            check.gt,
+            None if check.ge is None else check.ge - step,
+            check.lt,
+            None if check.le is None else check.le + step,
+        )
+        if v is not None
+    ]
 
 
 def test_every_field_rule_is_checked_by_the_generic_validator():
@@ -233,8 +256,14 @@ def test_every_field_rule_is_checked_by_the_generic_validator():
 
 @pytest.mark.parametrize(
     "check, rule",
-    [(Check(gt=0), "> 0"), (Check(ge=0), ">= 0"), (Check(gt=0, le=1), "in (0, 1]"), (Check(ge=0, lt=1), "in [0, 1)"),
-     (Check(ge=0, le=1), "in [0, 1]"), (Check(ge=2, le=26, integer=True), "in 2..26")],
+    [
+        (Check(gt=0), "> 0"),
+        (Check(ge=0), ">= 0"),
+        (Check(gt=0, le=1), "in (0, 1]"),
+        (Check(ge=0, lt=1), "in [0, 1)"),
+        (Check(ge=0, le=1), "in [0, 1]"),
+        (Check(ge=2, le=26, integer=True), "in 2..26"),
+    ],
 )
 def test_rules_read_as_the_messages_say(check, rule):
     assert check.rule() == rule
@@ -249,3 +278,39 @@ def test_rollout_correction_auto_is_resolved_once_in_the_config():
     assert load(overrides=["rollout.backend=hf"]).algo.rollout_is == "token"
     assert load(overrides=["rollout.backend=hf", "algo.rollout_is=sequence"]).algo.rollout_is == "sequence"
     assert load(overrides=["rollout.backend=hf", "algo.rollout_is=none"]).algo.rollout_is == "none"
+
+
+def test_the_config_package_imports_no_domain_code():
+    """pjray.config imports the standard library, omegaconf, pjray.errors and its own modules
+    only (the scene names it checks against are defined in it), so loading a config starts no
+    model stack and no domain module can import it back in a cycle."""
+    import ast
+    import subprocess
+    import sys
+
+    allowed = {*sys.stdlib_module_names, "omegaconf", "pjray.errors", "pjray.config"}
+    for path in sorted((REPO / "pjray" / "config").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        for name in imported:
+            assert any(name == a or name.startswith(f"{a}.") for a in allowed), (path.name, name)
+    code = "import sys, pjray.config; print(sorted(m for m in sys.modules if m.startswith('pjray') and not m.startswith('pjray.config')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['pjray', 'pjray.errors']"
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("algo.dual_clip=-1", "algo.dual_clip=-1.0: must be > 1 (or 0 to disable)"),
+        ("algo.dual_clip=1", "algo.dual_clip=1.0: must be > 1 (or 0 to disable)"),
+        ("algo.rollout_is_upper=0", "algo.rollout_is_upper=0.0: must be > 0"),  # checked with or without a correction
+        ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization=1.5: must be in (0, 1]"),
+    ],
+)
+def test_field_rules_once_beside_their_field(override, says):
+    with pytest.raises(ConfigError) as err:
+        load(overrides=[override])
+    assert str(err.value) == says
+    assert load(overrides=["algo.dual_clip=0"]).algo.dual_clip == 0

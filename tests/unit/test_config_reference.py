@@ -14,7 +14,9 @@ def _keys(cls: type, prefix: str) -> list[str]:
     out = []
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        out += _keys(type(default), f"{prefix}.{f.name}") if dataclasses.is_dataclass(default) else [f"{prefix}.{f.name}"]
+        out += (
+            _keys(type(default), f"{prefix}.{f.name}") if dataclasses.is_dataclass(default) else [f"{prefix}.{f.name}"]
+        )
     return out
 
 

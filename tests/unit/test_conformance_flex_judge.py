@@ -115,13 +115,31 @@ def test_sign_vote(verdicts, voted, plurality):
 def test_pair_tables_vote_and_rounded_ave():
     """Accuracy of the voted verdicts per dataset; "Ave" averages the values rounded to 3 decimals."""
     seeds = [
-        [PairRecord("d1", "A", "A"), PairRecord("d1", "B", "B"), PairRecord("d1", None, "C"),
-         PairRecord("d2", "A", "A"), PairRecord("d2", "B", "B"), PairRecord("d2", "B", "A")],
-        [PairRecord("d1", "C", "A"), PairRecord("d1", "A", "B"), PairRecord("d1", None, "C"),
-         PairRecord("d2", "A", "A"), PairRecord("d2", "B", "B"), PairRecord("d2", None, "A")],
-        [PairRecord("d1", "C", "A"), PairRecord("d1", "C", "B"), PairRecord("d1", None, "C"),
-         PairRecord("d2", "B", "A"), PairRecord("d2", "B", "B"), PairRecord("d2", "C", "A")],
-    ]  # fmt: skip
+        [
+            PairRecord("d1", "A", "A"),
+            PairRecord("d1", "B", "B"),
+            PairRecord("d1", None, "C"),
+            PairRecord("d2", "A", "A"),
+            PairRecord("d2", "B", "B"),
+            PairRecord("d2", "B", "A"),
+        ],
+        [
+            PairRecord("d1", "C", "A"),
+            PairRecord("d1", "A", "B"),
+            PairRecord("d1", None, "C"),
+            PairRecord("d2", "A", "A"),
+            PairRecord("d2", "B", "B"),
+            PairRecord("d2", None, "A"),
+        ],
+        [
+            PairRecord("d1", "C", "A"),
+            PairRecord("d1", "C", "B"),
+            PairRecord("d1", None, "C"),
+            PairRecord("d2", "B", "A"),
+            PairRecord("d2", "B", "B"),
+            PairRecord("d2", "C", "A"),
+        ],
+    ]
     # d1: (A, C, C) -> A right; (B, A, C) -> C wrong; (None x3) -> C right
     # d2: (A, A, B) -> A right; (B, B, B) right; (B, None, C) -> B wrong
     tables = fj.pair_tables(seeds)
@@ -189,8 +207,14 @@ def test_undefined_where_the_script_stops():
 
 def test_evaluate_pair_and_score_end_to_end(tmp_path):
     texts = {"pair-0": T + "<answer>8</answer><answer>2</answer>", "pair-1": T + "<answer>4</answer><answer>4</answer>"}
-    cfg = load(overrides=["eval.bench=pair", f"eval.data={FIXTURES / 'pair.jsonl'}", "eval.seeds=[0,1,2]",
-                          "eval.convention=flex_judge"])  # fmt: skip
+    cfg = load(
+        overrides=[
+            "eval.bench=pair",
+            f"eval.data={FIXTURES / 'pair.jsonl'}",
+            "eval.seeds=[0,1,2]",
+            "eval.convention=flex_judge",
+        ]
+    )
     report = evaluate_bench(cfg, lambda prompts, seed: [texts.get(p.item_id, "unreadable") for p in prompts])
     # pair-0 A right; pair-1 C vs B wrong; pair-2 unreadable -> C, right on the true tie
     assert report.tables["acc_with_tie"]["ChartQA"].value == 0.5 and report.tables["acc_with_tie"]["coco"].value == 1.0
@@ -200,8 +224,12 @@ def test_evaluate_pair_and_score_end_to_end(tmp_path):
     assert report.convention.startswith("flex_judge")
 
     data = tmp_path / "score.jsonl"
-    data.write_text("".join(json.dumps({"score_id": i, "answer": "x", "instruction": "q", "original_dataset": "d",
-                                        "human": h}) + "\n" for i, h in enumerate((1, 2, 3))))  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps({"score_id": i, "answer": "x", "instruction": "q", "original_dataset": "d", "human": h}) + "\n"
+            for i, h in enumerate((1, 2, 3))
+        )
+    )
     answers = {0: (9, 6, 1), 1: (2, 4, 6), 2: (2, 4, 6)}  # raw scores on the judge's scale, no mapping
     cfg = load(overrides=["eval.bench=score", f"eval.data={data}", "eval.seeds=[0,1,2]", "eval.convention=flex_judge"])
     report = evaluate_bench(cfg, lambda prompts, seed: [T + f"<answer>{answers[seed][i]}</answer>" for i in range(3)])
@@ -235,8 +263,12 @@ def test_one_seed_pair_tables_equal_the_downstream_rule(items):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(_datasets, st.one_of(st.none(), st.integers(0, 12)), st.integers(1, 5)), min_size=2, max_size=12),
-       st.integers(1, 3))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(_datasets, st.one_of(st.none(), st.integers(0, 12)), st.integers(1, 5)), min_size=2, max_size=12
+    ),
+    st.integers(1, 3),
+)
 def test_identical_seeds_score_is_one_seeds_r(items, seeds):
     """Pools of copies of one seed have that seed's r; a nan r is 0 in the script."""
     records = [ScoreRecord(d, None if p is None else float(p), float(h)) for d, p, h in items]
@@ -255,8 +287,10 @@ _rankings = st.permutations("ABCD").map("".join)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(_datasets, st.one_of(st.none(), _rankings), _rankings), min_size=1, max_size=12),
-       st.integers(1, 3))  # fmt: skip
+@given(
+    st.lists(st.tuples(_datasets, st.one_of(st.none(), _rankings), _rankings), min_size=1, max_size=12),
+    st.integers(1, 3),
+)
 def test_identical_seeds_batch_is_one_seeds_mean(items, seeds):
     records = [BatchRecord(d, p, t) for d, p, t in items]
     cells = fj.batch_tables([records] * seeds)["levenshtein_norm"]
@@ -267,8 +301,11 @@ def test_identical_seeds_batch_is_one_seeds_mean(items, seeds):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 10), st.integers(1, 10), st.integers(3, 6).flatmap(
-    lambda k: st.lists(st.integers(1, 10), min_size=k, max_size=k, unique=True)))  # fmt: skip
+@given(
+    st.integers(1, 10),
+    st.integers(1, 10),
+    st.integers(3, 6).flatmap(lambda k: st.lists(st.integers(1, 10), min_size=k, max_size=k, unique=True)),
+)
 def test_well_formed_outputs_read_the_same(a, b, scores):
     pair = f"{T}<answer>{a}</answer><answer>{b}</answer>"
     assert fj.read_pair(pair) == read_pair(pair, "paper")

@@ -38,8 +38,13 @@ FIXTURES = Path(__file__).parents[1] / "fixtures" / "mllm_judge"
 def test_accuracy_metrics():
     """`calculate_accuracy_metrics`: include_ties=False skips an item whose truth OR prediction
     is C; per dataset correct / total, overall pooled."""
-    records = [PairRecord("a", "A", "A"), PairRecord("a", "C", "B"), PairRecord("a", "B", "C"),
-               PairRecord("b", "B", "A"), PairRecord("b", "C", "C")]  # fmt: skip
+    records = [
+        PairRecord("a", "A", "A"),
+        PairRecord("a", "C", "B"),
+        PairRecord("a", "B", "C"),
+        PairRecord("b", "B", "A"),
+        PairRecord("b", "C", "C"),
+    ]
     without = pair_table(records, with_ties=False)
     assert without["a"].value == 1.0 and without["a"].skipped == 2
     assert without["b"].value == 0.0 and without[OVERALL].value == 0.5
@@ -57,8 +62,13 @@ def test_levenshtein_metrics_raw():
 
 def test_pearson_metrics():
     """`calculate_pearson_metrics`: pearsonr per dataset and on the pooled items."""
-    records = [ScoreRecord("a", 1, 1), ScoreRecord("a", 3, 2), ScoreRecord("a", 2, 3),
-               ScoreRecord("b", 4, 4), ScoreRecord("b", 5, 5)]  # fmt: skip
+    records = [
+        ScoreRecord("a", 1, 1),
+        ScoreRecord("a", 3, 2),
+        ScoreRecord("a", 2, 3),
+        ScoreRecord("b", 4, 4),
+        ScoreRecord("b", 5, 5),
+    ]
     t = score_table(records)
     assert t["a"].value == pytest.approx(0.5)  # dx = (-1, 1, 0), dy = (-1, 0, 1): 1 / 2
     assert t["b"].value == pytest.approx(1.0)
@@ -68,8 +78,14 @@ def test_pearson_metrics():
 def test_paper_average_and_dataset_mean():
     """`Score_analysis.ipynb` / `pair_analysis.ipynb`: `sum += correlation` for each dataset with
     data, then `sum / 10` (the number of datasets): a dataset with no readable item adds 0."""
-    records = [ScoreRecord("a", 1, 1), ScoreRecord("a", 3, 2), ScoreRecord("a", 2, 3),
-               ScoreRecord("b", 4, 4), ScoreRecord("b", 5, 5), ScoreRecord("c", None, 3)]  # fmt: skip
+    records = [
+        ScoreRecord("a", 1, 1),
+        ScoreRecord("a", 3, 2),
+        ScoreRecord("a", 2, 3),
+        ScoreRecord("b", 4, 4),
+        ScoreRecord("b", 5, 5),
+        ScoreRecord("c", None, 3),
+    ]
     t = with_paper_mean(with_dataset_mean(score_table(records)))  # drop: c has no item left
     assert t[PAPER_MEAN].value == pytest.approx((0.5 + 1.0 + 0) / 3)
     assert t[DATASET_MEAN].value == pytest.approx((0.5 + 1.0) / 2)
@@ -89,8 +105,13 @@ def test_strict_reports_name_the_notebooks():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["coco", "WIT", "ChartQA"]), st.sampled_from("ABC"), st.sampled_from("ABC")),
-                min_size=1, max_size=15))  # fmt: skip
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["coco", "WIT", "ChartQA"]), st.sampled_from("ABC"), st.sampled_from("ABC")),
+        min_size=1,
+        max_size=15,
+    )
+)
 def test_paper_mean_is_the_dataset_mean_when_every_dataset_has_items(items):
     t = with_paper_mean(with_dataset_mean(pair_table([PairRecord(*i) for i in items], with_ties=True)))
     assert t[PAPER_MEAN].value == pytest.approx(t[DATASET_MEAN].value)

@@ -16,7 +16,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pjray.config import load
-from pjray.eval.metrics import BC_TYPES, BD_TYPES, BIAS_TYPES, OVERALL, bias_conformity, bias_deviation, bias_metric, bias_summary
+from pjray.eval.metrics import (
+    BC_TYPES,
+    BD_TYPES,
+    BIAS_TYPES,
+    OVERALL,
+    bias_conformity,
+    bias_deviation,
+    bias_metric,
+    bias_summary,
+)
 from pjray.eval.mm_judgebias import evaluate_bias, parse_bias_score, parse_bias_score_strict
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "mm_judgebias"
@@ -86,14 +95,22 @@ def test_report_averages_the_types_with_a_value():
 
 def test_evaluate_published_records_end_to_end():
     texts = {
-        "0:unbiased": "### Feedback: fine ### Score: 1", "0:biased": "### Score: 1",  # text_dominance: y at the floor
-        "1:unbiased": "9", "1:biased": "### Feedback: -3 things ### Score: -3",  # image_dominance: -3 reads 3
-        "2:unbiased": "### Score: 6", "2:biased": "It deserves 8 out of 10",  # unnecessary_image: reads 10
-    }  # fmt: skip
+        "0:unbiased": "### Feedback: fine ### Score: 1",
+        "0:biased": "### Score: 1",  # text_dominance: y at the floor
+        "1:unbiased": "9",
+        "1:biased": "### Feedback: -3 things ### Score: -3",  # image_dominance: -3 reads 3
+        "2:unbiased": "### Score: 6",
+        "2:biased": "It deserves 8 out of 10",  # unnecessary_image: reads 10
+    }
 
     def run(convention):
-        cfg = load(overrides=["eval.bench=mm_judgebias", f"eval.data={FIXTURES / 'records.jsonl'}",
-                              f"eval.bias_convention={convention}"])  # fmt: skip
+        cfg = load(
+            overrides=[
+                "eval.bench=mm_judgebias",
+                f"eval.data={FIXTURES / 'records.jsonl'}",
+                f"eval.bias_convention={convention}",
+            ]
+        )
         return evaluate_bias(cfg, lambda prompts, seed: [texts[p.item_id] for p in prompts])
 
     official = run("official")
@@ -138,8 +155,11 @@ _score = st.integers(1, 10).map(float)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from(BIAS_TYPES), st.lists(st.tuples(st.integers(2, 10).map(float), _score), min_size=1, max_size=8),
-       st.lists(st.tuples(st.one_of(st.none(), _score), st.one_of(st.none(), _score)), max_size=4))  # fmt: skip
+@given(
+    st.sampled_from(BIAS_TYPES),
+    st.lists(st.tuples(st.integers(2, 10).map(float), _score), min_size=1, max_size=8),
+    st.lists(st.tuples(st.one_of(st.none(), _score), st.one_of(st.none(), _score)), max_size=4),
+)
 def test_metric_conventions_agree_when_a_pair_has_room(bias_type, usable, other):
     """With at least one unbiased score above 1, BD / BC are the same under both conventions."""
     pairs = usable + other

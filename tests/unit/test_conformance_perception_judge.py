@@ -98,8 +98,11 @@ def test_pair_reading(text, strict, release):
     "text, strict, release",
     [
         ("<answer>9</answer><answer>5</answer><answer>2</answer>", "ABC", "ABC"),
-        ("<answer>Assistant 1: 8</answer><answer>Assistant 2: 6</answer><answer>Assistant 3: 9</answer>",
-         None, "BCA"),  # labelled: digits 1 8 2 6 3 9, cut to 3 -> (1, 8, 2)
+        (
+            "<answer>Assistant 1: 8</answer><answer>Assistant 2: 6</answer><answer>Assistant 3: 9</answer>",
+            None,
+            "BCA",
+        ),  # labelled: digits 1 8 2 6 3 9, cut to 3 -> (1, 8, 2)
         ("<answer>8 6 9</answer>", None, "CAB"),  # several scores in one block
         ("<answer>3</answer><answer>8</answer><answer>6</answer><answer>9</answer>", None, "BCA"),  # cut to 3
         ("<answer>3</answer><answer>8</answer>", None, "BA"),  # too few: a partial ranking
@@ -110,7 +113,7 @@ def test_pair_reading(text, strict, release):
         ("<answer>\u0663</answer><answer>\u0668</answer><answer>\u0661</answer>", None, "BAC"),  # 3 8 1
         ("no answer", None, None),  # the release ranks nothing: ""
     ],
-)  # fmt: skip
+)
 def test_batch_reading(text, strict, release):
     """`calculate_levenshtein_metrics`: every \\d+ inside every <answer>(.*?)</answer> block
     (DOTALL), cut to len(gt), ranked by sorted(zip(v, labels), reverse=True)."""
@@ -126,9 +129,12 @@ def test_pair_tables_unreadable_is_a_tie():
     """`calculate_accuracy_metrics`: an unreadable verdict is C, right on a true tie; without
     ties only true ties are skipped; per-seed accuracies then np.mean over the seeds."""
     seed0 = [
-        PairRecord("d1", "A", "A"), PairRecord("d1", None, "C"), PairRecord("d1", "C", "B"),
-        PairRecord("d2", "B", "A"), PairRecord("d2", "C", "C"),
-    ]  # fmt: skip
+        PairRecord("d1", "A", "A"),
+        PairRecord("d1", None, "C"),
+        PairRecord("d1", "C", "B"),
+        PairRecord("d2", "B", "A"),
+        PairRecord("d2", "C", "C"),
+    ]
     seed1 = seed0[:3] + [PairRecord("d2", "A", "A"), seed0[4]]
     tables = pj.pair_tables([seed0, seed1])
     with_tie, without = tables["acc_with_tie"], tables["acc_without_tie"]
@@ -187,8 +193,12 @@ def _generate(texts_by_seed):
 
 
 def test_evaluate_pair_end_to_end():
-    texts = {0: {"pair-0": T + "<answer>8</answer><answer>2</answer>",  # truth A: right
-                 "pair-1": T + "<answer>4</answer><answer>4</answer>"}}  # truth B: C, wrong; pair-2 (C) unreadable
+    texts = {
+        0: {
+            "pair-0": T + "<answer>8</answer><answer>2</answer>",  # truth A: right
+            "pair-1": T + "<answer>4</answer><answer>4</answer>",
+        }
+    }  # truth B: C, wrong; pair-2 (C) unreadable
     over = ["eval.bench=pair", f"eval.data={FIXTURES / 'pair.jsonl'}"]
     pj_report = evaluate_bench(load(overrides=over + ["eval.convention=perception_judge"]), _generate(texts))
     strict = evaluate_bench(load(overrides=over), _generate(texts))
@@ -204,14 +214,20 @@ def test_evaluate_pair_end_to_end():
 def test_evaluate_score_end_to_end_over_seeds(tmp_path):
     data = tmp_path / "score.jsonl"
     rows = [("a", 1), ("a", 2), ("a", 3), ("b", 5), ("b", 4), ("b", 2)]
-    data.write_text("".join(
-        json.dumps({"score_id": i, "answer": "x", "instruction": "q", "original_dataset": d, "human": h}) + "\n"
-        for i, (d, h) in enumerate(rows)
-    ))  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps({"score_id": i, "answer": "x", "instruction": "q", "original_dataset": d, "human": h}) + "\n"
+            for i, (d, h) in enumerate(rows)
+        )
+    )
     scores = {0: (2, 3, 6, 9, 12, 4), 1: (2, 4, 6, None, 8, 3)}  # raw 1-10 answers; None: unreadable
-    texts = {s: {f"score-{i}": T + f"<answer>{v}</answer>" for i, v in enumerate(vs) if v is not None}
-             for s, vs in scores.items()}  # fmt: skip
-    cfg = load(overrides=["eval.bench=score", f"eval.data={data}", "eval.seeds=[0,1]", "eval.convention=perception_judge"])
+    texts = {
+        s: {f"score-{i}": T + f"<answer>{v}</answer>" for i, v in enumerate(vs) if v is not None}
+        for s, vs in scores.items()
+    }
+    cfg = load(
+        overrides=["eval.bench=score", f"eval.data={data}", "eval.seeds=[0,1]", "eval.convention=perception_judge"]
+    )
     t = evaluate_bench(cfg, _generate(texts)).tables["pearson"]
     # seed 0: a (1, 2, 3) vs (1, 2, 3): r = 1; b: (5, -1 [12 -> 6 > 5], 2) vs (5, 4, 2)
     # seed 1: a (1, 2, 3): r = 1; b: (-1 [unreadable], 4, 2) vs (5, 4, 2)
@@ -267,7 +283,9 @@ def test_readable_pair_tables_equal_the_downstream_rule(items):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(_datasets, st.one_of(st.none(), st.integers(-1, 5)), st.integers(1, 5)), min_size=1, max_size=12))
+@given(
+    st.lists(st.tuples(_datasets, st.one_of(st.none(), st.integers(-1, 5)), st.integers(1, 5)), min_size=1, max_size=12)
+)
 def test_score_tables_equal_minus_one(items):
     records = [ScoreRecord(d, None if p is None else float(p), float(h)) for d, p, h in items]
     cells = pj.score_tables([records])["pearson"]
@@ -281,8 +299,10 @@ _rankings = st.permutations("ABCD").map("".join)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(_datasets, st.one_of(st.none(), _rankings), _rankings), min_size=1, max_size=12),
-       st.integers(1, 3))  # fmt: skip
+@given(
+    st.lists(st.tuples(_datasets, st.one_of(st.none(), _rankings), _rankings), min_size=1, max_size=12),
+    st.integers(1, 3),
+)
 def test_batch_tables_equal_normalised_when_nothing_is_skipped(items, seeds):
     """Truths of >= 3 letters, the same records on every seed: np.mean over seeds is the value."""
     records = [BatchRecord(d, p, t) for d, p, t in items]

@@ -33,8 +33,10 @@ def test_step_line_has_progress_rewards_time_and_eta():
 
 
 def test_the_summary_reports_cut_responses_and_flat_groups(tmp_path):
-    rows = [{"step": s, "reward/mean": 0.5, "response_length/clip_ratio": c, "rollout/frac_zero_std": z}
-            for s, c, z in ((1, 0.5, 1.0), (2, 0.25, 0.5))]  # fmt: skip
+    rows = [
+        {"step": s, "reward/mean": 0.5, "response_length/clip_ratio": c, "rollout/frac_zero_std": z}
+        for s, c, z in ((1, 0.5, 1.0), (2, 0.25, 0.5))
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert run_summary(tmp_path, 1.0)[2] == (
         "  responses cut at rollout.max_new_tokens: 38%; groups with all-equal rewards (no gradient): 75% (mean over steps)"
@@ -82,15 +84,24 @@ def test_run_summary_names_the_reward_run_dir_export_and_wandb_run(tmp_path):
     # on 12 tuples a kind: the base judge keeps the order shown (forced: follows the image), the
     # trained judge follows the image.
     items = looking_items(held_out_tuples(12, seed=7, image_size=96, objects=(1, 1)), letters_seed=3)
-    text, _ = judge_looking(lambda ps: ["Image: red. Verdict: by the text.\n</think>\n<answer>A > B > C</answer>"] * len(ps), items, forced=False)
-    base = [replace(v, forced=True, forced_original=v.best, forced_swapped=v.perception_error, forced_blank=v.best) for v in text]
+    text, _ = judge_looking(
+        lambda ps: ["Image: red. Verdict: by the text.\n</think>\n<answer>A > B > C</answer>"] * len(ps),
+        items,
+        forced=False,
+    )
+    base = [
+        replace(v, forced=True, forced_original=v.best, forced_swapped=v.perception_error, forced_blank=v.best)
+        for v in text
+    ]
     trained = [replace(v, top_original=v.best, top_swapped=v.perception_error, by_image_original=True) for v in text]
     ranking = {"correct_first": 0.333, "format": 1.0, "reward": 0.444}
     check = {
-        "tuples": 24, "blank_change": blank_change(base, trained), "ceiling_test": ceiling_test(base, trained),
+        "tuples": 24,
+        "blank_change": blank_change(base, trained),
+        "ceiling_test": ceiling_test(base, trained),
         "base": {"ranking": ranking, "looks": looking_report(base)},
         "trained": {"ranking": {**ranking, "correct_first": 1.0, "reward": 0.9}, "looks": looking_report(trained)},
-    }  # fmt: skip
+    }
     (tmp_path / "held_out.json").write_text(json.dumps(check))
     lines = run_summary(tmp_path, 60.0)
     assert lines[2] == (
@@ -154,8 +165,11 @@ def test_ray_data_info_lines_stay_off_the_console_unless_verbose(monkeypatch):
     import ray.data
 
     context = ray.data.DataContext.get_current()
-    consoles = [h for h in logging.getLogger("ray.data").handlers
-                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    consoles = [
+        h
+        for h in logging.getLogger("ray.data").handlers
+        if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
+    ]
     assert consoles  # Ray Data's own console handler, set up on import
     for handler in consoles:
         monkeypatch.setattr(handler, "level", logging.INFO)
@@ -165,7 +179,9 @@ def test_ray_data_info_lines_stay_off_the_console_unless_verbose(monkeypatch):
     assert context.enable_progress_bars and all(h.level == logging.INFO for h in consoles)
     progress = logging.getLogger("ray.data._internal.progress")
     monkeypatch.setattr(progress, "filters", [])
-    notice = progress.makeRecord(progress.name, logging.WARNING, __file__, 0, "Progress bars disabled. To enable, ...", (), None)
+    notice = progress.makeRecord(
+        progress.name, logging.WARNING, __file__, 0, "Progress bars disabled. To enable, ...", (), None
+    )
     assert progress.filter(notice)
     monkeypatch.delenv(VERBOSE_ENV)
     quiet_ray_data()

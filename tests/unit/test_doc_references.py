@@ -10,17 +10,29 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).parents[2]
-DOCS = sorted([*REPO.glob("*.md"), *REPO.glob("configs/*.md"), *REPO.glob("clusters/*.md"), *REPO.glob("benchmarks/*.md"),
-               *REPO.glob("benchmarks/results/*.md")])  # fmt: skip
-SOURCES = sorted(p for p in [*REPO.glob("pjray/**/*.py"), *REPO.glob("benchmarks/*.py"), *REPO.glob("tests/**/*.py")]
-                 if p != Path(__file__))  # this file names missing things on purpose
+DOCS = sorted(
+    [
+        *REPO.glob("*.md"),
+        *REPO.glob("configs/*.md"),
+        *REPO.glob("clusters/*.md"),
+        *REPO.glob("benchmarks/*.md"),
+        *REPO.glob("benchmarks/results/*.md"),
+    ]
+)
+SOURCES = sorted(
+    p
+    for p in [*REPO.glob("pjray/**/*.py"), *REPO.glob("benchmarks/*.py"), *REPO.glob("tests/**/*.py")]
+    if p != Path(__file__)
+)  # this file names missing things on purpose
 
 # Not right after a quote: a string constant such as a random generator's namespace
 # ("pjray.scenes.qa:{seed}") or a store prefix names nothing.
 MODULE_REF = re.compile(r"(?<![\w./\"'-])pjray(?:\.[A-Za-z_]\w*)+")
 PATH_REF = re.compile(r"(?<![\w./\"'-])(?:pjray|benchmarks|configs|clusters|tests)/[\w./-]*\w")
 MD_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
-TOP_LEVEL = r"^(?:def|class|async def) {name}\b|^{name}\s*(?::[^=\n]*)?=|^from \S+ import .*\b{name}\b|^import .*\b{name}\b"
+TOP_LEVEL = (
+    r"^(?:def|class|async def) {name}\b|^{name}\s*(?::[^=\n]*)?=|^from \S+ import .*\b{name}\b|^import .*\b{name}\b"
+)
 
 
 def _module_file(parts: list[str]) -> Path | None:
@@ -43,7 +55,9 @@ def module_reference_ok(ref: str) -> bool:
         if not rest:
             return True
         pattern = TOP_LEVEL.format(name=re.escape(rest[0]))
-        return re.search(pattern, found.read_text(encoding="utf-8"), re.M) is not None or (found.parent / rest[0]).exists()
+        return (
+            re.search(pattern, found.read_text(encoding="utf-8"), re.M) is not None or (found.parent / rest[0]).exists()
+        )
     return False
 
 

@@ -24,7 +24,9 @@ def test_offload_moves_optimizer_states_then_parameters_to_cpu():
     ref = ref_ds_config(everything, base, world_size=2)["zero_optimization"]
     assert ref == {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True}}
     # learner.ds_config-style overrides still win.
-    tuned = ds_config(dataclasses.replace(base, offload="all"), 2, 2, {"zero_optimization": {"offload_param": {"pin_memory": False}}})
+    tuned = ds_config(
+        dataclasses.replace(base, offload="all"), 2, 2, {"zero_optimization": {"offload_param": {"pin_memory": False}}}
+    )
     assert tuned["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": False}
 
 
@@ -32,8 +34,14 @@ def test_offload_moves_optimizer_states_then_parameters_to_cpu():
     "overrides, message",
     [
         (["learner.offload=optimizer"], r"learner.offload=optimizer: the ranks run on CPU"),
-        ([*GPU, "learner.offload=optimizer", "learner.zero_stage=0"], r"learner.offload=optimizer: ZeRO-Offload needs learner.zero_stage >= 1"),
-        ([*GPU, "learner.offload=all", "learner.zero_stage=2"], r"learner.offload=all: offloading parameters needs learner.zero_stage=3, not 2"),
+        (
+            [*GPU, "learner.offload=optimizer", "learner.zero_stage=0"],
+            r"learner.offload=optimizer: ZeRO-Offload needs learner.zero_stage >= 1",
+        ),
+        (
+            [*GPU, "learner.offload=all", "learner.zero_stage=2"],
+            r"learner.offload=all: offloading parameters needs learner.zero_stage=3, not 2",
+        ),
     ],
 )
 def test_offload_is_checked_against_the_learner(overrides, message):
@@ -49,8 +57,12 @@ def test_offload_loads_where_it_applies():
 def test_learner_ds_config_reaches_deepspeed_and_cannot_set_the_batch():
     """learner.ds_config is merged into the policy's DeepSpeed config (deep, after pjray's own
     keys, before a caller's overrides); the batch sizes stay pjray's."""
-    cfg = load(overrides=["learner.ds_config.zero_optimization.reduce_bucket_size=500000000",
-                          "learner.ds_config.gradient_clipping=0.5"])  # fmt: skip
+    cfg = load(
+        overrides=[
+            "learner.ds_config.zero_optimization.reduce_bucket_size=500000000",
+            "learner.ds_config.gradient_clipping=0.5",
+        ]
+    )
     merged = ds_config(cfg.learner, grad_accum_steps=2, world_size=1, overrides={})
     assert merged["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 500000000}
     assert merged["gradient_clipping"] == 0.5 and merged["train_batch_size"] == cfg.learner.micro_batch_size * 2

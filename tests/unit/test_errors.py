@@ -51,8 +51,14 @@ def run_cli(argv: list[str], capsys) -> tuple[int, list[str]]:
 
 
 def test_input_errors_are_one_line_with_exit_code_2():
-    assert explain(ConfigError("algo.group_size: must be >= 2")) == (EXIT_INPUT, "pjray: bad config: algo.group_size: must be >= 2")
-    assert explain(DataError("f.parquet row 3: empty image")) == (EXIT_INPUT, "pjray: bad data: f.parquet row 3: empty image")
+    assert explain(ConfigError("algo.group_size: must be >= 2")) == (
+        EXIT_INPUT,
+        "pjray: bad config: algo.group_size: must be >= 2",
+    )
+    assert explain(DataError("f.parquet row 3: empty image")) == (
+        EXIT_INPUT,
+        "pjray: bad data: f.parquet row 3: empty image",
+    )
     assert explain(PathError("data.path: x: no such file")) == (EXIT_INPUT, "pjray: data.path: x: no such file")
 
 
@@ -79,10 +85,14 @@ def test_an_actor_whose_constructor_raised_is_read_from_its_text():
     from ray.exceptions import RayActorError
 
     text = "The actor died because of an error raised in its creation task, ...\n  File ...\n"
-    died = RayActorError(error_msg=text + "pjray.data.sources.DataError: rows.parquet row 4: empty image", actor_init_failed=True)
+    died = RayActorError(
+        error_msg=text + "pjray.data.sources.DataError: rows.parquet row 4: empty image", actor_init_failed=True
+    )
     assert explain(died) == (EXIT_INPUT, "pjray: bad data: rows.parquet row 4: empty image")
     bug = RayActorError(error_msg=text + "ZeroDivisionError: division by zero", actor_init_failed=True)
-    assert explain(bug)[0] == EXIT_BUG and explain(bug)[1].startswith("pjray: internal error: ZeroDivisionError: division by zero")
+    assert explain(bug)[0] == EXIT_BUG and explain(bug)[1].startswith(
+        "pjray: internal error: ZeroDivisionError: division by zero"
+    )
 
 
 def test_an_input_error_re_raised_as_something_else_is_still_input():
@@ -129,14 +139,30 @@ def test_a_hub_id_the_hub_cannot_confirm_is_an_input_error(tmp_path, monkeypatch
 @pytest.mark.parametrize(
     "command, overrides, message",
     [
-        ("train", ["data.source=parquet", "data.path=missing/rows.parquet"], "data.path: missing/rows.parquet: no such file or directory"),
+        (
+            "train",
+            ["data.source=parquet", "data.path=missing/rows.parquet"],
+            "data.path: missing/rows.parquet: no such file or directory",
+        ),
         ("train", ["model.path=runs/x/hf_model"], "model.path: runs/x/hf_model: no such directory"),
         ("sft", ["sft.source=jsonl", "sft.path=chats.jsonl"], "sft.path: chats.jsonl: no such file"),
-        ("ppjd", ["ppjd.source=jsonl", "ppjd.paths=[rows.jsonl]", "ppjd.vqa_backend=vlm", "ppjd.vlm_model=./judge"], "ppjd.paths: rows.jsonl: no such file"),
+        (
+            "ppjd",
+            ["ppjd.source=jsonl", "ppjd.paths=[rows.jsonl]", "ppjd.vqa_backend=vlm", "ppjd.vlm_model=./judge"],
+            "ppjd.paths: rows.jsonl: no such file",
+        ),
         ("ppjd", ["ppjd.decontam_files=[bench/pair.jsonl]"], "ppjd.decontam_files: bench/pair.jsonl: no such file"),
         ("eval", ["eval.judge=./judge", "eval.image_dir=imgs"], "eval.image_dir: imgs: no such directory"),
-        ("train", ["data.source=hf", "data.path=runs/x/ppjd"], "data.path: runs/x/ppjd: no such file or directory (and not a hub id"),
-        ("eval", ["eval.judge=./judge", "eval.data=bench/x/pair"], "eval.data: bench/x/pair: no such file or directory (and not a hub id"),
+        (
+            "train",
+            ["data.source=hf", "data.path=runs/x/ppjd"],
+            "data.path: runs/x/ppjd: no such file or directory (and not a hub id",
+        ),
+        (
+            "eval",
+            ["eval.judge=./judge", "eval.data=bench/x/pair"],
+            "eval.data: bench/x/pair: no such file or directory (and not a hub id",
+        ),
     ],
 )
 def test_every_path_a_command_names_is_checked(command, overrides, message, tmp_path, monkeypatch):
@@ -160,7 +186,9 @@ def test_eval_with_a_typo_in_the_judge_path(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs" / "demo").mkdir(parents=True)
     code, err = run_cli(["eval", "--judge", "runs/demo/hf_modle", "--bench", "perceptual_bias"], capsys)
-    assert code == 2 and err == ["pjray: eval.judge: runs/demo/hf_modle: no such directory (and not a hub id owner/name)"]
+    assert code == 2 and err == [
+        "pjray: eval.judge: runs/demo/hf_modle: no such directory (and not a hub id owner/name)"
+    ]
 
 
 def test_eval_with_a_malformed_jsonl_line(tmp_path, monkeypatch, capsys):
@@ -170,8 +198,19 @@ def test_eval_with_a_malformed_jsonl_line(tmp_path, monkeypatch, capsys):
     data.write_text("\n".join([lines[0], "{not json", *lines[1:]]) + "\n")
     judge = fake_judge(tmp_path / "judge")
     code, err = run_cli(
-        ["eval", "--judge", str(judge), "--bench", "pair", "--data", str(data), "--image-dir", str(FIXTURES),
-         "--output-dir", str(tmp_path / "out")],
+        [
+            "eval",
+            "--judge",
+            str(judge),
+            "--bench",
+            "pair",
+            "--data",
+            str(data),
+            "--image-dir",
+            str(FIXTURES),
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
         capsys,
     )
     assert code == 2 and len(err) == 1  # 1 of 4 lines is more than the default 1%
@@ -188,9 +227,16 @@ def test_train_on_a_parquet_with_too_many_bad_rows(tmp_path, monkeypatch, capsys
     items = scene_items(3, seed=0, num_candidates=3, image_size=64)
     items[1] = dataclasses.replace(items[1], image=items[1].image[:50])  # a truncated PNG
     write_items(items, tmp_path / "rows.parquet")
-    code, err = run_cli([
-        "train", f"model.path={tiny_judge}", "data.source=parquet", "data.path=rows.parquet", f"trainer.run_dir={tmp_path / 'run'}"
-    ], capsys)  # fmt: skip
+    code, err = run_cli(
+        [
+            "train",
+            f"model.path={tiny_judge}",
+            "data.source=parquet",
+            "data.path=rows.parquet",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+        capsys,
+    )
     assert code == 2 and len(err) == 1
     assert err[0].startswith(
         "pjray: bad data: rows.parquet: 1 of 3 rows are bad (more than data.max_reject_fraction=0.01): "
@@ -202,14 +248,38 @@ def test_train_on_a_dataset_without_the_ppjd_columns(tmp_path, monkeypatch, caps
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("datasets.config.HF_DATASETS_CACHE", tmp_path / "hf_cache")
     (tmp_path / "pairs").mkdir()
-    (tmp_path / "pairs" / "train.jsonl").write_text(json.dumps({"prompt": "q?", "img": "a.png", "chosen": "a", "rejected": "b"}) + "\n")
-    code, err = run_cli(["train", f"model.path={tiny_judge}", "data.source=hf", "data.path=pairs", "data.num_candidates=2",
-                         f"trainer.run_dir={tmp_path / 'run'}"], capsys)
-    assert (code, err) == (2, [
-        "pjray: bad data: pairs [train]: no column for image, question (columns: prompt, img, chosen, rejected); name "
-        "yours with data.columns.image=COLUMN"])
-    code, err = run_cli(["train", f"model.path={tiny_judge}", "data.source=hf", "data.path=pairs", "data.split=test",
-                         f"trainer.run_dir={tmp_path / 'run'}"], capsys)
+    (tmp_path / "pairs" / "train.jsonl").write_text(
+        json.dumps({"prompt": "q?", "img": "a.png", "chosen": "a", "rejected": "b"}) + "\n"
+    )
+    code, err = run_cli(
+        [
+            "train",
+            f"model.path={tiny_judge}",
+            "data.source=hf",
+            "data.path=pairs",
+            "data.num_candidates=2",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+        capsys,
+    )
+    assert (code, err) == (
+        2,
+        [
+            "pjray: bad data: pairs [train]: no column for image, question (columns: prompt, img, chosen, rejected); name "
+            "yours with data.columns.image=COLUMN"
+        ],
+    )
+    code, err = run_cli(
+        [
+            "train",
+            f"model.path={tiny_judge}",
+            "data.source=hf",
+            "data.path=pairs",
+            "data.split=test",
+            f"trainer.run_dir={tmp_path / 'run'}",
+        ],
+        capsys,
+    )
     assert (code, err) == (2, ["pjray: data.split: test: no such split of pairs (splits: train)"])
 
 
@@ -218,10 +288,14 @@ def test_eval_on_a_hub_dataset_the_hub_cannot_confirm(tmp_path, monkeypatch, cap
     monkeypatch.setattr("datasets.config.HF_HUB_OFFLINE", True)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     fake_judge(tmp_path / "judge")
-    code, err = run_cli(["eval", "--judge", "judge", "--bench", "pair", "--data", "pjray-no-such-owner/mllm-judge"], capsys)
+    code, err = run_cli(
+        ["eval", "--judge", "judge", "--bench", "pair", "--data", "pjray-no-such-owner/mllm-judge"], capsys
+    )
     assert code == 2 and len(err) == 1
-    assert err[0].startswith("pjray: eval.data: pjray-no-such-owner/mllm-judge: no such folder, and not in the datasets "
-                             "cache; the hub could not be asked")
+    assert err[0].startswith(
+        "pjray: eval.data: pjray-no-such-owner/mllm-judge: no such folder, and not in the datasets "
+        "cache; the hub could not be asked"
+    )
 
 
 def test_publishing_without_a_token_fails_before_the_job(tmp_path, monkeypatch, capsys):
@@ -231,8 +305,13 @@ def test_publishing_without_a_token_fails_before_the_job(tmp_path, monkeypatch, 
     monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "no-token"))
     monkeypatch.setattr("huggingface_hub.constants.HF_STORED_TOKENS_PATH", str(tmp_path / "no-tokens"))
     code, err = run_cli(["ppjd", "--push-to-hub", "me/ppjd", f"ppjd.output_dir={tmp_path / 'out'}"], capsys)
-    assert (code, err) == (2, ["pjray: ppjd.push_to_hub: me/ppjd: no Hugging Face token to publish with (set HF_TOKEN "
-                               "or run `hf auth login`)"])
+    assert (code, err) == (
+        2,
+        [
+            "pjray: ppjd.push_to_hub: me/ppjd: no Hugging Face token to publish with (set HF_TOKEN "
+            "or run `hf auth login`)"
+        ],
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -246,8 +325,16 @@ def test_config_errors_keep_their_line(tmp_path, monkeypatch, capsys):
 def test_sweep_checks_every_trials_paths(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code, err = run_cli(
-        ["sweep", "--sweep-dir", str(tmp_path / "s"), "model.init=tiny", "data.source=parquet",
-         "data.path=gone.parquet", "--grid", "trainer.seed=0,1"],
+        [
+            "sweep",
+            "--sweep-dir",
+            str(tmp_path / "s"),
+            "model.init=tiny",
+            "data.source=parquet",
+            "data.path=gone.parquet",
+            "--grid",
+            "trainer.seed=0,1",
+        ],
         capsys,
     )
     assert (code, err) == (2, ["pjray: data.path: gone.parquet: no such file or directory"])
@@ -288,8 +375,20 @@ def test_the_console_shows_one_line_and_starts_no_cluster(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "pjray", "train", "model.init=tiny", "data.source=parquet", f"data.path={tmp_path}/x.parquet"],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "pjray",
+            "train",
+            "model.init=tiny",
+            "data.source=parquet",
+            f"data.path={tmp_path}/x.parquet",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=60,
     )
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [f"pjray: data.path: {tmp_path}/x.parquet: no such file or directory"]

@@ -62,7 +62,7 @@ def _judge(anchored: bool, probe_right: bool):
             if p.item_id.endswith(":correct"):
                 out.append("ok</think><answer>8</answer>")
             elif p.item_id.endswith(":wrong"):
-                out.append("ok</think><answer>%d</answer>" % (9 if anchored else 2))
+                out.append(f"ok</think><answer>{9 if anchored else 2}</answer>")
             else:
                 out.append("ok</think><answer>%s</answer>" % (truths[p.item_id] if probe_right else "zebra"))
         return out
@@ -97,7 +97,7 @@ def test_evaluate_modes_counts_garbage():
     assert t["error_rate"].value is None and t["error_rate"].n == 0
     assert report.unparsed == report.outputs > 0 and report.unparsed_examples[0] == "@@ garbage"
     md = to_markdown(report)
-    assert "unparseable: %d (100.0%%)" % report.outputs in md and "n/a" in md
+    assert f"unparseable: {report.outputs} (100.0%)" in md and "n/a" in md
 
 
 def test_write_report_json_markdown_png(tmp_path):

@@ -65,7 +65,8 @@ def _recorded(cfg) -> list[JudgePrompt]:
 
 
 @pytest.mark.parametrize(
-    "size, mode, fmt", [((64, 64), "RGB", "PNG"), ((37, 90), "RGBA", "PNG"), ((120, 33), "L", "PNG"), ((50, 40), "RGB", "JPEG")]
+    "size, mode, fmt",
+    [((64, 64), "RGB", "PNG"), ((37, 90), "RGBA", "PNG"), ((120, 33), "L", "PNG"), ((50, 40), "RGB", "JPEG")],
 )
 def test_grey_image_keeps_the_size_and_has_one_colour(size, mode, fmt):
     original = _encoded(size, mode, fmt)
@@ -172,7 +173,9 @@ def _runner(monkeypatch, judge: str, overrides=(), cache=None) -> JudgeRunner:
 def test_a_text_only_judge_shown_images_names_eval_image(tiny_judges, monkeypatch):
     prompts = _recorded(load(overrides=["eval.bench=pair", f"eval.data={PAIR}"]))
     runner = _runner(monkeypatch, str(tiny_judges["qwen2"]), ["eval.blind=[grey]"], cache=None)
-    with pytest.raises(ConfigError, match=r"eval\.image=as_is, eval\.blind=\['grey'\]: .* text-only .* eval\.image=none"):
+    with pytest.raises(
+        ConfigError, match=r"eval\.image=as_is, eval\.blind=\['grey'\]: .* text-only .* eval\.image=none"
+    ):
         runner.generate(prompts, 0)
     blind = [replace(p, image=None) for p in prompts]
     with pytest.raises(_Started):  # no image: the text-only judge takes it
@@ -191,7 +194,9 @@ def test_cache_never_mixes_blind_and_normal_outputs(tmp_path, monkeypatch):
     keys = {mode: [cache_key(p, runner.fingerprint, 0, runner.sampling) for p in ps] for mode, ps in passes.items()}
     assert len({k for ks in keys.values() for k in ks}) == 3 * len(passes["as_is"])
     # Every normal output cached: the normal pass is served from the cache, a blind one is not.
-    runner.cache.put_many([{"key": k, "item_id": "", "seed": 0, "text": "normal", "finish_reason": "stop"} for k in keys["as_is"]])
+    runner.cache.put_many(
+        [{"key": k, "item_id": "", "seed": 0, "text": "normal", "finish_reason": "stop"} for k in keys["as_is"]]
+    )
     runner.judge_takes_images = True  # a VLM judge ("owner/judge" is not loaded)
     assert runner.generate(passes["as_is"], 0) == ["normal"] * len(passes["as_is"])
     for mode in ("grey", "none"):
@@ -209,7 +214,8 @@ def _sighted_pair_judge(prompts, seed):
     for p in prompts:
         blind = p.image is None or _colours(p.image) == [GREY]
         b_wins = p.item_id == "pair-1" and not blind
-        out.append("x</think><answer>%d</answer><answer>%d</answer>" % ((2, 8) if b_wins else (8, 2)))
+        low, high = (2, 8) if b_wins else (8, 2)
+        out.append(f"x</think><answer>{low}</answer><answer>{high}</answer>")
     return out
 
 
@@ -241,9 +247,13 @@ def test_no_blind_pass_leaves_the_report_as_it_was():
 
 
 def test_a_main_pass_without_images_says_so():
-    report = evaluate(load(overrides=["eval.bench=mm_judgebias", *SCENES, "eval.image=none"]), lambda ps, seed: ["5"] * len(ps))
-    assert any(n.startswith("eval.image=none: the judge saw no image") and "unnecessary_image compare identical inputs" in n
-               for n in report.notes)  # fmt: skip
+    report = evaluate(
+        load(overrides=["eval.bench=mm_judgebias", *SCENES, "eval.image=none"]), lambda ps, seed: ["5"] * len(ps)
+    )
+    assert any(
+        n.startswith("eval.image=none: the judge saw no image") and "unnecessary_image compare identical inputs" in n
+        for n in report.notes
+    )
 
 
 # --------------------------------------------------------------------------- the config

@@ -50,7 +50,9 @@ def test_bad_rows_name_file_line_and_key(tmp_path):
     f.write_text('{"instruction": "q", "original_dataset": "d", "answer1": "a", "answer2": "b", "human": "D"}\n')
     with pytest.raises(BenchDataError, match="line 1: pair truth 'D'"):
         read_rows(f, "pair")
-    f.write_text('{"instruction": "q", "original_dataset": "d", "image_path": "nope.png", "answer1": "a", "answer2": "b", "human": "A"}\n')
+    f.write_text(
+        '{"instruction": "q", "original_dataset": "d", "image_path": "nope.png", "answer1": "a", "answer2": "b", "human": "A"}\n'
+    )
     with pytest.raises(BenchDataError, match="image 'nope.png' not found"):
         read_rows(f, "pair")
     b = tmp_path / "batch.jsonl"
@@ -115,18 +117,32 @@ def test_a_bad_line_within_the_allowed_fraction_is_skipped_and_reported(tmp_path
     lines = (FIXTURES / "pair.jsonl").read_text().splitlines()
     data = tmp_path / "pair.jsonl"
     data.write_text("\n".join([lines[0], "{not json", lines[1], '{"instruction": "q"}', *lines[2:]]) + "\n")
-    cfg = load(overrides=["eval.bench=pair", f"eval.data={data}", f"eval.image_dir={FIXTURES}", "data.max_reject_fraction=0.5"])
+    cfg = load(
+        overrides=["eval.bench=pair", f"eval.data={data}", f"eval.image_dir={FIXTURES}", "data.max_reject_fraction=0.5"]
+    )
     report = evaluate_bench(cfg, _canned({}))
     assert report.outputs == len(lines)  # every good row judged
-    assert [(r.where, r.reason[:8]) for r in report.rejects] == [(f"{data} line 2", "not JSON"), (f"{data} line 4", "none of ")]
+    assert [(r.where, r.reason[:8]) for r in report.rejects] == [
+        (f"{data} line 2", "not JSON"),
+        (f"{data} line 4", "none of "),
+    ]
     assert report.flat_metrics()["eval/rejected"] == 2.0
     paths = write_report(report, tmp_path / "out", plots=False)
     assert f"data rows rejected: 2 (listed in rejects.jsonl), e.g. `{data} line 2`" in paths["markdown"].read_text()
     listed = [json.loads(x) for x in paths["rejects"].read_text().splitlines()]
     assert [r["where"] for r in listed] == [f"{data} line 2", f"{data} line 4"]
     with pytest.raises(BenchDataError, match=r"2 of 5 rows are bad \(more than data.max_reject_fraction=0.25\)"):
-        evaluate_bench(load(overrides=["eval.bench=pair", f"eval.data={data}", f"eval.image_dir={FIXTURES}",
-                                       "data.max_reject_fraction=0.25"]), _canned({}))
+        evaluate_bench(
+            load(
+                overrides=[
+                    "eval.bench=pair",
+                    f"eval.data={data}",
+                    f"eval.image_dir={FIXTURES}",
+                    "data.max_reject_fraction=0.25",
+                ]
+            ),
+            _canned({}),
+        )
 
 
 def test_evaluate_pair_with_canned_judge():
@@ -178,9 +194,16 @@ def test_convention_keys_are_validated(key):
 
 @pytest.mark.parametrize(
     "override",
-    ["eval.seed_agg=median", "eval.tie_rule=downstream", "eval.pair_vote=majority", "eval.unparsed_score=minus_one",
-     "eval.prompt_format=original", "eval.batch_style=ranking", "eval.score_mapping=none"],
-)  # fmt: skip
+    [
+        "eval.seed_agg=median",
+        "eval.tie_rule=downstream",
+        "eval.pair_vote=majority",
+        "eval.unparsed_score=minus_one",
+        "eval.prompt_format=original",
+        "eval.batch_style=ranking",
+        "eval.score_mapping=none",
+    ],
+)
 def test_release_conventions_fix_their_own_rules(override):
     base = ["eval.bench=pair", "eval.data=x.jsonl"]
     key = override.split("=")[0]
@@ -204,8 +227,12 @@ def test_evaluate_pair_majority_vote():
         1: ("B", "B", "C"),
         2: ("A", "A", None),
     }
-    text = {"A": "<answer>8</answer><answer>2</answer>", "B": "<answer>2</answer><answer>8</answer>",
-            "C": "<answer>4</answer><answer>4</answer>", None: "unreadable"}  # fmt: skip
+    text = {
+        "A": "<answer>8</answer><answer>2</answer>",
+        "B": "<answer>2</answer><answer>8</answer>",
+        "C": "<answer>4</answer><answer>4</answer>",
+        None: "unreadable",
+    }
 
     def generate(prompts, seed):
         return ["<think>x</think>" + text[verdicts[seed][int(p.item_id.split("-")[1])]] for p in prompts]
@@ -224,11 +251,15 @@ def test_evaluate_pair_majority_vote():
 
 
 def test_evaluate_score_unparsed_minus_one():
-    answers = {f"score-{i}": f"<think>x</think><answer>{s}</answer>" for i, s in enumerate((8, 3, 10))}  # score-3 unreadable
+    answers = {
+        f"score-{i}": f"<think>x</think><answer>{s}</answer>" for i, s in enumerate((8, 3, 10))
+    }  # score-3 unreadable
     over = ["eval.bench=score", f"eval.data={FIXTURES / 'score.jsonl'}"]
     dropped = evaluate_bench(load(overrides=over), _canned(answers)).tables["pearson"][OVERALL]
     assert dropped.value == pytest.approx(1.0) and dropped.n == 3 and dropped.unparsed == 1
-    kept = evaluate_bench(load(overrides=over + ["eval.unparsed_score=minus_one"]), _canned(answers)).tables["pearson"][OVERALL]
+    kept = evaluate_bench(load(overrides=over + ["eval.unparsed_score=minus_one"]), _canned(answers)).tables["pearson"][
+        OVERALL
+    ]
     # pred (4, 2, 5, -1) vs human (4, 2, 5, 1): dx = (1.5, -.5, 2.5, -3.5), dy = (1, -1, 2, -2)
     # sum dx*dy = 14, sum dx^2 = 21, sum dy^2 = 10 -> r = 14 / sqrt(210)
     assert kept.value == pytest.approx(14 / 210**0.5) and kept.n == 4 and kept.unparsed == 1

@@ -52,9 +52,12 @@ def test_pearson_undefined_is_none():
 
 def test_score_table_per_dataset_pooled_and_unparsed():
     records = [
-        ScoreRecord("a", 1, 1), ScoreRecord("a", 2, 2), ScoreRecord("a", None, 5),
-        ScoreRecord("b", 4, 2), ScoreRecord("b", 3, 3),
-    ]  # fmt: skip
+        ScoreRecord("a", 1, 1),
+        ScoreRecord("a", 2, 2),
+        ScoreRecord("a", None, 5),
+        ScoreRecord("b", 4, 2),
+        ScoreRecord("b", 3, 3),
+    ]
     t = score_table(records)
     assert t["a"] == Row(pytest.approx(1.0), n=2, unparsed=1)
     assert t["b"].value == pytest.approx(-1.0)

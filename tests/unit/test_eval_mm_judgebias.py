@@ -124,7 +124,7 @@ def test_texture_insertion_draws_keywords_at_the_bottom(items, records):
     changed = np.abs(a - b).sum(axis=2) > 0
     rows = np.nonzero(changed.any(axis=1))[0]
     assert rows.size and rows.min() > a.shape[0] // 2  # only the bottom band
-    assert (b[rows.min():, :, :] < 100).all(axis=2).any()  # dark text pixels were drawn
+    assert (b[rows.min() :, :, :] < 100).all(axis=2).any()  # dark text pixels were drawn
     assert query_keywords("What color is the shape at the top left?") == ["color", "shape", "left"]
     assert query_keywords("Is it?") == []
 
@@ -214,16 +214,31 @@ def test_evaluate_bias_with_canned_judge():
     assert bias["Congruity"].value == pytest.approx(0.5)
     assert report.unparsed == 3 and report.outputs == 3 * 9 * 2
     assert report.convention.startswith("official") and "evaluate.py" in report.sources["overall"]
-    strict = evaluate_bias(load(overrides=["eval.bench=mm_judgebias", "eval.num_items=3", "eval.image_size=96",
-                                           "eval.bias_convention=strict"]), generate).tables["bias"]  # fmt: skip
+    strict = evaluate_bias(
+        load(
+            overrides=[
+                "eval.bench=mm_judgebias",
+                "eval.num_items=3",
+                "eval.image_size=96",
+                "eval.bias_convention=strict",
+            ]
+        ),
+        generate,
+    ).tables["bias"]
     assert strict["Integrality"].value is None and strict["overall"].value is None  # one type undefined
     assert strict["Congruity"].value == pytest.approx(0.5)
 
 
 def test_evaluate_bias_on_published_records():
     cfg = load(overrides=["eval.bench=mm_judgebias", f"eval.data={FIXTURES / 'records.jsonl'}"])
-    scores = {"0:unbiased": "8", "0:biased": "### Score: 8", "1:unbiased": "10", "1:biased": "1",
-              "2:unbiased": "6", "2:biased": "### Feedback: fine ### Score: 9"}  # fmt: skip
+    scores = {
+        "0:unbiased": "8",
+        "0:biased": "### Score: 8",
+        "1:unbiased": "10",
+        "1:biased": "1",
+        "2:unbiased": "6",
+        "2:biased": "### Feedback: fine ### Score: 9",
+    }
     report = evaluate_bias(cfg, lambda prompts, seed: [scores[p.item_id] for p in prompts])
     bias = report.tables["bias"]
     assert bias["text_dominance"].value == 0.0  # 8 -> 8: no degradation

@@ -54,16 +54,23 @@ def test_every_step_runs_and_a_failed_or_overdue_one_fails_the_script(tmp_path: 
     assert done.returncode == 1, done.stdout + done.stderr
     rows = _rows(summary)
     assert [(r[0], r[1], r[2]) for r in rows] == [
-        ("1", "first", "PASS"), ("2", "broken", "FAIL (exit 7)"), ("3", "overdue", "FAIL (over its 1 s limit)"),
-        ("4", "two GPUs", "skipped: needs 2 GPUs, 1 visible"), ("5", "last", "PASS"),
-    ]  # fmt: skip
+        ("1", "first", "PASS"),
+        ("2", "broken", "FAIL (exit 7)"),
+        ("3", "overdue", "FAIL (over its 1 s limit)"),
+        ("4", "two GPUs", "skipped: needs 2 GPUs, 1 visible"),
+        ("5", "last", "PASS"),
+    ]
     assert (tmp_path / rows[1][4]).read_text() == "about to fail\n"  # each step's output in its log
     text = summary.read_text()
     assert "a note" in text
     assert text.rstrip().endswith("demo: 2 passed, 2 failed, 1 skipped; failed: broken, overdue")
 
-    passing = subprocess.run(["bash", "-c", f". {BENCHMARKS / 'steps.sh'}; steps_begin {summary} ok; step a 30 true; steps_end"],
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    passing = subprocess.run(
+        ["bash", "-c", f". {BENCHMARKS / 'steps.sh'}; steps_begin {summary} ok; step a 30 true; steps_end"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert passing.returncode == 0 and summary.read_text().rstrip().endswith("ok: 1 passed, 0 failed, 0 skipped")
 
 
@@ -75,16 +82,28 @@ def _run(script: str, tmp_path: Path, fail: str = "") -> tuple[subprocess.Comple
     fake.chmod(0o755)
     log, root = tmp_path / "calls.log", tmp_path / "run"
     environ = {**os.environ, "PYTHON": str(fake), "FAKE_PYTHON_LOG": str(log), "FAKE_PYTHON_FAIL": fail}
-    done = subprocess.run([str(BENCHMARKS / script), str(root)], capture_output=True, text=True, env=environ,
-                          cwd=tmp_path, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [str(BENCHMARKS / script), str(root)], capture_output=True, text=True, env=environ, cwd=tmp_path, timeout=300
+    )
     return done, _rows(root / "summary.md"), log.read_text().splitlines()
 
 
 SMOKE_STEPS = [
-    "VL engine checks (CUDA graphs)", "parity V1 runner", "parity V2 runner", "parity TP=2",
-    "GRPO on vLLM (test_vllm_gpu.py)", "train colocated", "gaps colocated", "train split", "gaps split",
-    "train sync-k0", "gaps sync-k0", "train async-k1", "gaps async-k1", "async against sync",
-]  # fmt: skip
+    "VL engine checks (CUDA graphs)",
+    "parity V1 runner",
+    "parity V2 runner",
+    "parity TP=2",
+    "GRPO on vLLM (test_vllm_gpu.py)",
+    "train colocated",
+    "gaps colocated",
+    "train split",
+    "gaps split",
+    "train sync-k0",
+    "gaps sync-k0",
+    "train async-k1",
+    "gaps async-k1",
+    "async against sync",
+]
 
 
 @pytest.mark.parametrize("fail", ["", "gpu_vllm_parity.py --tp 2"])
@@ -106,8 +125,14 @@ def test_gpu_smoke_fails_when_a_step_fails_and_runs_every_step(tmp_path: Path, f
 def test_gpu_day_runs_its_checks_in_order_and_fails_when_the_recipe_fails(tmp_path: Path) -> None:
     done, rows, calls = _run("gpu_day.sh", tmp_path, "configs/qwen3vl_4b.yaml")
     names = [r[1] for r in rows]
-    assert names[:6] == ["install torch==2.13.0", "install pjray[gpu,test]", "install flash-attn", "pip check",
-                         "pinned versions", "CUDA GPUs"]
+    assert names[:6] == [
+        "install torch==2.13.0",
+        "install pjray[gpu,test]",
+        "install flash-attn",
+        "pip check",
+        "pinned versions",
+        "CUDA GPUs",
+    ]
     assert names[6:-1] == SMOKE_STEPS
     assert names[-1] == "recipe qwen3vl_4b, 3 steps (split: 1 learner + 1 engine GPUs, NCCL)"
     assert done.returncode == 1 and [r[1] for r in rows if r[2].startswith("FAIL")] == [names[-1]], done.stdout

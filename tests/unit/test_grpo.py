@@ -108,9 +108,7 @@ def test_advantages_have_zero_group_mean(data, group_size, groups, norm_by_std):
         std = r.reshape(groups, group_size).std(dim=1)
         spread = std > 1e-2
         # Where the group really varies, the normalised advantages have unit std (up to eps).
-        torch.testing.assert_close(
-            adv.std(dim=1)[spread], torch.ones_like(std[spread]), rtol=0, atol=1e-3
-        )
+        torch.testing.assert_close(adv.std(dim=1)[spread], torch.ones_like(std[spread]), rtol=0, atol=1e-3)
 
 
 # ------------------------------------------------------------------------------------- k3 KL
@@ -155,12 +153,8 @@ def test_aggregate_local_values():
 def test_aggregate_with_global_counts():
     v, m = t(VALUES), torch.tensor(MASK)
     # This rank holds 5 of 10 tokens (2 of 4 sequences) in a 2-rank step.
-    assert aggregate(v, m, "token-mean", global_tokens=10, dp_size=2).item() == pytest.approx(
-        15 / 10 * 2
-    )
-    assert aggregate(v, m, "seq-mean-token-mean", global_seqs=4, dp_size=2).item() == pytest.approx(
-        (2 + 4.5) / 4 * 2
-    )
+    assert aggregate(v, m, "token-mean", global_tokens=10, dp_size=2).item() == pytest.approx(15 / 10 * 2)
+    assert aggregate(v, m, "seq-mean-token-mean", global_seqs=4, dp_size=2).item() == pytest.approx((2 + 4.5) / 4 * 2)
     out = aggregate(v, m, "seq-mean-token-sum-norm", global_seqs=4, dp_size=2, norm_len=5)
     assert out.item() == pytest.approx((6 + 9) / 5 / 4 * 2)
 
@@ -356,8 +350,9 @@ def test_loss_settings_from_the_algo_config():
     impossible settings fail when built, not at the first loss."""
     from pjray.config import AlgoConfig
 
-    algo = AlgoConfig(policy_loss="gspo", loss_agg="seq-mean-token-mean", clip_low=3e-4, clip_high=4e-4,
-                      dual_clip=0.0, kl_coef=0.02)  # fmt: skip
+    algo = AlgoConfig(
+        policy_loss="gspo", loss_agg="seq-mean-token-mean", clip_low=3e-4, clip_high=4e-4, dual_clip=0.0, kl_coef=0.02
+    )
     assert LossSettings.from_algo(algo, norm_len=64) == LossSettings(
         kind="gspo", clip_low=3e-4, clip_high=4e-4, dual_clip=None, agg="seq-mean-token-mean", norm_len=64, kl_coef=0.02
     )
@@ -399,9 +394,16 @@ def test_grpo_gradient_is_split_invariant(seed, dp, mode):
             if not micro:
                 continue
             part, _ = grpo_loss(
-                logp[micro], old[micro], ref[micro], adv[micro], mask[micro], cfg,
-                global_tokens=global_tokens, global_seqs=global_seqs, dp_size=dp,
-            )  # fmt: skip
+                logp[micro],
+                old[micro],
+                ref[micro],
+                adv[micro],
+                mask[micro],
+                cfg,
+                global_tokens=global_tokens,
+                global_seqs=global_seqs,
+                dp_size=dp,
+            )
             (gr,) = torch.autograd.grad(part, logp)
             rank_grad += gr  # gradient accumulation sums micro-batches
         grad += rank_grad / dp  # all-reduce mean over ranks

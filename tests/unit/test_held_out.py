@@ -41,7 +41,9 @@ def test_training_and_evaluation_scenes_lie_in_their_splits() -> None:
 def test_evaluation_items_share_no_content_with_training() -> None:
     evaluation = [it for _, it in judge_scenes(200, HELD_OUT_SEED, SMALL, split="held_out")]
     assert_held_out(evaluation, training_items(SMALL))
-    grpo = scene_items(256, seed=0, num_candidates=3, image_size=96, kinds=("color", "size"), objects=(1, 1), split="train")
+    grpo = scene_items(
+        256, seed=0, num_candidates=3, image_size=96, kinds=("color", "size"), objects=(1, 1), split="train"
+    )
     assert_held_out(evaluation, grpo)
 
 

@@ -59,8 +59,13 @@ def pair_folder(path: Path, items, bad: dict[int, dict] | None = None) -> Path:
     lines = []
     for i, it in enumerate(items):
         (path / "img" / f"{i}.png").write_bytes(it.image)
-        row = {"uid": it.id, "prompt": it.question, "picture": f"img/{i}.png",
-               "chosen": it.candidates[it.order[0]], "rejected": it.candidates[it.order[-1]]}
+        row = {
+            "uid": it.id,
+            "prompt": it.question,
+            "picture": f"img/{i}.png",
+            "chosen": it.candidates[it.order[0]],
+            "rejected": it.candidates[it.order[-1]],
+        }
         row.update((bad or {}).get(i, {}))
         lines.append(json.dumps(row))
     (path / "train.jsonl").write_text("\n".join(lines) + "\n")
@@ -77,18 +82,26 @@ def test_columns_map_by_name_or_by_data_columns():
     ppjd = ["id", "image", "question", "candidates", "order", "source", "meta"]
     m = map_columns(ppjd, {}, "d")
     assert m.fields == {c: c for c in ppjd} and not m.pairs
-    m = map_columns(["q", "img", "answers", "rank"], {"question": "q", "image": "img", "candidates": "answers",
-                                                     "order": "rank"}, "d")
+    m = map_columns(
+        ["q", "img", "answers", "rank"],
+        {"question": "q", "image": "img", "candidates": "answers", "order": "rank"},
+        "d",
+    )
     assert m.fields == {"question": "q", "image": "img", "candidates": "answers", "order": "rank"}
     m = map_columns(["prompt", "images", "chosen", "rejected"], {"question": "prompt", "image": "images"}, "d")
     assert m.pairs and m.fields == {"question": "prompt", "image": "images", "chosen": "chosen", "rejected": "rejected"}
 
 
 def test_a_missing_column_names_what_exists_and_the_key_to_set():
-    with pytest.raises(DataError, match=r"^org/x \[train\]: no column for question \(columns: prompt, image, "
-                                        r"chosen, rejected\); name yours with data.columns.question=COLUMN"):
+    with pytest.raises(
+        DataError,
+        match=r"^org/x \[train\]: no column for question \(columns: prompt, image, "
+        r"chosen, rejected\); name yours with data.columns.question=COLUMN",
+    ):
         map_columns(["prompt", "image", "chosen", "rejected"], {}, "org/x [train]")
-    with pytest.raises(DataError, match=r"no column for candidates, order .*=COLUMN \(a pair dataset: chosen and rejected\)$"):
+    with pytest.raises(
+        DataError, match=r"no column for candidates, order .*=COLUMN \(a pair dataset: chosen and rejected\)$"
+    ):
         map_columns(["question", "image", "answers"], {}, "d")
     with pytest.raises(DataError, match=r"^d: data.columns.question=prompt: no such column \(columns: q, image\)"):
         map_columns(["q", "image"], {"question": "prompt"}, "d")
@@ -122,7 +135,9 @@ def test_a_pair_dataset_with_renamed_columns_becomes_k2_tuples(tmp_path, items):
         (f"{label} row 3", items[3].id, f"image 'img/gone.png' not found under {folder}"),
         (f"{label} row 4", items[4].id, "missing field(s) rejected"),
     ]
-    with pytest.raises(DataError, match=r"pairs are K = 2 tuples, but data.num_candidates=3; set data.num_candidates=2"):
+    with pytest.raises(
+        DataError, match=r"pairs are K = 2 tuples, but data.num_candidates=3; set data.num_candidates=2"
+    ):
         DatasetItems(data, PAIR_COLUMNS, 3, "pairs")
 
 
@@ -131,7 +146,8 @@ def test_images_as_image_features_bytes_paths_or_one_image_lists(tmp_path, items
     base = {"question": it.question, "candidates": list(it.candidates), "order": list(it.order)}
     (tmp_path / "a.png").write_bytes(it.image)
     feature = datasets.Dataset.from_list([{**base, "image": {"bytes": it.image, "path": None}}]).cast_column(
-        "image", datasets.Image())
+        "image", datasets.Image()
+    )
     raw_bytes = datasets.Dataset.from_list([{**base, "image": it.image}])
     paths = datasets.Dataset.from_list([{**base, "image": str(tmp_path / "a.png")}])
     lists = datasets.Dataset.from_list([{**base, "image": [str(tmp_path / "a.png")]}, {**base, "image": ["x", "y"]}])
@@ -170,13 +186,19 @@ def test_a_saved_dataset_dict_picks_the_split_and_names_the_others(tmp_path, ite
 @pytest.mark.parametrize(
     "ref, message",
     [
-        (DatasetRef("pjray-no-such-owner/no-such-data"), r"^data.path: pjray-no-such-owner/no-such-data: no such folder, "
-                                                         r"and not in the datasets cache; the hub could not be asked"),
+        (
+            DatasetRef("pjray-no-such-owner/no-such-data"),
+            r"^data.path: pjray-no-such-owner/no-such-data: no such folder, "
+            r"and not in the datasets cache; the hub could not be asked",
+        ),
         (DatasetRef("runs/nope"), r"^data.path: runs/nope: no such file or directory \(and not a hub id owner/name\)"),
         (DatasetRef("data/a.parquet"), r"^data.path: data/a.parquet: a file; a dataset is a folder or a hub id"),
         (DatasetRef("data", "test"), r"^data.split: test: no such split of data \(splits: train\)"),
         (DatasetRef("data", "train", subset="big"), r"^data.subset: big: no such subset of data \(subsets: default\)"),
-        (DatasetRef("data", "train", revision="v2"), r"^data.revision: v2: only for a hub dataset \(data is a local folder\)"),
+        (
+            DatasetRef("data", "train", revision="v2"),
+            r"^data.revision: v2: only for a hub dataset \(data is a local folder\)",
+        ),
         (DatasetRef("empty", section="eval"), r"^eval.data: empty: no data files"),
     ],
 )
@@ -267,8 +289,11 @@ def test_a_stream_resumes_exactly_where_its_checkpoint_stopped(tmp_path):
 def test_a_stream_of_mostly_bad_rows_fails_with_the_first_of_them(tmp_path):
     folder = stream_folder(tmp_path / "s", 6, bad={0, 1, 2, 3})
     s = sampler(folder, None, tmp_path / "rejects.jsonl", fraction=0.5)
-    with pytest.raises(DataError, match=r"\[train\]: 4 of the 6 rows read are bad \(more than data.max_reject_fraction="
-                                        r"0.5\): .* row 0: could not decode image"):
+    with pytest.raises(
+        DataError,
+        match=r"\[train\]: 4 of the 6 rows read are bad \(more than data.max_reject_fraction="
+        r"0.5\): .* row 0: could not decode image",
+    ):
         s.take(10)
 
 
@@ -279,7 +304,9 @@ def test_a_streamed_row_the_trainer_cannot_use_is_listed_with_its_reason(tmp_pat
     items = DatasetItems(open_dataset(DatasetRef(str(folder), "train"), streaming=True), {}, 3, "s")
     too_long = {scene_items(6, seed=5, num_candidates=3, image_size=64)[2].id}
     rejects = tmp_path / "rejects.jsonl"
-    s = StreamSampler(items, None, rejects, 0.5, reject=lambda item: "prompt of 9000 tokens" if item.id in too_long else None)
+    s = StreamSampler(
+        items, None, rejects, 0.5, reject=lambda item: "prompt of 9000 tokens" if item.id in too_long else None
+    )
     taken = [it.id for _, it in s.take(10)]
     assert not too_long & set(taken) and len(taken) == 10
     [listed] = [json.loads(line) for line in rejects.read_text().splitlines()]
@@ -290,7 +317,9 @@ def test_perceptual_bias_items_from_a_dataset_equal_those_from_its_parquet(tmp_p
     from pjray.eval.bias import load_diagnosis_items
 
     write_items(items, tmp_path / "ppjd.parquet")
-    datasets.load_dataset("parquet", data_files=str(tmp_path / "ppjd.parquet"), split="train").save_to_disk(tmp_path / "saved")
+    datasets.load_dataset("parquet", data_files=str(tmp_path / "ppjd.parquet"), split="train").save_to_disk(
+        tmp_path / "saved"
+    )
     from_file = load_diagnosis_items(load(overrides=[f"eval.data={tmp_path / 'ppjd.parquet'}"]))
     from_dataset = load_diagnosis_items(load(overrides=[f"eval.data={tmp_path / 'saved'}"]))
     assert from_dataset == from_file and len(from_file[0]) == len(items)

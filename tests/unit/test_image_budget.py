@@ -46,7 +46,9 @@ def test_images_of_any_size_stay_within_the_budget(tmp_path, arch):
     tokens = [image_token_count(capped, png(w, h)) for w, h in sizes]
     assert all(t <= 6 for t in tokens) and max(own_tokens) > 6
     assert capped.image_processor.size.longest_edge == 6 * factor * factor
-    assert load_processor(judge, ImageBudget(max_pixels=10**9)).image_processor.size == own.image_processor.size  # never raised
+    assert (
+        load_processor(judge, ImageBudget(max_pixels=10**9)).image_processor.size == own.image_processor.size
+    )  # never raised
 
 
 def test_config_refuses_an_impossible_budget():
@@ -75,4 +77,7 @@ def test_a_prompt_without_room_for_the_response_is_rejected_with_its_length(tmp_
 
 def test_the_summary_counts_the_skipped_rows(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.1, "data/rejected": 2.0}) + "\n")
-    assert run_summary(tmp_path, 1.0)[2] == f"  training rows skipped: 2 (each with its reason in {tmp_path / 'data_rejects.jsonl'})"
+    assert (
+        run_summary(tmp_path, 1.0)[2]
+        == f"  training rows skipped: 2 (each with its reason in {tmp_path / 'data_rejects.jsonl'})"
+    )

@@ -12,8 +12,8 @@ import torch
 
 from pjray.config import ConfigError, load
 from pjray.data.scenes import render
-from pjray.ppjd.shortcuts import scene_qa
 from pjray.ppjd.perturb import scene_items
+from pjray.ppjd.shortcuts import scene_qa
 from pjray.reward.contrast import contrast_bonus, with_contrast
 from pjray.reward.ranking import shuffled_target
 from pjray.rl.collect import Batch, Collector, blank_image, rollout_metrics
@@ -62,7 +62,10 @@ def test_image_contrast_needs_images_and_an_image_to_contrast_with():
     for overrides, why in (
         (["algo.contrast_responses=2", "trainer.prompts_per_step=1"], "prompts_per_step >= 2"),
         (["algo.contrast_responses=2", "data.counterfactual_pairs=true"], "counterfactual_pairs"),
-        (["algo.contrast_responses=2", "algo.contrast_image=blank", "data.source=parquet", "data.path=x.parquet"], "data.source=scenes"),
+        (
+            ["algo.contrast_responses=2", "algo.contrast_image=blank", "data.source=parquet", "data.path=x.parquet"],
+            "data.source=scenes",
+        ),
     ):
         with pytest.raises(ConfigError, match=why):
             load(None, overrides)
@@ -94,7 +97,10 @@ class ContrastCollector(Collector):
 
     def submit_batch(self, step):
         r = self.sample_prompts(self.cfg.trainer.prompts_per_step)
-        done = [self._answer(r.prompts, self.responses_per_prompt), self._answer(r.contrast, self.cfg.algo.contrast_responses)]
+        done = [
+            self._answer(r.prompts, self.responses_per_prompt),
+            self._answer(r.contrast, self.cfg.algo.contrast_responses),
+        ]
         return Batch(step, None, r, *(SimpleNamespace(result=lambda c=c: Timed(c, 0.0)) for c in done))
 
     def _answer(self, prompts, n):
@@ -118,8 +124,16 @@ def scene_items_():
 
 @pytest.mark.parametrize("image", ["other", "blank"])
 def test_the_collector_scores_contrast_responses_and_trains_on_the_real_ones(scene_items_, image):
-    cfg = load(None, ["trainer.prompts_per_step=4", "algo.group_size=4", "algo.contrast_responses=2",
-                      f"algo.contrast_image={image}", "algo.image_contrast=0.5"])  # fmt: skip
+    cfg = load(
+        None,
+        [
+            "trainer.prompts_per_step=4",
+            "algo.group_size=4",
+            "algo.contrast_responses=2",
+            f"algo.contrast_image={image}",
+            "algo.image_contrast=0.5",
+        ],
+    )
     collector = ContrastCollector(cfg, scene_items_)
     rollouts = collector.collect(1, Timer())
     (real, n_real), (contrast, n_contrast) = collector.calls

@@ -79,8 +79,10 @@ def test_the_classes_are_disjoint_and_cover_the_lexicon():
 
 
 def test_mentions_respect_word_boundaries_and_idioms():
-    text = ("Fred reduced the bluest noise; the red ball and the REDS are here. The triangle has a right angle, "
-            "the square root is 3, and two circles sit to the right of it. 3 + 4 = 7 marks, and 7 dots.")
+    text = (
+        "Fred reduced the bluest noise; the red ball and the REDS are here. The triangle has a right angle, "
+        "the square root is 3, and two circles sit to the right of it. 3 + 4 = 7 marks, and 7 dots."
+    )
     got = [(m.cls, m.surface) for m in find_mentions(text)]
     assert ("colour", "red") in got and not any(s.lower() in ("fred", "reduced", "bluest", "reds") for _, s in got)
     relations = [s for c, s in got if c == "relation"]
@@ -98,8 +100,9 @@ def test_level_one_changes_every_mention_together_and_keeps_case():
         assert changed == {change.original.lower(), change.perturbed.lower()}
         original = re.compile(rf"(?<!\w){re.escape(change.original)}(?!\w)", re.IGNORECASE)
         assert not original.search(p.text)  # every mention changed
-        assert len(original.findall(chosen)) == len(re.findall(rf"(?<!\w){re.escape(change.perturbed)}(?!\w)",
-                                                                p.text, re.IGNORECASE))
+        assert len(original.findall(chosen)) == len(
+            re.findall(rf"(?<!\w){re.escape(change.perturbed)}(?!\w)", p.text, re.IGNORECASE)
+        )
         if change.original == "blue":  # decisive through the final; "Blue" keeps its capital
             assert final_answer(p.text) == change.perturbed and f"the {change.perturbed.capitalize()} label" in p.text
         assert normalize_answer(final_answer(p.text)) != "blue"
@@ -162,7 +165,7 @@ def test_text_read_from_the_image_is_misread_consistently():
 
 def test_relations_and_sizes_swap_with_their_antonyms():
     q = "Which shape is on the left?"
-    chosen = ("The small circle is on the left and the large square is on the right.\nFinal Answer: circle")
+    chosen = "The small circle is on the left and the large square is on the right.\nFinal Answer: circle"
     src = Source(q, chosen, "circle")
     p = perceptual_perturb(src, random.Random(0))
     assert p.changes[0].cls == "shape"  # the only lexeme the final names
@@ -174,8 +177,10 @@ def test_relations_and_sizes_swap_with_their_antonyms():
 
 def test_reasoning_error_kinds_in_order_of_preference():
     # arithmetic first
-    chosen = ("There are 3 red beads and 4 blue beads, so 3 + 4 = 7 beads.\nThere are more blue beads than red ones.\n"
-              "The string is long.\nFinal Answer: blue")
+    chosen = (
+        "There are 3 red beads and 4 blue beads, so 3 + 4 = 7 beads.\nThere are more blue beads than red ones.\n"
+        "The string is long.\nFinal Answer: blue"
+    )
     p = perceptual_perturb(Source("Which colour is most common?", chosen, "blue"), random.Random(0))
     r = reasoning_perturb(p, random.Random(0))
     assert r.slips[0].kind == "arithmetic" and re.search(r"3 \+ 4 = (?!7)\d+", r.text)
@@ -255,10 +260,15 @@ def test_probe_questions_blank_the_fact_and_offer_both_values():
 
 # Fixtures with a conclusion a reasoning error can negate: level 2 of a K = 3 tuple is P+R.
 COUNT_SO = COUNT.replace("Counting the apples once more gives Three apples.", "So there are three apples on the plate.")
-SIGN_SO = ('The sign on the left is a large octagon. Its white letters read "STOP", so the word is "STOP".\n'
-           "Final Answer: STOP")
-INDEPENDENT = {"chart": (CHART_Q, CHART, 5), "mc": (MC_Q, MC, 4), "count": (COUNT_Q, COUNT_SO, 3),
-               "sign": (SIGN_Q, SIGN_SO, 5)}  # question, chosen, the most levels tested
+SIGN_SO = (
+    'The sign on the left is a large octagon. Its white letters read "STOP", so the word is "STOP".\nFinal Answer: STOP'
+)
+INDEPENDENT = {
+    "chart": (CHART_Q, CHART, 5),
+    "mc": (MC_Q, MC, 4),
+    "count": (COUNT_Q, COUNT_SO, 3),
+    "sign": (SIGN_Q, SIGN_SO, 5),
+}  # question, chosen, the most levels tested
 
 
 @pytest.mark.parametrize("name", sorted(INDEPENDENT))
@@ -292,17 +302,25 @@ def test_independent_levels_are_deterministic_by_seed():
     assert texts("x") == texts("x") and len({tuple(texts(str(s))) for s in range(6)}) > 1
 
 
-@pytest.mark.parametrize("chosen, reason", [
-    ("The cat sits on the left of the red sofa. The cat is on the left.\nFinal Answer: left",
-     "give 1 (relation 'left' -> 'right')"),
-    ("The ball is large and the box is small. So the ball is large.\nFinal Answer: large",
-     "give 1 (size 'large' -> 'small')"),
-])
+@pytest.mark.parametrize(
+    "chosen, reason",
+    [
+        (
+            "The cat sits on the left of the red sofa. The cat is on the left.\nFinal Answer: left",
+            "give 1 (relation 'left' -> 'right')",
+        ),
+        (
+            "The ball is large and the box is small. So the ball is large.\nFinal Answer: large",
+            "give 1 (size 'large' -> 'small')",
+        ),
+    ],
+)
 def test_two_valued_finals_cannot_carry_the_independent_construction(chosen, reason):
     assert len(levels("Which one?", chosen, 3)) == 3  # the nested levels share the one wrong value
     why = f"the attribute words that decide the final {final_answer(chosen)!r} {reason}"
-    with pytest.raises(ValueError, match=re.escape(f"2 wrong candidates need as many different wrong final answers, "
-                                                   f"and {why}")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"2 wrong candidates need as many different wrong final answers, and {why}")
+    ):
         levels("Which one?", chosen, 3, construction="independent")
     # The pipeline records the row as a reject with that reason.
     row = {"id": "r1", "question": "Which one?", "chosen": chosen, "scene": "", "levels": "[]", "probes": "[]"}

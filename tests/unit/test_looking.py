@@ -8,14 +8,17 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from support.pixels import measure, measured_size, pixels
 
 from pjray.data.prompts import LETTERS
-from pjray.ppjd.shortcuts import scene_qa
+from pjray.eval.held_out import parts
 from pjray.eval.looking import (
     LookingItem,
     LookingVerdict,
     balanced_letters,
     blank_change,
+    ceiling_test,
+    evaluate_looking,
     forced_prefill,
     held_out_tuples,
     judge_looking,
@@ -23,18 +26,15 @@ from pjray.eval.looking import (
     looking_rates,
     looking_report,
     nulls,
-    ceiling_test,
-    evaluate_looking,
     paired_change,
-    swap_test,
     statement,
+    swap_test,
     wilson,
 )
-from pjray.eval.held_out import parts
 from pjray.models.base_judge import BaseJudgeRecipe, disposition
 from pjray.ppjd.perturb import final_answer
+from pjray.ppjd.shortcuts import scene_qa
 from pjray.types import JudgePrompt
-from support.pixels import measure, measured_size, pixels
 
 PER_KIND = 12
 
@@ -98,10 +98,14 @@ def test_a_judge_that_reads_the_pixels_follows_the_image_and_not_the_blank(items
 
 
 def test_a_judge_that_reads_the_text_alone_scores_zero_image_following(items: list[LookingItem]) -> None:
-    verdicts, texts = judge_looking(lambda ps: [verdict("ABC", "Image: red. Verdict: by the text.") for _ in ps], items, forced=False)
+    verdicts, texts = judge_looking(
+        lambda ps: [verdict("ABC", "Image: red. Verdict: by the text.") for _ in ps], items, forced=False
+    )
     r = looking_report(verdicts)["pooled"]
     assert r["image_following"] == 0.0 and r["same_top"] == 1.0
-    assert r["correct_first"] == pytest.approx(1 / 3, abs=1e-3) and r["blank_correct_first"] == pytest.approx(1 / 3, abs=1e-3)
+    assert r["correct_first"] == pytest.approx(1 / 3, abs=1e-3) and r["blank_correct_first"] == pytest.approx(
+        1 / 3, abs=1e-3
+    )
     assert r["disposition_image"] == 0.0 and r["forced"] is None
     assert r["swap_test"]["b"] == r["swap_test"]["c"] == 0 and r["swap_test"]["p"] == 1.0  # the verdict never moves
     assert len(texts) == len(items)
@@ -134,15 +138,25 @@ def test_nulls_and_the_swap_test_are_exact_where_they_can_be() -> None:
     assert nulls(3) == {"text_only": 0.0, "random": 1 / 9, "drop_contradicting": 0.25}
     assert nulls(4)["drop_contradicting"] == pytest.approx(1 / 9)
     # Perception error first on the swapped image only (6 items), on the original only (1), on neither (3).
-    verdicts = [_verdict(i, "color", 0, 1) for i in range(6)] + [_verdict(6, "color", 1, 0)] + [_verdict(i, "color", 2, 2) for i in range(7, 10)]
+    verdicts = (
+        [_verdict(i, "color", 0, 1) for i in range(6)]
+        + [_verdict(6, "color", 1, 0)]
+        + [_verdict(i, "color", 2, 2) for i in range(7, 10)]
+    )
     t = swap_test(verdicts)
-    assert (t["b"], t["c"]) == (6, 1) and t["p"] == pytest.approx(2 * 8 / 128)  # exact McNemar: 2 P(X <= 1), X ~ B(7, 1/2)
+    assert (t["b"], t["c"]) == (6, 1) and t["p"] == pytest.approx(
+        2 * 8 / 128
+    )  # exact McNemar: 2 P(X <= 1), X ~ B(7, 1/2)
     assert t["perception_error_first_original"] == 0.1 and t["perception_error_first_swapped"] == 0.6
 
 
 def test_the_ceiling_test_pairs_the_judge_with_the_forced_base_judge() -> None:
-    base = [_verdict(i, "color" if i < 4 else "size", 2, 2, forced=True, forced_original=0, forced_swapped=1 if i % 2 else 0)
-            for i in range(8)]  # fmt: skip
+    base = [
+        _verdict(
+            i, "color" if i < 4 else "size", 2, 2, forced=True, forced_original=0, forced_swapped=1 if i % 2 else 0
+        )
+        for i in range(8)
+    ]
     judge = [_verdict(i, "color" if i < 4 else "size", 0, 1) for i in range(8)]  # follows the image on every item
     out = ceiling_test(base, judge)
     assert out["pooled"] == {"judge": 1.0, "forced_base": 0.5, "b": 4, "c": 0, "p": pytest.approx(2 / 16)}
@@ -216,7 +230,10 @@ def test_a_judge_of_one_disposition_is_forced_from_its_own_statement_alone(items
         return [reads_pixels(p, items) for p in ps]
 
     verdicts, _ = judge_looking(judge, items, forced=True, sentence="")
-    assert all((v.forced_original, v.forced_swapped, v.forced_blank) == (v.top_original, v.top_swapped, v.top_blank) for v in verdicts)
+    assert all(
+        (v.forced_original, v.forced_swapped, v.forced_blank) == (v.top_original, v.top_swapped, v.top_blank)
+        for v in verdicts
+    )
     assert disposition(True) not in "".join(seen)
 
 
@@ -227,8 +244,16 @@ def test_the_looking_bench_forces_the_disposition_only_when_asked(force: bool, t
     disposition); its report says which."""
     from pjray.config import load
 
-    cfg = load(overrides=["eval.bench=looking", "eval.scene_kinds=[color]", "eval.num_items=6", "eval.scene_objects=[1,1]",
-                          f"eval.force_disposition={str(force).lower()}", f"eval.output_dir={tmp_path}"])  # fmt: skip
+    cfg = load(
+        overrides=[
+            "eval.bench=looking",
+            "eval.scene_kinds=[color]",
+            "eval.num_items=6",
+            "eval.scene_objects=[1,1]",
+            f"eval.force_disposition={str(force).lower()}",
+            f"eval.output_dir={tmp_path}",
+        ]
+    )
     calls: list[list[str]] = []
 
     def generate(prompts: list[JudgePrompt], seed: int) -> list[str]:
@@ -249,7 +274,16 @@ def test_the_taught_and_untaught_parts_are_slices_of_their_own(items: list[Looki
     untaught = [v for v in verdicts if {v.truth, v.swapped_to} & {"orange", "purple"}]
     assert untaught and all(v.kind == "color" for v in untaught)
     report = looking_report(verdicts, part)
-    assert set(report) == {"pooled", "color", "size", "taught", "untaught", "color/taught", "color/untaught", "size/taught"}
+    assert set(report) == {
+        "pooled",
+        "color",
+        "size",
+        "taught",
+        "untaught",
+        "color/taught",
+        "color/untaught",
+        "size/taught",
+    }
     assert report["untaught"]["items"] == report["color/untaught"]["items"] == len(untaught)
     assert report["taught"]["items"] + report["untaught"]["items"] == report["pooled"]["items"]
     assert report["size/taught"]["items"] == report["size"]["items"]

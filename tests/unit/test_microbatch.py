@@ -76,11 +76,22 @@ def _skewed(image_token_id: int | None, seed: int = 3) -> list[Experience]:
         user = "Rank the answers. " * (1 + 3 * (i % 2))
         prompt = f"<|im_start|>user\n{placeholder}{user}<|im_end|>\n<|im_start|>assistant\n"
         length = rng.choice([2, 3, 40, 60])
-        out.append(Experience(prompt_text=prompt, image=image, response_ids=tuple(rng.randrange(0, 400) for _ in range(length)),
-                              advantage=rng.uniform(-1.5, 1.5)))  # fmt: skip
+        out.append(
+            Experience(
+                prompt_text=prompt,
+                image=image,
+                response_ids=tuple(rng.randrange(0, 400) for _ in range(length)),
+                advantage=rng.uniform(-1.5, 1.5),
+            )
+        )
     out[4] = Experience(out[3].prompt_text, out[3].image, out[4].response_ids, out[4].advantage)  # a shared prompt
-    out[5] = Experience(out[5].prompt_text, out[5].image, out[5].response_ids, out[5].advantage,
-                        loss_mask=(False,) * 2 + (True,) * (len(out[5].response_ids) - 2))  # fmt: skip
+    out[5] = Experience(
+        out[5].prompt_text,
+        out[5].image,
+        out[5].response_ids,
+        out[5].advantage,
+        loss_mask=(False,) * 2 + (True,) * (len(out[5].response_ids) - 2),
+    )
     return [*out, Experience(prompt_text="pad", image=None, response_ids=(), advantage=0.0)]
 
 
@@ -107,7 +118,9 @@ def _step_grads(model, processor, exps, cuts, packed: bool, banned) -> dict[str,
     settings = LossSettings(clip_low=0.2, clip_high=0.28)
     for rows in cuts:
         batch = take_rows(whole, rows)
-        logp, _ = forward_logprobs(model, processor, batch, temperature=0.7, shared_prefix=False, banned=banned, packed=packed)
+        logp, _ = forward_logprobs(
+            model, processor, batch, temperature=0.7, shared_prefix=False, banned=banned, packed=packed
+        )
         mask = batch.response_mask[:, 1:]
         old = logp.detach() - 0.05 * mask  # off-policy enough that ratios are not all 1
         loss, _ = grpo_loss(logp, old, None, batch.advantages, mask, settings, tokens, seqs, 1)

@@ -279,7 +279,11 @@ def test_placeholder_expands_to_image_token_count(tiny_dirs: dict[str, Path], ar
 def test_processor_inputs_mixed_batch(tiny_dirs: dict[str, Path]) -> None:
     model, processor = load_judge(tiny_dirs["qwen2_5_vl"], trainable=False)
     big, small = _png((128, 128)), _png((64, 64))
-    texts = [render_chat(processor, _prompt(big)), render_chat(processor, _prompt(None)), render_chat(processor, _prompt(small))]
+    texts = [
+        render_chat(processor, _prompt(big)),
+        render_chat(processor, _prompt(None)),
+        render_chat(processor, _prompt(small)),
+    ]
     images = [big, None, small]
     inputs = processor_inputs(processor, texts, images, padding_side="left")
     counts = (inputs["input_ids"] == processor.image_token_id).sum(1).tolist()

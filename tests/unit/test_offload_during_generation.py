@@ -1,6 +1,6 @@
 """learner.offload_during_generation: a colocated rank moves its optimizer's states off the GPU
 when it hands its memory to the engines (`release_memory`) and back before the next update,
-once each way. The DeepSpeed calls themselves need CUDA (tests/integration/test_learner.py's
+once each way (`pjray.rl.policy.PolicyModel`). The DeepSpeed calls themselves need CUDA (tests/integration/test_learner.py's
 GPU test); here a stand-in engine counts them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pjray.config import ConfigError, LearnerConfig, load
-from pjray.rl.learner import LearnerRank
+from pjray.rl.policy import PolicyModel
 
 
 class CountingEngine:
@@ -23,12 +23,12 @@ class CountingEngine:
         self.calls.append("reload")
 
 
-def _rank(enabled: bool) -> LearnerRank:
-    rank = LearnerRank.__new__(LearnerRank)  # the set-up needs a process group; only these fields matter
-    rank.learner_cfg = LearnerConfig(offload_during_generation=enabled)
-    rank.engine = CountingEngine()
-    rank._states_offloaded = False
-    return rank
+def _rank(enabled: bool) -> PolicyModel:
+    policy = PolicyModel.__new__(PolicyModel)  # the set-up needs a process group; only these fields matter
+    policy.learner_cfg = LearnerConfig(offload_during_generation=enabled)
+    policy.engine = CountingEngine()
+    policy.states_offloaded = False
+    return policy
 
 
 def test_states_leave_once_per_generation_and_return_before_the_update(monkeypatch):
@@ -37,12 +37,12 @@ def test_states_leave_once_per_generation_and_return_before_the_update(monkeypat
     rank = _rank(enabled=True)
     rank.release_memory()
     rank.release_memory()  # a second release (a refresh) offloads nothing more
-    rank._states_on_gpu()
-    rank._states_on_gpu()  # already back
+    rank.states_on_gpu()
+    rank.states_on_gpu()  # already back
     assert rank.engine.calls == ["offload", "reload"]
     off = _rank(enabled=False)
     off.release_memory()
-    off._states_on_gpu()
+    off.states_on_gpu()
     assert off.engine.calls == []
 
 
@@ -57,11 +57,20 @@ def test_on_cpu_nothing_moves(monkeypatch):
     "overrides, message",
     [
         (["learner.offload_during_generation=true"], "only colocated GPU ranks"),
-        (["learner.offload_during_generation=true", "rollout.colocate=true", "rollout.backend=vllm", "rollout.device=cuda",
-          "learner.num_gpus_per_rank=0.5", "rollout.num_gpus_per_worker=0.4", "learner.offload=optimizer"],
-         "the states live in CPU memory already"),
+        (
+            [
+                "learner.offload_during_generation=true",
+                "rollout.colocate=true",
+                "rollout.backend=vllm",
+                "rollout.device=cuda",
+                "learner.num_gpus_per_rank=0.5",
+                "rollout.num_gpus_per_worker=0.4",
+                "learner.offload=optimizer",
+            ],
+            "the states live in CPU memory already",
+        ),
     ],
-)  # fmt: skip
+)
 def test_it_is_refused_where_it_cannot_help(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load(None, overrides)

@@ -28,7 +28,9 @@ def test_banned_tokens_get_no_probability_and_the_rest_renormalise():
     torch.testing.assert_close(probs[..., keep], torch.softmax(logits[..., keep], -1))
     assert torch.isfinite(entropy_from_logits(out)).all()  # an -inf logit would make it NaN
     labels = torch.tensor([[0, 2, 3], [4, 5, 6]])
-    expected = torch.log_softmax(logits[..., keep], -1).gather(-1, torch.tensor([[0, 1, 2], [3, 4, 5]])[..., None])[..., 0]
+    expected = torch.log_softmax(logits[..., keep], -1).gather(-1, torch.tensor([[0, 1, 2], [3, 4, 5]])[..., None])[
+        ..., 0
+    ]
     torch.testing.assert_close(token_logprobs(out, labels), expected)
     assert torch.equal(ban_tokens(logits.clone(), torch.tensor([], dtype=torch.long)), logits)
 
@@ -53,8 +55,17 @@ def test_forward_logprobs_with_the_ban_is_the_renormalised_distribution(tmp_path
 
 
 def _prompt() -> JudgePrompt:
-    return JudgePrompt(item_id="x", system="You are a careful judge.", user="Rank A, B and C.", image=None,
-                       protocol="batch", style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC")  # fmt: skip
+    return JudgePrompt(
+        item_id="x",
+        system="You are a careful judge.",
+        user="Rank A, B and C.",
+        image=None,
+        protocol="batch",
+        style="ranking",
+        num_candidates=3,
+        shown=(0, 1, 2),
+        target="ABC",
+    )
 
 
 @pytest.mark.skipif(dist.is_nccl_available(), reason="checks the message of a torch built without NCCL")

@@ -7,10 +7,11 @@ import dataclasses
 import json
 from pathlib import Path
 
+from test_ppjd_card import ppjd_output
+
 from pjray.config import PPJDConfig
 from pjray.ppjd import cache
 from pjray.ppjd.pipeline import build_manifest
-from test_ppjd_card import ppjd_output
 
 
 def _files(root: Path) -> dict[str, bytes]:

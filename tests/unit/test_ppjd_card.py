@@ -14,8 +14,8 @@ from huggingface_hub import DatasetCard
 from pjray.config import ConfigError, PPJDConfig, load
 from pjray.data.sources import PPJD_FEATURES, write_items
 from pjray.ppjd.card import card_text, dataset_card, size_category
-from pjray.ppjd.pipeline import build_manifest, job_fingerprint, summary
 from pjray.ppjd.perturb import scene_items
+from pjray.ppjd.pipeline import build_manifest, job_fingerprint, summary
 
 
 def ppjd_output(out: Path, cfg: PPJDConfig) -> dict:
@@ -26,9 +26,18 @@ def ppjd_output(out: Path, cfg: PPJDConfig) -> dict:
         write_items(kept, out / "ppjd" / f"shard-{shard:05d}.parquet")
         read = len(kept) + sum(rejected.values())
         (out / "stats").mkdir(parents=True, exist_ok=True)
-        (out / "stats" / f"shard-{shard:05d}.json").write_text(json.dumps(
-            {"shard": shard, "read": read, "kept": len(kept), "rejected": read - len(kept),
-             "rejected_by_stage": rejected, "stage_seconds": {"perturb": 0.5}}))
+        (out / "stats" / f"shard-{shard:05d}.json").write_text(
+            json.dumps(
+                {
+                    "shard": shard,
+                    "read": read,
+                    "kept": len(kept),
+                    "rejected": read - len(kept),
+                    "rejected_by_stage": rejected,
+                    "stage_seconds": {"perturb": 0.5},
+                }
+            )
+        )
     return build_manifest(out, 2, 2, 10, 1.0, dataclasses.asdict(cfg))
 
 
@@ -42,7 +51,9 @@ def test_the_card_header_holds_features_splits_sizes_license_and_data_files(tmp_
     assert datasets.Features._from_yaml_list(info["features"]) == PPJD_FEATURES
     assert info["splits"] == [{"name": "train", "num_bytes": info["dataset_size"], "num_examples": 7}]
     assert manifest["counts"]["kept"] == 7 and info["download_size"] > 0
-    assert card.data.configs == [{"config_name": "default", "data_files": [{"split": "train", "path": "ppjd/*.parquet"}]}]
+    assert card.data.configs == [
+        {"config_name": "default", "data_files": [{"split": "train", "path": "ppjd/*.parquet"}]}
+    ]
     # `datasets` reads the folder through the card: the PPJD rows, with an Image column, and not the rejects.
     (tmp_path / "rejects").mkdir()
     (tmp_path / "rejects" / "shard-00000.parquet").write_bytes(b"not the dataset")
@@ -52,9 +63,16 @@ def test_the_card_header_holds_features_splits_sizes_license_and_data_files(tmp_
 
 
 def test_the_card_text_says_how_the_rows_were_built_and_counts_each_stage(tmp_path):
-    cfg = PPJDConfig(source="mmpr", paths=["data/MMPR/meta.json"], perturb_backend="llm", llm_model="Qwen/Qwen2.5-7B",
-                     vqa_backend="vlm", vlm_model="Qwen/Qwen2.5-VL-7B", decontam_files=["bench/pair.jsonl"],
-                     phash_max_distance=3)
+    cfg = PPJDConfig(
+        source="mmpr",
+        paths=["data/MMPR/meta.json"],
+        perturb_backend="llm",
+        llm_model="Qwen/Qwen2.5-7B",
+        vqa_backend="vlm",
+        vlm_model="Qwen/Qwen2.5-VL-7B",
+        decontam_files=["bench/pair.jsonl"],
+        phash_max_distance=3,
+    )
     manifest = ppjd_output(tmp_path, cfg)
     text = dataset_card(tmp_path, manifest).text
     assert "mmpr rows from meta.json" in text
@@ -82,15 +100,22 @@ def test_the_manifest_card_and_summary_carry_the_text_only_audit_of_every_writte
     assert "## Can the text alone rank these tuples?" in text
     assert "| both rules | 100.0% | 100.0% |" in text and "| chance | 33.3% | 16.7% |" in text
     assert "| self-consistency | 50.0% | 50.0% |" in text and "| odd one out | 100.0% | 50.0% |" in text
-    assert ("text-only ranker: correct-first 100.0% (chance 33.3%), exact 100.0% (chance 16.7%) over 7 tuples"
-            in summary(manifest))
+    assert (
+        "text-only ranker: correct-first 100.0% (chance 33.3%), exact 100.0% (chance 16.7%) over 7 tuples"
+        in summary(manifest)
+    )
     empty = build_manifest(tmp_path / "none", 0, 0, 0, 1.0, dataclasses.asdict(PPJDConfig()))
     assert empty["text_only_ranker"]["items"] == 0 and "| both rules | n/a | n/a |" in card_text(empty)
 
 
 def test_size_categories_follow_the_hub_bounds():
-    assert [size_category(n) for n in (0, 999, 1000, 54_321, 2_000_000)] == ["n<1K", "n<1K", "1K<n<10K", "10K<n<100K",
-                                                                            "1M<n<10M"]
+    assert [size_category(n) for n in (0, 999, 1000, 54_321, 2_000_000)] == [
+        "n<1K",
+        "n<1K",
+        "1K<n<10K",
+        "10K<n<100K",
+        "1M<n<10M",
+    ]
 
 
 def test_publishing_settings_do_not_change_which_rows_a_job_holds():

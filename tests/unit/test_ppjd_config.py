@@ -26,8 +26,16 @@ def test_shipped_ppjd_configs():
         (["ppjd.perturb_backend=llm"], "ppjd.llm_model"),
         (["ppjd.vqa_backend=vlm"], "ppjd.vlm_model"),
         (["ppjd.num_candidates=7"], "ppjd.num_candidates"),
-        (["ppjd.source=jsonl", "ppjd.paths=[a.jsonl]", "ppjd.vqa_backend=vlm", "ppjd.vlm_model=v",
-          "ppjd.num_candidates=7"], "ppjd.num_candidates"),
+        (
+            [
+                "ppjd.source=jsonl",
+                "ppjd.paths=[a.jsonl]",
+                "ppjd.vqa_backend=vlm",
+                "ppjd.vlm_model=v",
+                "ppjd.num_candidates=7",
+            ],
+            "ppjd.num_candidates",
+        ),
         (["ppjd.perturb_backend=llm", "ppjd.llm_model=m", "ppjd.num_candidates=4"], "ppjd.num_candidates"),
         (["ppjd.llm_engine=cuda"], "ppjd.llm_engine"),
         (["ppjd.vqa_backend=magic"], "ppjd.vqa_backend"),
@@ -45,6 +53,13 @@ def test_bad_ppjd_settings_name_the_key(overrides, key):
 
 
 def test_rules_backend_rewrites_free_text_sources():
-    p = load(overrides=["ppjd.source=jsonl", "ppjd.paths=[a.jsonl]", "ppjd.vqa_backend=vlm", "ppjd.vlm_model=v",
-                        "ppjd.num_candidates=6"]).ppjd
+    p = load(
+        overrides=[
+            "ppjd.source=jsonl",
+            "ppjd.paths=[a.jsonl]",
+            "ppjd.vqa_backend=vlm",
+            "ppjd.vlm_model=v",
+            "ppjd.num_candidates=6",
+        ]
+    ).ppjd
     assert (p.source, p.perturb_backend, p.num_candidates) == ("jsonl", "rules", 6)

@@ -27,7 +27,7 @@ CHOSEN = "The ball is red and there are 2 cats on the left. So the cats sit by t
 def test_parse_json_object_accepts_a_fence_and_nothing_else():
     assert parse_json_object('```json\n{"a": 1}\n```') == {"a": 1}
     assert parse_json_object('  {"a": 1}  ') == {"a": 1}
-    for bad in ["", "Sure! {\"a\": 1}", "[1, 2]", "{'a': 1}", '{"a": 1} trailing']:
+    for bad in ["", 'Sure! {"a": 1}', "[1, 2]", "{'a': 1}", '{"a": 1} trailing']:
         with pytest.raises(LLMReplyError):
             parse_json_object(bad)
 
@@ -43,7 +43,10 @@ def test_parse_verify():
 
 def test_parse_extract_counts_and_lengths():
     assert parse_extract('{"perception_attrs": ["red ball", "two cats", "cats on the left"]}') == [
-        "red ball", "two cats", "cats on the left"]
+        "red ball",
+        "two cats",
+        "cats on the left",
+    ]
     with pytest.raises(LLMReplyError, match="2 perception attributes"):
         parse_extract('{"perception_attrs": ["red ball", "two cats"]}')
     with pytest.raises(LLMReplyError, match="7 perception"):
@@ -96,18 +99,34 @@ def _batch(rows: list[RawRow]) -> pd.DataFrame:
 
 
 def test_llm_stage_turns_bad_replies_into_rejects_with_reasons():
-    cfg = PPJDConfig(source="jsonl", paths=["x.jsonl"], perturb_backend="llm", vqa_backend="vlm",
-                     llm_model="m", vlm_model="v")
-    rows = [RawRow(f"r{i}", "jsonl", question="How many cats?", chosen=CHOSEN, answer="" if i < 2 else "2",
-                   where=f"x.jsonl line {i}") for i in range(5)]
+    cfg = PPJDConfig(
+        source="jsonl", paths=["x.jsonl"], perturb_backend="llm", vqa_backend="vlm", llm_model="m", vlm_model="v"
+    )
+    rows = [
+        RawRow(
+            f"r{i}",
+            "jsonl",
+            question="How many cats?",
+            chosen=CHOSEN,
+            answer="" if i < 2 else "2",
+            where=f"x.jsonl line {i}",
+        )
+        for i in range(5)
+    ]
     good_attrs = '{"perception_attrs": ["red ball", "two cats", "cats on the left"]}'
-    good_rewrite = json.dumps({"rejected_perception_1": CHOSEN.replace("red", "blue").replace("2", "3"),
-                               "rejected_perception_2": CHOSEN.replace("2", "4").replace("left", "right")})
-    engine = CannedTextEngine({
-        "verify": ["not json at all", '{"is_correct": true}'],  # rows 0, 1 have no ground truth
-        "extract": [good_attrs, '{"perception_attrs": ["one"]}', good_attrs, good_attrs],
-        "rewrite": [good_rewrite, '{"rejected_perception_1": "x"}', good_rewrite],
-    })
+    good_rewrite = json.dumps(
+        {
+            "rejected_perception_1": CHOSEN.replace("red", "blue").replace("2", "3"),
+            "rejected_perception_2": CHOSEN.replace("2", "4").replace("left", "right"),
+        }
+    )
+    engine = CannedTextEngine(
+        {
+            "verify": ["not json at all", '{"is_correct": true}'],  # rows 0, 1 have no ground truth
+            "extract": [good_attrs, '{"perception_attrs": ["one"]}', good_attrs, good_attrs],
+            "rewrite": [good_rewrite, '{"rejected_perception_1": "x"}', good_rewrite],
+        }
+    )
     out = LlmStage(cfg, engine=engine)(_batch(rows)).to_dict("records")
     assert list(_batch(rows).columns) == list(WORK_COLUMNS)
     by_id = {r["id"]: r for r in out}
@@ -121,14 +140,17 @@ def test_llm_stage_turns_bad_replies_into_rejects_with_reasons():
         probes = json.loads(by_id[kept]["probes"])
         assert {(p["original"], p["perturbed"]) for p in probes if p["level"] == 1} >= {("red", "blue")}
     # Rejected rows are not sent to later roles.
-    assert engine.calls.count("verify") == 2 and engine.calls.count("extract") == 4 and engine.calls.count("rewrite") == 3
+    assert (
+        engine.calls.count("verify") == 2 and engine.calls.count("extract") == 4 and engine.calls.count("rewrite") == 3
+    )
 
 
 def test_llm_stage_lets_bugs_fail_the_job():
     """Only an unusable reply is a row's reject; a reply that is not even a string is a broken
     engine (pjray's bug or the backend's), which must fail the job instead of passing for data."""
-    cfg = PPJDConfig(source="jsonl", paths=["x.jsonl"], perturb_backend="llm", vqa_backend="vlm",
-                     llm_model="m", vlm_model="v")
+    cfg = PPJDConfig(
+        source="jsonl", paths=["x.jsonl"], perturb_backend="llm", vqa_backend="vlm", llm_model="m", vlm_model="v"
+    )
     rows = [RawRow("r0", "jsonl", question="How many cats?", chosen=CHOSEN, answer="", where="x.jsonl line 0")]
     with pytest.raises(AttributeError):
         LlmStage(cfg, engine=CannedTextEngine({"verify": [None]}))(_batch(rows))

@@ -7,6 +7,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from support.ppjd import only_attribute_words_differ
 
 from pjray.ppjd.perturb import perception_problems, reasoning_problems, scene_items
 from pjray.ppjd.pipeline import (
@@ -22,20 +23,33 @@ from pjray.ppjd.pipeline import (
 )
 from pjray.ppjd.rejects import RejectRateError, RowDataError
 from pjray.ppjd.sources import ANSWER_KEYS, file_rows, mmpr_rows, read_source, scene_rows
-from support.ppjd import only_attribute_words_differ
+
 
 def test_mmpr_meta_and_answer_field_names(tmp_path):
     root = tmp_path / "images" / "geo"
     root.mkdir(parents=True)
-    lines = [json.dumps({"image": "a.png", "question": "q0", "chosen": "c", "rejected": "r", key: f"v-{key}"})
-             for key in ANSWER_KEYS]
+    lines = [
+        json.dumps({"image": "a.png", "question": "q0", "chosen": "c", "rejected": "r", key: f"v-{key}"})
+        for key in ANSWER_KEYS
+    ]
     lines.insert(2, "{not json")
     lines.append(json.dumps({"image": "b.png", "chosen": "c"}))  # no question, no answer
     (tmp_path / "ann").mkdir()
     (tmp_path / "ann" / "geo_correctness_rules.jsonl").write_text("\n".join(lines) + "\n")
     meta = tmp_path / "meta.json"
-    meta.write_text(json.dumps({"geo": {"root": "images/geo", "annotation": "ann/geo_correctness_rules.jsonl",
-                                        "data_augment": False, "repeat_time": 1, "length": 7}}))
+    meta.write_text(
+        json.dumps(
+            {
+                "geo": {
+                    "root": "images/geo",
+                    "annotation": "ann/geo_correctness_rules.jsonl",
+                    "data_augment": False,
+                    "repeat_time": 1,
+                    "length": 7,
+                }
+            }
+        )
+    )
     rows = mmpr_rows(meta)
     assert len(rows) == len(ANSWER_KEYS) + 2  # every line is a row, the broken one too
     good = [r for r in rows if not r.reject_stage]
@@ -55,8 +69,10 @@ def test_mmpr_meta_errors_name_the_entry(tmp_path):
 
 
 def test_generic_parquet_with_bytes_and_jsonl_with_paths(tmp_path):
-    pq.write_table(pa.Table.from_pylist([{"image": b"\x89PNG", "question": "q", "response": "c", "gt": "1"}]),
-                   tmp_path / "d.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"image": b"\x89PNG", "question": "q", "response": "c", "gt": "1"}]),
+        tmp_path / "d.parquet",
+    )
     (tmp_path / "d.jsonl").write_text(json.dumps({"image_path": "x.png", "question": "q", "chosen": "c"}) + "\n")
     rows = file_rows([tmp_path / "d.parquet", tmp_path / "d.jsonl"], "jsonl")
     assert rows[0].image == b"\x89PNG" and rows[0].chosen == "c" and rows[0].answer == "1"
@@ -85,7 +101,11 @@ def test_each_live_row_rejects_data_errors_and_lets_bugs_fail():
     rows.append({"reject_stage": "load", "reject_reason": "earlier", "x": -5})
     each_live_row("perturb", fn)(rows)
     assert [(r["reject_stage"], r["reject_reason"]) for r in rows] == [
-        ("", ""), ("perturb", "negative x -1"), ("perturb", "zero"), ("load", "earlier")]
+        ("", ""),
+        ("perturb", "negative x -1"),
+        ("perturb", "zero"),
+        ("load", "earlier"),
+    ]
     # A bug in a stage (here a KeyError) is no reject reason: it fails the job.
     with pytest.raises(KeyError):
         each_live_row("perturb", lambda r: r["no such field"])([{"reject_stage": "", "reject_reason": ""}])
@@ -120,7 +140,9 @@ def test_shard_writer_fails_when_a_stage_rejects_nearly_everything(tmp_path):
     stats = json.loads(writer.write_shard(2, _work_rows(12, {"load": 1, "vqa": 9})))
     assert stats["kept"] == 2 and stats["rejected_by_stage"] == {"load": 1, "vqa": 9}
     # A stage that fewer than MIN_ROWS_CHECKED rows reach is not judged; 1.0 disables the check.
-    assert json.loads(writer.write_shard(3, _work_rows(MIN_ROWS_CHECKED - 1, {"load": MIN_ROWS_CHECKED - 1})))["kept"] == 0
+    assert (
+        json.loads(writer.write_shard(3, _work_rows(MIN_ROWS_CHECKED - 1, {"load": MIN_ROWS_CHECKED - 1})))["kept"] == 0
+    )
     assert json.loads(ShardWriter(str(tmp_path), 3, 1.0).write_shard(4, _work_rows(12, {"load": 12})))["kept"] == 0
 
 

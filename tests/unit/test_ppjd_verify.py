@@ -31,7 +31,9 @@ def png(draw_fn, size=(96, 96)) -> bytes:
 
 
 CIRCLE = png(lambda d: d.ellipse([10, 10, 50, 50], fill=(200, 20, 20)))
-SQUARES = png(lambda d: (d.rectangle([50, 40, 90, 90], fill=(20, 20, 200)), d.rectangle([0, 0, 20, 30], fill=(0, 0, 0))))
+SQUARES = png(
+    lambda d: (d.rectangle([50, 40, 90, 90], fill=(20, 20, 200)), d.rectangle([0, 0, 20, 30], fill=(0, 0, 0)))
+)
 
 
 def test_final_check_wants_a_readable_wrong_final():
@@ -88,7 +90,9 @@ def test_eval_index_matches_images_and_questions(tmp_path):
     (tmp_path / "image").mkdir()
     (tmp_path / "image" / "1.png").write_bytes(CIRCLE)
     bench = tmp_path / "batch.jsonl"
-    bench.write_text(json.dumps({"id": 1, "image_path": "image/1.png", "instruction": "What is <image> SHOWN here?"}) + "\n")
+    bench.write_text(
+        json.dumps({"id": 1, "image_path": "image/1.png", "instruction": "What is <image> SHOWN here?"}) + "\n"
+    )
     bias = tmp_path / "bias.json"
     bias.write_text(json.dumps([{"unbiased_instruction": "Count the cats.", "biased_instruction": ""}]))
     index = load_eval_index([str(bench), str(bias)])

@@ -138,8 +138,12 @@ def test_render_batch_rejects_bad_items(item, style, match):
 
 
 @settings(max_examples=200, deadline=None)
-@given(data=st.data(), k=st.integers(2, 26), seed=st.integers(0, 2**32 - 1),
-       metric=st.sampled_from(["levenshtein", "kendall"]))
+@given(
+    data=st.data(),
+    k=st.integers(2, 26),
+    seed=st.integers(0, 2**32 - 1),
+    metric=st.sampled_from(["levenshtein", "kendall"]),
+)
 def test_answering_item_order_gets_full_reward(data, k, seed, metric):
     order = tuple(data.draw(st.permutations(range(k))))
     item = make_item(k, order=order)

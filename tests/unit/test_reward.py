@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pjray.config import RewardConfig
 from pjray.reward import (
     judge_reward,
     kendall_reward,
@@ -21,7 +22,6 @@ from pjray.reward import (
     ranking_from_scores,
     score_reward,
 )
-from pjray.config import RewardConfig
 from pjray.reward.workers import RewardWorker, overlong_penalty
 from pjray.types import Completion
 
@@ -71,11 +71,7 @@ def test_kendall_matches_release_table_for_every_target():
     """The released K=3 lookup table: adjacent swaps 2/3, rotations 1/3, reverse 0."""
     for target in map("".join, itertools.permutations("ABC")):
         for pred in map("".join, itertools.permutations("ABC")):
-            disc = sum(
-                1
-                for a, b in itertools.combinations(target, 2)
-                if pred.index(a) > pred.index(b)
-            )
+            disc = sum(1 for a, b in itertools.combinations(target, 2) if pred.index(a) > pred.index(b))
             assert kendall_reward(pred, target) == pytest.approx(1 - disc / 3)
         assert kendall_reward(target[::-1], target) == 0.0
 
@@ -309,15 +305,38 @@ def test_judge_reward_unknown_metric_is_named():
 # --- properties --------------------------------------------------------------------------------
 
 _FRAGMENTS = st.sampled_from(
-    ["<think>", "</think>", "<answer>", "</answer>", "A", "B", "C", "Z", "a", " > ", ">", ",", " ",
-     "\n", "[[", "]]", "3", "10", "0", "99999", "x", "\u227b", "<", "/"]
+    [
+        "<think>",
+        "</think>",
+        "<answer>",
+        "</answer>",
+        "A",
+        "B",
+        "C",
+        "Z",
+        "a",
+        " > ",
+        ">",
+        ",",
+        " ",
+        "\n",
+        "[[",
+        "]]",
+        "3",
+        "10",
+        "0",
+        "99999",
+        "x",
+        "\u227b",
+        "<",
+        "/",
+    ]
 )
 _RESPONSES = st.one_of(st.text(max_size=300), st.lists(_FRAGMENTS, max_size=40).map("".join))
 
 
 @settings(max_examples=400, deadline=None)
-@given(text=_RESPONSES, k=st.integers(1, 26), style=st.sampled_from(["ranking", "scores"]),
-       prefilled=st.booleans())
+@given(text=_RESPONSES, k=st.integers(1, 26), style=st.sampled_from(["ranking", "scores"]), prefilled=st.booleans())
 def test_parser_never_raises(text, k, style, prefilled):
     j = parse_judgment(text, k, style=style, think_prefilled=prefilled)
     assert j.format_ok == (j.reason == "")
@@ -330,8 +349,12 @@ def test_parser_never_raises(text, k, style, prefilled):
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=_RESPONSES, target=st.permutations("ABCD").map("".join),
-       metric=st.sampled_from(["levenshtein", "kendall"]), style=st.sampled_from(["ranking", "scores"]))
+@given(
+    text=_RESPONSES,
+    target=st.permutations("ABCD").map("".join),
+    metric=st.sampled_from(["levenshtein", "kendall"]),
+    style=st.sampled_from(["ranking", "scores"]),
+)
 def test_judge_reward_in_unit_interval(text, target, metric, style):
     r = judge_reward(text, target, metric=metric, style=style)
     assert 0.0 <= r.ranking <= 1.0 and 0.0 <= r.total <= 1.0
@@ -383,8 +406,14 @@ def test_truncated_response_gets_no_format_credit():
 
 
 def _completion(text: str, finish_reason: str = "stop", length: int = 10) -> Completion:
-    return Completion(prompt_index=0, sample_index=0, token_ids=tuple(range(length)), logprobs=(-1.0,) * length,
-                      text=text, finish_reason=finish_reason)  # fmt: skip
+    return Completion(
+        prompt_index=0,
+        sample_index=0,
+        token_ids=tuple(range(length)),
+        logprobs=(-1.0,) * length,
+        text=text,
+        finish_reason=finish_reason,
+    )
 
 
 def test_reward_worker_reads_the_finish_reason():
@@ -411,13 +440,16 @@ def test_overlong_penalty_is_dapo_soft_punishment():
     assert overlong_penalty(16, 20, 8, 0.5) == -0.25
     assert overlong_penalty(20, 20, 0, 1.0) == 0.0  # buffer 0: off
     worker = RewardWorker(RewardConfig(overlong_buffer=8, overlong_penalty=0.5), max_new_tokens=20)
-    results = worker.score([_completion(wrap("BAC"), length=16), _completion(wrap("BAC"), "length", 20)],
-                           ["BAC", "BAC"], [False, False])  # fmt: skip
+    results = worker.score(
+        [_completion(wrap("BAC"), length=16), _completion(wrap("BAC"), "length", 20)], ["BAC", "BAC"], [False, False]
+    )
     assert [r.total for r in results] == [1.0 - 0.25, 0.0 - 0.5]
 
 
 def test_custom_reward_function_sees_truncated_text_but_pays_the_overlong_penalty():
     cfg = RewardConfig(function="pjray.reward:levenshtein_reward", overlong_buffer=4)
     worker = RewardWorker(cfg, max_new_tokens=10)
-    results = worker.score([_completion("BAC", "length", 10), _completion("BAC", "stop", 6)], ["BAC", "BAC"], [False, False])
+    results = worker.score(
+        [_completion("BAC", "length", 10), _completion("BAC", "stop", 6)], ["BAC", "BAC"], [False, False]
+    )
     assert [r.total for r in results] == [0.0, 1.0]  # 1.0 - 1.0 (at the limit) and 1.0 - 0

@@ -40,16 +40,27 @@ def cal_py(lines: list[dict], k: int, rng: random.Random) -> dict:
         random_number = item["meta"]["random_number"]
         rejected = item["ranking"].index(1 if random_number == 0 else 0) + 1
         text = item["meta"]["filter_choice"].replace("\n", "").replace("*", "")
-        match = re.search(r"(?:Overall Judgment|Therefore)\s*.*\s*-*\s*Answer\s*(\d+)\s*is\s*(?:the\s*)?(?:slightly\s*)?better",
-                          text, re.IGNORECASE)  # fmt: skip
+        match = re.search(
+            r"(?:Overall Judgment|Therefore)\s*.*\s*-*\s*Answer\s*(\d+)\s*is\s*(?:the\s*)?(?:slightly\s*)?better",
+            text,
+            re.IGNORECASE,
+        )
         status = "doesntMatch" if not match else ("reject" if int(match.group(1)) == rejected else "agree")
-        d = dist.setdefault(key, {"agree": 0, "reject": 0, "doesntMatch": 0, "dataset": vl_rewardbench.source_dataset(item["id"])})
+        d = dist.setdefault(
+            key, {"agree": 0, "reject": 0, "doesntMatch": 0, "dataset": vl_rewardbench.source_dataset(item["id"])}
+        )
         if d["agree"] + d["reject"] + d["doesntMatch"] >= k:
             continue
         d[status] += 1
     groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    group_of = {"vlfeedback": "general", "wildvision-battle": "general", "povid": "hallucination",
-                "rlaif-v": "hallucination", "rlhf-v": "hallucination", "reasoning_tasks": "reasoning"}  # fmt: skip
+    group_of = {
+        "vlfeedback": "general",
+        "wildvision-battle": "general",
+        "povid": "hallucination",
+        "rlaif-v": "hallucination",
+        "rlhf-v": "hallucination",
+        "reasoning_tasks": "reasoning",
+    }
     for d in dist.values():
         total = d["agree"] + d["reject"] + d["doesntMatch"]
         g = groups[group_of[d["dataset"]]]
@@ -83,10 +94,15 @@ def get_accuracy(lines: list[dict]) -> dict:
 
 
 VERDICTS = [
-    "Overall Judgment: Answer 1 is better.", "**Overall Judgment**: Answer 2 is slightly better",
-    "Overall Judgment:\nAnswer 3 is better", "Therefore, Answer 2 is the better one.", "Answer 1 is clearly better",
-    "", "Overall Judgment: Answer 2 is clearly better", "overall judgment - answer 1 is better",
-]  # fmt: skip
+    "Overall Judgment: Answer 1 is better.",
+    "**Overall Judgment**: Answer 2 is slightly better",
+    "Overall Judgment:\nAnswer 3 is better",
+    "Therefore, Answer 2 is the better one.",
+    "Answer 1 is clearly better",
+    "",
+    "Overall Judgment: Answer 2 is clearly better",
+    "overall judgment - answer 1 is better",
+]
 
 
 def random_vlrb_samples(rows, rng: random.Random, per_row: int) -> list[Sample]:
@@ -99,8 +115,15 @@ def official_vlrb_lines(rows, samples: list[Sample]) -> list[dict]:
     for s in samples:
         r = by_row[s.row]
         ranking = [0, 1] if r.better == 0 else [1, 0]
-        lines.append({"id": r.id, "query": r.query, "response": list(r.responses), "ranking": ranking,
-                      "meta": {"random_number": int(s.swapped), "filter_choice": s.output}})  # fmt: skip
+        lines.append(
+            {
+                "id": r.id,
+                "query": r.query,
+                "response": list(r.responses),
+                "ranking": ranking,
+                "meta": {"random_number": int(s.swapped), "filter_choice": s.output},
+            }
+        )
     return lines
 
 
@@ -136,8 +159,16 @@ def test_vlrb_reading(text, official, strict):
 
 
 def test_vlrb_groups_from_the_id_prefix():
-    expected = ["general", "general", "hallucination", "hallucination", "hallucination", "reasoning", "reasoning",
-                "hallucination"]  # fmt: skip
+    expected = [
+        "general",
+        "general",
+        "hallucination",
+        "hallucination",
+        "hallucination",
+        "reasoning",
+        "reasoning",
+        "hallucination",
+    ]
     assert [vl_rewardbench.group_of(i) for i in VLRB_IDS] == expected
     assert vl_rewardbench.group_of("anything") == "general"  # cal.py: any other prefix is vlfeedback
 
@@ -162,15 +193,22 @@ def test_both_read_a_dataset_folder(tmp_path):
         e = load(overrides=[f"eval.bench={bench.NAME}", f"eval.data={folder}"]).eval
         from_folder = scan_rows(bench, eval_source(e)).rows
         from_file = scan_rows(bench, next(folder.glob("*.parquet"))).rows
-        assert [(r.id, r.better, r.group, r.image) for r in from_folder] == [(r.id, r.better, r.group, r.image) for r in from_file]
+        assert [(r.id, r.better, r.group, r.image) for r in from_folder] == [
+            (r.id, r.better, r.group, r.image) for r in from_file
+        ]
 
 
 def test_vlrb_bad_rows_are_rejects_with_reasons(tmp_path):
     path = tmp_path / "data.jsonl"
     (tmp_path / "a.png").write_bytes(b"png")
     good = {"id": "x_1", "query": "q", "response": ["a", "b"], "human_ranking": [0, 1], "image_path": "a.png"}
-    lines = [good, {**good, "human_ranking": [0, 0]}, {**good, "response": ["a"]}, {**good, "image_path": "missing.png"},
-             {k: v for k, v in good.items() if k != "query"}]  # fmt: skip
+    lines = [
+        good,
+        {**good, "human_ranking": [0, 0]},
+        {**good, "response": ["a"]},
+        {**good, "image_path": "missing.png"},
+        {k: v for k, v in good.items() if k != "query"},
+    ]
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
     scanned = scan_rows(vl_rewardbench, path)
     assert len(scanned.rows) == 1
@@ -198,8 +236,11 @@ def test_vlrb_official_scoring_equals_cal_py(vlrb_rows, per_row):
 def test_vlrb_unparsed_and_no_majority_leave_the_denominators(vlrb_rows):
     rows = vlrb_rows[:3]  # general x2, hallucination; no reasoning row
     right = lambda r: f"Overall Judgment: Answer {preferred_slot(r, False)} is better"  # noqa: E731
-    samples = [Sample(rows[0].index, right(rows[0]), False), Sample(rows[1].index, "no verdict", False),
-               Sample(rows[2].index, right(rows[2]), False)]  # fmt: skip
+    samples = [
+        Sample(rows[0].index, right(rows[0]), False),
+        Sample(rows[1].index, "no verdict", False),
+        Sample(rows[2].index, right(rows[2]), False),
+    ]
     tables, _, notes = vl_rewardbench.official_tables(rows, samples, "original")
     t = tables["official_k1"]
     assert t["general"].value == 1.0 and t["general"].n == 1 and t["general"].unparsed == 1
@@ -207,14 +248,17 @@ def test_vlrb_unparsed_and_no_majority_leave_the_denominators(vlrb_rows):
     assert t["reasoning"].value is None and t["macro"].value is None  # the official script divides by zero here
     assert any("reasoning" in n for n in notes)
     # A 2-2 split of 4 samples has no strict majority: neither decided nor unparsed.
-    tie = [Sample(rows[0].index, right(rows[0]), False)] * 2 + [Sample(rows[0].index, "Overall Judgment: Answer "
-                                                                       f"{3 - preferred_slot(rows[0], False)} is better", False)] * 2  # fmt: skip
+    tie = [Sample(rows[0].index, right(rows[0]), False)] * 2 + [
+        Sample(rows[0].index, f"Overall Judgment: Answer {3 - preferred_slot(rows[0], False)} is better", False)
+    ] * 2
     tables = vl_rewardbench.official_tables(rows[:1], tie, "original")[0]
     assert tables["official_k3"]["general"].n == 1  # k = 3 of the 4 lines: 2 of a kind, decided
     assert "official_k5" not in tables  # no row has 5 samples
     votes = vl_rewardbench.votes(rows[:1], tie)[5]  # all 4 lines counted: 2 against 2
     assert votes[rows[0].key].outcome() == "other"
-    assert vl_rewardbench.vote_table(votes)["general"].skipped == 1 and vl_rewardbench.vote_table(votes)["general"].n == 0
+    assert (
+        vl_rewardbench.vote_table(votes)["general"].skipped == 1 and vl_rewardbench.vote_table(votes)["general"].n == 0
+    )
 
 
 def test_vlrb_official_prompt_and_order(vlrb_rows):
@@ -235,9 +279,16 @@ def test_vlrb_official_prompt_and_order(vlrb_rows):
 @pytest.mark.parametrize("layout", ["json", "jsonl", "parquet"])
 def test_mmrb_reads_the_published_layouts(tmp_path, layout):
     rows = scan_rows(mm_rewardbench, write_mmrb(tmp_path, layout)).rows
-    assert [r.group for r in rows] == ["open_generation/correctness_task", "open_generation/preference_task",
-                                       "knowledge", "reasoning/math", "reasoning/coding", "safety/bias",
-                                       "safety/toxicity", "vqa"]  # fmt: skip
+    assert [r.group for r in rows] == [
+        "open_generation/correctness_task",
+        "open_generation/preference_task",
+        "knowledge",
+        "reasoning/math",
+        "reasoning/coding",
+        "safety/bias",
+        "safety/toxicity",
+        "vqa",
+    ]
     assert [r.better for r in rows[:2]] == [1, 0] and all(r.image for r in rows)
 
 
@@ -255,8 +306,15 @@ def test_mmrb_official_scoring_equals_get_accuracy(mmrb_rows):
     tables, _, _ = mm_rewardbench.official_tables(mmrb_rows, samples, "original")
     per_file = []
     for i in range(3):  # answers file i holds sample i of every row, in row order
-        lines = [{"ID": r.id, "Label": "AB"[r.better], "output": samples[3 * r.index + i].output,
-                  "Meta": {"Category": MMRB_ROWS[r.index][1]}} for r in mmrb_rows]  # fmt: skip
+        lines = [
+            {
+                "ID": r.id,
+                "Label": "AB"[r.better],
+                "output": samples[3 * r.index + i].output,
+                "Meta": {"Category": MMRB_ROWS[r.index][1]},
+            }
+            for r in mmrb_rows
+        ]
         per_file.append(get_accuracy(lines))
     for name, cell in tables["official"].items():
         key = "all" if name == OVERALL else name
@@ -293,13 +351,24 @@ class LookingJudge:
             own = self.image_row.get(p.image)
             right = own is not None and own.index == index if self.looks else True
             slot = "AB".index(p.target) + 1 if right else 3 - ("AB".index(p.target) + 1)
-            out.append(f"Overall Judgment: Answer {slot} is better" if self.bench == "vl_rewardbench" else f"[[{'AB'[slot - 1]}]]")
+            out.append(
+                f"Overall Judgment: Answer {slot} is better"
+                if self.bench == "vl_rewardbench"
+                else f"[[{'AB'[slot - 1]}]]"
+            )
         return out
 
 
 def cfg_for(bench: str, data: Path, out: Path, *extra: str):
-    return load(overrides=[f"eval.bench={bench}", f"eval.data={data}", f"eval.output_dir={out}", "eval.judge=some/judge",
-                           *extra])  # fmt: skip
+    return load(
+        overrides=[
+            f"eval.bench={bench}",
+            f"eval.data={data}",
+            f"eval.output_dir={out}",
+            "eval.judge=some/judge",
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.parametrize("bench, writer", [("vl_rewardbench", write_vlrb), ("mm_rewardbench", write_mmrb)])
@@ -322,16 +391,22 @@ def test_blind_twin_and_outputs_round_trip(tmp_path, bench, writer):
     assert paths["outputs.mismatched"].exists() and paths["items"].exists()
 
     # The run's own outputs, scored again without a judge: the same numbers.
-    again = evaluate(load(overrides=[f"eval.bench={bench}", f"eval.data={data}", f"eval.outputs={paths['outputs']}"]), None)
+    again = evaluate(
+        load(overrides=[f"eval.bench={bench}", f"eval.data={data}", f"eval.outputs={paths['outputs']}"]), None
+    )
     for table in report.tables:
-        assert {k: c.value for k, c in again.tables[table].items()} == {k: c.value for k, c in report.tables[table].items()}
+        assert {k: c.value for k, c in again.tables[table].items()} == {
+            k: c.value for k, c in report.tables[table].items()
+        }
 
 
 def test_a_judge_that_does_not_look_shows_no_gap(tmp_path):
     data = write_vlrb(tmp_path / "data")
     rows = scan_rows(vl_rewardbench, data).rows
-    report = evaluate(cfg_for("vl_rewardbench", data, tmp_path / "run", "eval.blind=[mismatched]"),
-                      LookingJudge(rows, "vl_rewardbench", looks=False))  # fmt: skip
+    report = evaluate(
+        cfg_for("vl_rewardbench", data, tmp_path / "run", "eval.blind=[mismatched]"),
+        LookingJudge(rows, "vl_rewardbench", looks=False),
+    )
     pooled = report.paired["real vs mismatched"][-1]
     assert pooled["b"] == pooled["c"] == 0 and pooled["p_value"] == 1.0
 
@@ -342,7 +417,9 @@ def test_outputs_file_errors(tmp_path):
     def score(lines):
         path = tmp_path / "outs.jsonl"
         path.write_text("".join(json.dumps(x) + "\n" if isinstance(x, dict) else x + "\n" for x in lines))
-        return evaluate(load(overrides=["eval.bench=vl_rewardbench", f"eval.data={data}", f"eval.outputs={path}"]), None)
+        return evaluate(
+            load(overrides=["eval.bench=vl_rewardbench", f"eval.data={data}", f"eval.outputs={path}"]), None
+        )
 
     with pytest.raises(PreferenceDataError, match="row 99"):
         score([{"row": 99, "output": "x", "swapped": False}])
@@ -363,11 +440,23 @@ def test_judge_vs_judge_from_outputs_files(tmp_path):
     files = []
     for name, right in (("always", lambda r: True), ("never", lambda r: r.index == 0)):
         path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({"row": r.index, "output": f"[[{'AB'[r.better if right(r) else 1 - r.better]}]]"})
-                                + "\n" for r in rows))  # fmt: skip
+        path.write_text(
+            "".join(
+                json.dumps({"row": r.index, "output": f"[[{'AB'[r.better if right(r) else 1 - r.better]}]]"}) + "\n"
+                for r in rows
+            )
+        )
         files.append(path)
-    cfg = load(overrides=["eval.bench=mm_rewardbench", f"eval.data={data}", f"eval.outputs={files[0]}",
-                          f"eval.compare=[{files[1]}]", f"eval.output_dir={tmp_path / 'cmp'}", "eval.plots=false"])  # fmt: skip
+    cfg = load(
+        overrides=[
+            "eval.bench=mm_rewardbench",
+            f"eval.data={data}",
+            f"eval.outputs={files[0]}",
+            f"eval.compare=[{files[1]}]",
+            f"eval.output_dir={tmp_path / 'cmp'}",
+            "eval.plots=false",
+        ]
+    )
     paths = run_eval(cfg)
     body = json.loads(paths["json"].read_text())
     assert body["values"][0]["official/overall"] == 1.0 and body["values"][1]["official/overall"] == 1 / len(rows)
@@ -382,8 +471,10 @@ def test_paper_prompt_reads_the_two_scores(tmp_path):
     rows = scan_rows(vl_rewardbench, data).rows
 
     def scores(prompts, seed):
-        return [f"<think>x</think><answer>{9 if p.target == 'A' else 2}</answer><answer>{2 if p.target == 'A' else 9}</answer>"
-                for p in prompts]  # fmt: skip
+        return [
+            f"<think>x</think><answer>{9 if p.target == 'A' else 2}</answer><answer>{2 if p.target == 'A' else 9}</answer>"
+            for p in prompts
+        ]
 
     report = evaluate(cfg_for("vl_rewardbench", data, tmp_path / "r", "eval.prompt_format=paper"), scores)
     assert report.tables["official_k1"][OVERALL].value == 1.0 and report.tables["strict"][OVERALL].value == 1.0
@@ -419,7 +510,10 @@ def test_mismatched_images_are_a_derangement():
         (["eval.bench=pair", "eval.data=x.jsonl", "eval.outputs=o.jsonl"], "eval.outputs"),
         (["eval.bench=vl_rewardbench", "eval.data=x", "eval.outputs=o.jsonl", "eval.judge=j"], "eval.outputs"),
         (["eval.bench=vl_rewardbench", "eval.data=x", "eval.outputs=o.txt"], "eval.outputs"),
-        (["eval.bench=vl_rewardbench", "eval.data=x", "eval.outputs=o.jsonl", "eval.blind=[mismatched]"], "eval.outputs"),
+        (
+            ["eval.bench=vl_rewardbench", "eval.data=x", "eval.outputs=o.jsonl", "eval.blind=[mismatched]"],
+            "eval.outputs",
+        ),
         (["eval.bench=perceptual_bias", "eval.blind=[mismatched]"], "eval.blind"),
         (["eval.bench=vl_rewardbench", "eval.data=x", "eval.both_orders=true"], "eval.both_orders"),
         (["eval.bench=vl_rewardbench", "eval.data=x", "eval.compare=[a]"], "eval.compare"),
@@ -438,8 +532,15 @@ def test_training_validation_logs_accuracy_and_gap(tmp_path, bench, writer):
     from pjray.eval.reward_bench import TrainingValidation, bench_of
 
     data = writer(tmp_path / "data")
-    cfg = load(overrides=[f"eval.train_bench={bench}", f"eval.data={data}", "eval.every_steps=2",
-                          "eval.train_num_items=5", "eval.blind=[mismatched]"])  # fmt: skip
+    cfg = load(
+        overrides=[
+            f"eval.train_bench={bench}",
+            f"eval.data={data}",
+            "eval.every_steps=2",
+            "eval.train_num_items=5",
+            "eval.blind=[mismatched]",
+        ]
+    )
     hook = TrainingValidation(cfg)
     assert len(hook.rows) == 5 and hook.rows == TrainingValidation(cfg).rows  # the same rows every time
     all_rows = scan_rows(bench_of(bench), data).rows

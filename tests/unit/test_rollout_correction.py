@@ -33,7 +33,11 @@ def expected(log_ratio: torch.Tensor, mask: torch.Tensor, level: str, upper: flo
         if level == "token":
             units = [(math.exp(max(-20.0, min(20.0, float(log_ratio[i, t])))), [t]) for t in tokens]
         else:
-            units = [(math.exp(max(-20.0, min(20.0, sum(float(log_ratio[i, t]) for t in tokens)))), tokens)] if tokens else []
+            units = (
+                [(math.exp(max(-20.0, min(20.0, sum(float(log_ratio[i, t]) for t in tokens)))), tokens)]
+                if tokens
+                else []
+            )
         for raw, positions in units:
             if lower is None:
                 final, outside = min(raw, upper), raw > upper

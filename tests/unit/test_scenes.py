@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.pixels import measure, measured_size, pixels
 
 from pjray.data.scenes import (
     COLORS,
@@ -18,10 +19,9 @@ from pjray.data.scenes import (
     qa_from_ref,
     render,
     sample_qa,
-    scene_ref,
     scene_questions,
+    scene_ref,
 )
-from support.pixels import measure, measured_size, pixels
 
 
 def cell_name(cell: tuple[int, int]) -> str:
@@ -133,9 +133,7 @@ def test_kinds_and_values_are_covered():
 def test_same_seed_same_bytes_and_different_seeds_differ():
     assert render(generate_scene(7)) == render(generate_scene(7))
     assert sample_qa(7) == sample_qa(7)
-    assert scene_questions(generate_scene(7), random.Random(1)) == scene_questions(
-        generate_scene(7), random.Random(1)
-    )
+    assert scene_questions(generate_scene(7), random.Random(1)) == scene_questions(generate_scene(7), random.Random(1))
     pngs = {render(generate_scene(seed)) for seed in range(30)}
     assert len(pngs) == 30
 

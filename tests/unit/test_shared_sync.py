@@ -68,7 +68,9 @@ def test_a_new_plan_gets_new_buffers_and_drops_the_unused(tmp_path):
 
 
 def test_buffers_of_dead_writers_are_swept_and_live_ones_kept(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     stale = tmp_path / f"pjray-sync-{dead.stdout.strip()}-abcd1234-0"
     stale.write_bytes(b"\0" * 8)
     writer = SharedBuckets(tmp_path)  # sweeps on creation

@@ -12,8 +12,15 @@ import pytest
 
 from pjray.recipes import base_judge as artifact
 from pjray.recipes.base_judge import (
-    JUDGE_FILES, RECIPES, REBUILD, SHIPPED, SHIPPED_INIT, ShippedJudgeError, recipe_hash, shipped_record,
-)  # fmt: skip
+    JUDGE_FILES,
+    REBUILD,
+    RECIPES,
+    SHIPPED,
+    SHIPPED_INIT,
+    ShippedJudgeError,
+    recipe_hash,
+    shipped_record,
+)
 
 SHIPPED_RECIPE = RECIPES[SHIPPED_INIT]
 

@@ -26,8 +26,15 @@ from pjray.ppjd.sources import RawRow, scene_rows
 
 
 def one_object_tuples(construction: str) -> list:
-    return scene_items(1000, seed=11, num_candidates=3, image_size=96, kinds=("color", "size"), objects=(1, 1),
-                       construction=construction)
+    return scene_items(
+        1000,
+        seed=11,
+        num_candidates=3,
+        image_size=96,
+        kinds=("color", "size"),
+        objects=(1, 1),
+        construction=construction,
+    )
 
 
 def test_nested_tuples_rank_perfectly_from_the_text_alone():
@@ -59,16 +66,21 @@ def test_tied_rankings_score_the_expected_value_of_a_random_tie_break():
     assert (expected_correct_first([[2], [0], [1]], order), expected_exact([[2], [0], [1]], order)) == (1.0, 1.0)
     assert (expected_correct_first([[0, 2], [1]], order), expected_exact([[0, 2], [1]], order)) == (0.5, 0.5)
     assert (expected_correct_first([[2], [0, 1]], order), expected_exact([[2], [0, 1]], order)) == (1.0, 0.5)
-    assert (expected_correct_first([[0, 1, 2]], order), expected_exact([[0, 1, 2]], order)) == \
-        (Fraction(1, 3), Fraction(1, 6))
+    assert (expected_correct_first([[0, 1, 2]], order), expected_exact([[0, 1, 2]], order)) == (
+        Fraction(1, 3),
+        Fraction(1, 6),
+    )
     assert (expected_correct_first([[0], [2, 1]], order), expected_exact([[0], [2, 1]], order)) == (0.0, 0.0)
     assert (expected_correct_first([[2, 1], [0]], order), expected_exact([[2, 1], [0]], order)) == (0.5, 0.0)
     # A ranker that ties everything scores exactly chance.
     for k in (2, 3, 4, 5):
         everything = [list(range(k))]
         best_first = tuple(range(k))
-        assert (expected_correct_first(everything, best_first), expected_exact(everything, best_first)) == \
-            chance_scores(k) == (Fraction(1, k), Fraction(1, math.factorial(k)))
+        assert (
+            (expected_correct_first(everything, best_first), expected_exact(everything, best_first))
+            == chance_scores(k)
+            == (Fraction(1, k), Fraction(1, math.factorial(k)))
+        )
 
 
 def test_odd_one_out_needs_all_others_to_agree():
@@ -95,8 +107,9 @@ def test_free_text_rows_compare_the_attribute_words_they_state():
         "The ball is red and sits on the left. It is red. Final Answer: red",  # more mentions, same facts
     ]
     assert text_only_ranking(candidates) == [[0], [1, 2]]
-    assert text_only_ranking(candidates[:2] + ["The ball is green and sits on the left. Final Answer: green"]) == \
-        [[0, 1, 2]]
+    assert text_only_ranking(candidates[:2] + ["The ball is green and sits on the left. Final Answer: green"]) == [
+        [0, 1, 2]
+    ]
 
 
 def test_ppjd_rows_are_audited_from_their_scene_reference():
@@ -124,13 +137,17 @@ def free_text_rows(n: int, seed: int = 0) -> list[RawRow]:
         a, b = rng.sample(["red", "blue", "green", "yellow", "purple", "orange"], 2)
         if i % 2 == 0:
             question, answer = f"What colour is the {shape} on the left?", a
-            chosen = (f"The image shows two {shape}s side by side.\nThe {shape} on the left is {a} and the one on the "
-                      f"right is {b}.\nSo the {shape} on the left is {a}.\nFinal Answer: {a}")
+            chosen = (
+                f"The image shows two {shape}s side by side.\nThe {shape} on the left is {a} and the one on the "
+                f"right is {b}.\nSo the {shape} on the left is {a}.\nFinal Answer: {a}"
+            )
         else:
             many, few = rng.sample(range(3, 10), 2)
             question, answer = f"How many {a} {shape}s are there?", str(many)
-            chosen = (f"The picture shows {many} {a} {shape}s and {few} {b} {shape}s.\nI count the {a} {shape}s one by "
-                      f"one.\nSo the number of {a} {shape}s is {many}.\nFinal Answer: \\boxed{{{many}}}")
+            chosen = (
+                f"The picture shows {many} {a} {shape}s and {few} {b} {shape}s.\nI count the {a} {shape}s one by "
+                f"one.\nSo the number of {a} {shape}s is {many}.\nFinal Answer: \\boxed{{{many}}}"
+            )
         rows.append(RawRow(f"text-{i}", "test", question, chosen, answer))
     return rows
 

@@ -32,8 +32,15 @@ def png() -> bytes:
 
 
 def good_row(**changes):
-    row = {"id": "x", "image": png(), "question": "q?", "candidates": ["a", "b", "c"],
-           "order": [2, 0, 1], "source": "test", "meta": "{}"}
+    row = {
+        "id": "x",
+        "image": png(),
+        "question": "q?",
+        "candidates": ["a", "b", "c"],
+        "order": [2, 0, 1],
+        "source": "test",
+        "meta": "{}",
+    }
     row.update(changes)
     return row
 
@@ -85,7 +92,10 @@ def test_bad_rows_are_skipped_and_named_up_to_the_allowed_fraction(tmp_path):
     assert scanned.rejects[0].reason.startswith("could not decode image")
     assert scanned.rejects[1].reason == "2 candidates, expected 3 (data.num_candidates)"
     scanned.check(0.1)  # 2 of 20
-    with pytest.raises(DataError, match=r"mixed.parquet: 2 of 20 rows are bad \(more than data.max_reject_fraction=0.05\): .*row 3: could not decode"):
+    with pytest.raises(
+        DataError,
+        match=r"mixed.parquet: 2 of 20 rows are bad \(more than data.max_reject_fraction=0.05\): .*row 3: could not decode",
+    ):
         scanned.check(0.05)
     write_rejects(scanned.rejects, tmp_path / "rejects.jsonl")
     listed = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]

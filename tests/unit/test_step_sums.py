@@ -12,9 +12,25 @@ from pjray.rl.learner import StepSums
 
 
 def _rank(scale: float) -> StepSums:
-    return StepSums(pg_loss=0.5 * scale, kl_loss=0.1, tokens=10 * scale, seqs=2, entropy=3 * scale, pg_clipfrac=1.0,
-                    ppo_kl=0.2, logprob_diff=0.4 * scale, logprob_diff_tokens=4, padding_positions=6, positions=24,
-                    is_units=10, is_total=9, is_squares=8.5, is_outside=1, logprob_diff_max=0.3 * scale, is_raw_max=1.5 * scale)  # fmt: skip
+    return StepSums(
+        pg_loss=0.5 * scale,
+        kl_loss=0.1,
+        tokens=10 * scale,
+        seqs=2,
+        entropy=3 * scale,
+        pg_clipfrac=1.0,
+        ppo_kl=0.2,
+        logprob_diff=0.4 * scale,
+        logprob_diff_tokens=4,
+        padding_positions=6,
+        positions=24,
+        is_units=10,
+        is_total=9,
+        is_squares=8.5,
+        is_outside=1,
+        logprob_diff_max=0.3 * scale,
+        is_raw_max=1.5 * scale,
+    )
 
 
 def test_micro_batches_add_up_by_name() -> None:

@@ -12,23 +12,49 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "step_table.py"
 
 def test_wall_phases_in_loop_order_then_the_figures(tmp_path: Path) -> None:
     rows = [
-        {"training/global_step": step, "timing_s/update": 0.5, "timing_s/step": 2.0 + step, "timing_s/gen": 1.0,
-         "timing_s/sync": 0.01, "timing_s/gen_compute": 0.9, "timing_s/gen_overhead": 0.1, "timing_s/compute": 1.4,
-         "timing_s/adv": 0.001, "reward/mean": 0.25 * step, "rollout/logprob_diff_max": 3e-3}
+        {
+            "training/global_step": step,
+            "timing_s/update": 0.5,
+            "timing_s/step": 2.0 + step,
+            "timing_s/gen": 1.0,
+            "timing_s/sync": 0.01,
+            "timing_s/gen_compute": 0.9,
+            "timing_s/gen_overhead": 0.1,
+            "timing_s/compute": 1.4,
+            "timing_s/adv": 0.001,
+            "reward/mean": 0.25 * step,
+            "rollout/logprob_diff_max": 3e-3,
+        }
         for step in (1, 2)
-    ]  # fmt: skip
+    ]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = subprocess.run([sys.executable, str(SCRIPT), str(metrics)], capture_output=True, text=True, check=True).stdout
     head, *body = out.splitlines()
-    assert head.split() == ["step", "step", "s", "gen", "s", "update", "s", "sync", "s", "adv", "s", "reward", "logprob_diff_max"]
+    assert head.split() == [
+        "step",
+        "step",
+        "s",
+        "gen",
+        "s",
+        "update",
+        "s",
+        "sync",
+        "s",
+        "adv",
+        "s",
+        "reward",
+        "logprob_diff_max",
+    ]
     assert [line.split()[:2] for line in body] == [["1", "3"], ["2", "4"]]
     assert body[1].split()[-2:] == ["0.5", "0.003"]
 
 
 def test_a_run_without_steps_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text("")
-    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "metrics.jsonl")], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path / "metrics.jsonl")], capture_output=True, text=True
+    )
     assert done.returncode == 1 and "logs no step" in done.stderr
 
 
@@ -39,7 +65,7 @@ def test_a_gap_over_the_limit_on_an_on_policy_step_fails_the_check(tmp_path: Pat
         {"training/global_step": 1, "rollout/staleness_max": 0.0, "rollout/logprob_diff_max": 2e-3},
         {"training/global_step": 2, "rollout/staleness_max": 1.0, "rollout/logprob_diff_max": 0.4},
         {"training/global_step": 3, "rollout/staleness_max": 0.0, "rollout/logprob_diff_max": 0.3},
-    ]  # fmt: skip
+    ]
     metrics = tmp_path / "metrics.jsonl"
 
     def run(rows: list[dict], *args: str) -> subprocess.CompletedProcess:

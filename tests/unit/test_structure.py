@@ -44,15 +44,29 @@ def test_a_reward_worker_does_not_import_torch():
 
 
 def test_weight_transports_live_beside_sync():
+    """The learner rank holds its parts as members: each transport is the `WeightSender`'s, and
+    the rank's method of that name only hands the call to it."""
     from pjray.rl.learner import LearnerRank
     from pjray.sync.sender import WeightSender
 
-    transports = ("export_weights", "sync_address", "init_weight_sync", "weight_plan", "broadcast_weights",
-                  "stream_ipc", "checksums", "_full_buckets")  # fmt: skip
+    transports = (
+        "export_weights",
+        "sync_address",
+        "init_weight_sync",
+        "weight_plan",
+        "broadcast_weights",
+        "stream_ipc",
+        "checksums",
+        "export_adapter",
+        "export_shared",
+        "close_shared",
+    )
     for name in transports:
-        assert getattr(LearnerRank, name) is getattr(WeightSender, name), name
-    learner_source = inspect.getsource(sys.modules["pjray.rl.learner"])
-    assert not [name for name in transports if f"def {name}(" in learner_source]
+        assert name in vars(WeightSender), name
+        body = inspect.getsource(getattr(LearnerRank, name)).splitlines()[1:]
+        assert len(body) == 1 and f"self.weights.{name}(" in body[0], name
+    assert "full_buckets" in vars(WeightSender) and not hasattr(LearnerRank, "full_buckets")
+    assert [c for c in LearnerRank.__mro__ if c is not object] == [LearnerRank]  # no mixins
 
 
 def test_the_rollout_and_sync_packages_stand_below_the_trainer():
@@ -60,14 +74,31 @@ def test_the_rollout_and_sync_packages_stand_below_the_trainer():
     import nothing of the learner, the driver, the evaluation or the recipes (the learner and the
     driver import them), and the placement of actors imports none of the three."""
     upward = r"^\s*(from|import) pjray\.(rl|eval|recipes|sweep|cli)\b"
-    importers = [name for name, text in _sources().items()
-                 if name.startswith(("pjray/rollout/", "pjray/sync/")) and re.search(upward, text, re.M)]
+    importers = [
+        name
+        for name, text in _sources().items()
+        if name.startswith(("pjray/rollout/", "pjray/sync/")) and re.search(upward, text, re.M)
+    ]
     assert importers == []
     placement = (PACKAGE / "placement.py").read_text()
     assert not re.search(r"^\s*(from|import) pjray\.(rl|rollout|sync)\b", placement, re.M)
     assert sorted(p.name for p in (PACKAGE / "rl").glob("*.py")) == [
-        "__init__.py", "best.py", "checkpoint.py", "collect.py", "ds_ops.py", "ds_setup.py", "grpo.py", "items.py",
-        "layout.py", "learner.py", "logprobs.py", "microbatch.py", "sft.py", "timer.py", "trainer.py",
+        "__init__.py",
+        "best.py",
+        "checkpoint.py",
+        "collect.py",
+        "ds_ops.py",
+        "ds_setup.py",
+        "grpo.py",
+        "items.py",
+        "layout.py",
+        "learner.py",
+        "logprobs.py",
+        "microbatch.py",
+        "policy.py",
+        "sft.py",
+        "timer.py",
+        "trainer.py",
     ]
 
 
@@ -97,9 +128,11 @@ def test_the_trainer_asks_its_layout_and_only_trains():
 
 def test_the_data_layer_loads_neither_torch_nor_transformers():
     """Reading and checking rows (images decoded, `pjray.data.images`) starts no model stack."""
-    code = ("import sys, importlib, pkgutil, pjray.data as d\n"
-            "[importlib.import_module(f'pjray.data.{m.name}') for m in pkgutil.iter_modules(d.__path__)]\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys, importlib, pkgutil, pjray.data as d\n"
+        "[importlib.import_module(f'pjray.data.{m.name}') for m in pkgutil.iter_modules(d.__path__)]\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -149,7 +182,10 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     """pjray module -> the pjray modules it imports, lazy imports inside functions included."""
     import ast
 
-    modules = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p for p in root.rglob("*.py")}
+    modules = {
+        ".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in root.rglob("*.py")
+    }
 
     def resolve(name: str) -> str:
         while name and name not in modules:
@@ -211,12 +247,20 @@ def test_no_import_circles_even_through_lazy_imports():
 LAYERS = (
     # helpers, and the typed messages that cross actor boundaries (the root holds the version)
     ("pjray", "pjray.types", "pjray.errors", "pjray.signals", "pjray.console", "pjray.memory", "pjray.cache"),
+    # the config schema: it defines the scene names it checks values against (pjray.config.data)
+    ("pjray.config",),
     # the scene world and its perturbed answers, their shortcuts and swapped images: pure
-    # definitions that the config checks its values against and that data, models and evaluation read
-    ("pjray.data.scenes", "pjray.ppjd.perturb", "pjray.ppjd.rejects", "pjray.ppjd.lexicon", "pjray.ppjd.shortcuts",
-     "pjray.ppjd.swap"),
-    # the config schema, and what reads it before a job: the inputs it names, experiment tracking
-    ("pjray.config", "pjray.inputs", "pjray.tracking"),
+    # definitions that data, models and evaluation read
+    (
+        "pjray.data.scenes",
+        "pjray.ppjd.perturb",
+        "pjray.ppjd.rejects",
+        "pjray.ppjd.lexicon",
+        "pjray.ppjd.shortcuts",
+        "pjray.ppjd.swap",
+    ),
+    # what reads the config before a job: the inputs it names, experiment tracking
+    ("pjray.inputs", "pjray.tracking"),
     # the judge's data: items, prompts, images, samplers (no torch, no transformers)
     ("pjray.data",),
     # its reward and its weights (loading, LoRA, tiny and base judges)
@@ -253,8 +297,12 @@ def layer_of(module: str) -> int | None:
 def test_no_module_imports_a_higher_layer():
     graph = import_graph(PACKAGE)
     assert [m for m in sorted(graph) if layer_of(m) is None] == []  # a new package: give it its layer
-    assert [name for names in LAYERS for name in names if not any(m == name or m.startswith(f"{name}.") for m in graph)] == []
-    upward = [f"{m} -> {imported}" for m in sorted(graph) for imported in sorted(graph[m]) if layer_of(imported) > layer_of(m)]
+    assert [
+        name for names in LAYERS for name in names if not any(m == name or m.startswith(f"{name}.") for m in graph)
+    ] == []
+    upward = [
+        f"{m} -> {imported}" for m in sorted(graph) for imported in sorted(graph[m]) if layer_of(imported) > layer_of(m)
+    ]
     assert upward == []
-    assert layer_of("pjray.ppjd.perturb") < layer_of("pjray.config") < layer_of("pjray.ppjd.pipeline")
+    assert layer_of("pjray.config") < layer_of("pjray.ppjd.perturb") < layer_of("pjray.ppjd.pipeline")
     assert layer_of("pjray.somewhere_new") is None

@@ -4,18 +4,26 @@ facts and by the pixels; a verdict is read through the letters shown."""
 from __future__ import annotations
 
 import pytest
+from support.pixels import measure, measured_size
 
 from pjray.data.prompts import render_batch
 from pjray.eval.looking import top_choice
-from pjray.ppjd.swap import counterfactual_pair, swap_pair
-from pjray.ppjd.shortcuts import scene_qa
 from pjray.ppjd.perturb import is_correct, perception_problems, reasoning_problems, scene_items
-from support.pixels import measure, measured_size
+from pjray.ppjd.shortcuts import scene_qa
+from pjray.ppjd.swap import counterfactual_pair, swap_pair
 
 
 def items(construction: str, n: int = 60):
-    return scene_items(n, seed=11, num_candidates=3, image_size=96, kinds=("color", "size"), objects=(1, 1),
-                       split="held_out", construction=construction)  # fmt: skip
+    return scene_items(
+        n,
+        seed=11,
+        num_candidates=3,
+        image_size=96,
+        kinds=("color", "size"),
+        objects=(1, 1),
+        split="held_out",
+        construction=construction,
+    )
 
 
 @pytest.mark.parametrize("construction", ["nested", "independent"])

@@ -38,8 +38,10 @@ def test_split_values_keeps_bracketed_lists():
 
 def test_grid_expands_to_the_cartesian_product(tmp_path):
     plan = plan_sweep(
-        None, ["algo.group_size=2,4,8,16", "data.num_candidates=3,4,5", "trainer.steps=3"],
-        name="gs", sweep_dir=tmp_path,
+        None,
+        ["algo.group_size=2,4,8,16", "data.num_candidates=3,4,5", "trainer.steps=3"],
+        name="gs",
+        sweep_dir=tmp_path,
     )
     assert len(plan.trials) == 12
     first = plan.trials[0]
@@ -54,8 +56,13 @@ def test_grid_expands_to_the_cartesian_product(tmp_path):
 
 
 def test_shipped_config_and_overrides_apply_to_every_trial(tmp_path):
-    plan = plan_sweep(str(REPO / "configs" / "qwen3vl_4b.yaml"), ["algo.group_size=8,16"], ["trainer.steps=2"],
-                      name="d", sweep_dir=tmp_path)
+    plan = plan_sweep(
+        str(REPO / "configs" / "qwen3vl_4b.yaml"),
+        ["algo.group_size=8,16"],
+        ["trainer.steps=2"],
+        name="d",
+        sweep_dir=tmp_path,
+    )
     assert [t.config.trainer.steps for t in plan.trials] == [2, 2]
     assert [t.config.learner.lr for t in plan.trials] == [7.5e-7, 7.5e-7]  # from the shipped file
 
@@ -99,20 +106,29 @@ def write_metrics(run_dir: Path, rows: list[dict]) -> None:
 
 
 def step(i: int, reward: float, zero: float, ranking: float, seconds: float, tokens: float) -> dict:
-    return {"step": i, "reward/mean": reward, "rollout/frac_zero_std": zero, "reward/ranking_mean": ranking,
-            "timing_s/step": seconds, "perf/total_num_tokens": tokens}
+    return {
+        "step": i,
+        "reward/mean": reward,
+        "rollout/frac_zero_std": zero,
+        "reward/ranking_mean": ranking,
+        "timing_s/step": seconds,
+        "perf/total_num_tokens": tokens,
+    }
 
 
 def test_results_from_metrics_files(tmp_path):
     plan = plan_sweep(None, ["algo.group_size=2,4", "data.num_candidates=3"], name="agg", sweep_dir=tmp_path)
     small, large = plan.trials
-    write_metrics(Path(small.config.trainer.run_dir), [
-        step(1, 0.1, 1.0, 0.2, 10.0, 100),
-        step(2, 0.5, 0.5, 0.4, 2.0, 100),
-        step(3, 0.3, 0.0, 0.6, 3.0, 100),
-        # A resumed run logs step 3 again; the last record wins.
-        step(3, 0.4, 0.0, 0.6, 3.0, 100),
-    ])
+    write_metrics(
+        Path(small.config.trainer.run_dir),
+        [
+            step(1, 0.1, 1.0, 0.2, 10.0, 100),
+            step(2, 0.5, 0.5, 0.4, 2.0, 100),
+            step(3, 0.3, 0.0, 0.6, 3.0, 100),
+            # A resumed run logs step 3 again; the last record wins.
+            step(3, 0.4, 0.0, 0.6, 3.0, 100),
+        ],
+    )
     results = collect_results(plan)
     r = results[0]
     assert (r.status, r.group_size, r.num_candidates, r.steps) == ("ok", 2, 3, 3)
@@ -147,11 +163,16 @@ def test_tune_configs_map_to_trials(tmp_path):
         plan.trial_for({"algo.group_size": "8", "data.num_candidates": "3"})
 
 
-@pytest.mark.parametrize("overrides, roles", [
-    (["rollout.backend=hf", "rollout.num_workers=2", "reward.num_workers=2"],
-     {"learner": range(1, 2), "rollout": range(2, 4), "reward": range(4, 6)}),
-    ([], {"learner": range(1, 2), "reward": range(2, 3)}),  # hybrid: the learner ranks generate
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "overrides, roles",
+    [
+        (
+            ["rollout.backend=hf", "rollout.num_workers=2", "reward.num_workers=2"],
+            {"learner": range(1, 2), "rollout": range(2, 4), "reward": range(4, 6)},
+        ),
+        ([], {"learner": range(1, 2), "reward": range(2, 3)}),  # hybrid: the learner ranks generate
+    ],
+)
 def test_a_trial_reserves_a_driver_bundle_and_exactly_its_trainings_bundles(overrides, roles):
     cfg = load(None, ["learner.num_cpus_per_rank=0.5", "ray.placement_strategy=SPREAD", *overrides])
     factory = trial_resources(cfg)

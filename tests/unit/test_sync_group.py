@@ -46,8 +46,10 @@ def _form(backend: str, **kw) -> dict[int, WeightSyncGroup]:
 def test_two_members_form_the_group_and_broadcast():
     groups = _form("gloo", timeout_s=60)
     sent, received = torch.arange(5.0), torch.zeros(5)
-    threads = [threading.Thread(target=groups[0].broadcast, args=(sent,)),
-               threading.Thread(target=groups[1].broadcast, args=(received,))]  # fmt: skip
+    threads = [
+        threading.Thread(target=groups[0].broadcast, args=(sent,)),
+        threading.Thread(target=groups[1].broadcast, args=(received,)),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -59,7 +61,9 @@ def test_two_members_form_the_group_and_broadcast():
 
 def test_a_member_that_never_joins_fails_the_set_up_with_the_groups_address():
     _, port = free_address()
-    with pytest.raises(RuntimeError, match=rf"weight-sync group \(gloo, rank 0 of 2, store 127\.0\.0\.1:{port}, timeout 2s\)"):
+    with pytest.raises(
+        RuntimeError, match=rf"weight-sync group \(gloo, rank 0 of 2, store 127\.0\.0\.1:{port}, timeout 2s\)"
+    ):
         WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=2)
 
 

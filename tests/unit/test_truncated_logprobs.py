@@ -46,21 +46,36 @@ def test_learner_logprobs_equal_the_engines_under_top_k_and_top_p(tmp_path):
     rollout = RolloutConfig(max_new_tokens=8, temperature=0.8, top_k=8, top_p=0.9)
     engine = HFEngine(str(judge), ModelConfig(), rollout, device="cpu")
     prompts = [
-        JudgePrompt(item_id=str(i), system="Judge.", user=user, image=image, protocol="batch", style="ranking",
-                    num_candidates=3, shown=(0, 1, 2), target="ABC")  # fmt: skip
+        JudgePrompt(
+            item_id=str(i),
+            system="Judge.",
+            user=user,
+            image=image,
+            protocol="batch",
+            style="ranking",
+            num_candidates=3,
+            shown=(0, 1, 2),
+            target="ABC",
+        )
         for i, (user, image) in enumerate([("Rank the answers A, B and C.", noisy_png(84, 56, 3)), ("No image.", None)])
     ]
     completions = engine.generate(prompts, n=3, seed=0)
     exps = [
-        Experience(prompt_text=render_chat(engine.processor, prompts[c.prompt_index]), image=prompts[c.prompt_index].image,
-                   response_ids=c.token_ids, advantage=1.0)  # fmt: skip
+        Experience(
+            prompt_text=render_chat(engine.processor, prompts[c.prompt_index]),
+            image=prompts[c.prompt_index].image,
+            response_ids=c.token_ids,
+            advantage=1.0,
+        )
         for c in completions
     ]
     batch = collate(engine.processor, exps)
     mask = batch.response_mask[:, 1:].bool()
     banned = engine.banned_ids
     with torch.no_grad():
-        cut, stats = forward_logprobs(engine.model, engine.processor, batch, temperature=0.8, banned=banned, top_k=8, top_p=0.9)
+        cut, stats = forward_logprobs(
+            engine.model, engine.processor, batch, temperature=0.8, banned=banned, top_k=8, top_p=0.9
+        )
         full, _ = forward_logprobs(engine.model, engine.processor, batch, temperature=0.8, banned=banned)
     served = torch.cat([torch.tensor(c.logprobs) for c in completions])
     assert float((cut[mask] - served).abs().max()) <= 1e-5

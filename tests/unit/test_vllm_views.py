@@ -36,9 +36,16 @@ def _png(size: tuple[int, int], colour: str = "red") -> bytes:
 
 def _prompt(image: bytes | None) -> JudgePrompt:
     return JudgePrompt(
-        item_id="p0", system="You are a careful judge.", user="Rank the answers A, B, C.", image=image,
-        protocol="batch", style="ranking", num_candidates=3, shown=(0, 1, 2), target="ABC",
-    )  # fmt: skip
+        item_id="p0",
+        system="You are a careful judge.",
+        user="Rank the answers A, B, C.",
+        image=image,
+        protocol="batch",
+        style="ranking",
+        num_candidates=3,
+        shown=(0, 1, 2),
+        target="ABC",
+    )
 
 
 @pytest.fixture(scope="module", params=TINY_ARCHS)
@@ -108,15 +115,28 @@ def test_text_only_prompt_has_no_multimodal_data(vlm_processor, text_processor) 
 # The vLLM / GPU layouts the config accepts and rejects (pure validation, no cluster needed)
 # ---------------------------------------------------------------------------------------------
 
-VLLM_CPU = ["model.init=tiny", "rollout.backend=vllm", "rollout.device=cpu", "model.tiny_arch=qwen2", "data.images=false"]
+VLLM_CPU = [
+    "model.init=tiny",
+    "rollout.backend=vllm",
+    "rollout.device=cpu",
+    "model.tiny_arch=qwen2",
+    "data.images=false",
+]
 SPLIT = [
-    "rollout.backend=vllm", "rollout.num_gpus_per_worker=1", "learner.num_gpus_per_rank=1",
-    "learner.num_ranks=2", "rollout.num_workers=2", "learner.micro_batch_size=2",
-]  # fmt: skip
+    "rollout.backend=vllm",
+    "rollout.num_gpus_per_worker=1",
+    "learner.num_gpus_per_rank=1",
+    "learner.num_ranks=2",
+    "rollout.num_workers=2",
+    "learner.micro_batch_size=2",
+]
 COLOCATED = SPLIT[:-1] + [
-    "learner.micro_batch_size=2", "rollout.colocate=true", "learner.num_gpus_per_rank=0.5",
-    "rollout.num_gpus_per_worker=0.4", "trainer.sync_backend=ipc",
-]  # fmt: skip
+    "learner.micro_batch_size=2",
+    "rollout.colocate=true",
+    "learner.num_gpus_per_rank=0.5",
+    "rollout.num_gpus_per_worker=0.4",
+    "trainer.sync_backend=ipc",
+]
 
 
 def test_good_layouts_load() -> None:
@@ -218,7 +238,9 @@ def test_text_only_judge_rollout_and_learner_views_agree(tmp_path) -> None:
     out = engine.generate([_prompt(None)], n=2, seed=0)
     model, processor = load_judge(path, trainable=False)
     text = render_chat(processor, _prompt(None))
-    batch = collate(processor, [Experience(prompt_text=text, image=None, response_ids=c.token_ids, advantage=0.0) for c in out])
+    batch = collate(
+        processor, [Experience(prompt_text=text, image=None, response_ids=c.token_ids, advantage=0.0) for c in out]
+    )
     with torch.no_grad():
         logp, _ = forward_logprobs(model, processor, batch)
     mask = batch.response_mask[:, 1:].bool()
@@ -231,7 +253,9 @@ def test_the_engine_arguments_follow_the_layout(vlm_processor) -> None:
     mode and no multimodal processor cache for colocated engines (every sleep clears it); eager
     mode on CPU, the GPU memory share and TP ranks as processes on GPUs, compiled (CUDA graphs)
     there unless rollout.enforce_eager says otherwise, on either device."""
-    split = load(overrides=SPLIT + ["rollout.tensor_parallel_size=2", "rollout.num_gpus_per_worker=2", "ray.num_gpus=6"])
+    split = load(
+        overrides=SPLIT + ["rollout.tensor_parallel_size=2", "rollout.num_gpus_per_worker=2", "ray.num_gpus=6"]
+    )
     colocated = load(overrides=COLOCATED + ["ray.num_gpus=2"])
     cpu = load(overrides=VLLM_CPU)
     size = vlm_processor.image_processor.size
@@ -275,7 +299,9 @@ def _engine_with(resources: _Resources) -> VllmEngine:
 
 
 def test_an_engine_is_dead_when_vllm_says_so_or_marks_it_dead_soon_after(monkeypatch) -> None:
-    exceptions = pytest.importorskip("vllm.v1.engine.exceptions", reason="vLLM's exception types: the vLLM venv runs this")
+    exceptions = pytest.importorskip(
+        "vllm.v1.engine.exceptions", reason="vLLM's exception types: the vLLM venv runs this"
+    )
     monkeypatch.setattr(vllm_engine, "ENGINE_DEATH_GRACE_S", 0.5)
     assert _engine_with(_Resources()).is_dead(exceptions.EngineDeadError())
     # A worker died under a call in flight: its error comes first, the client's mark after it.
