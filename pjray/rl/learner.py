@@ -341,12 +341,12 @@ class LearnerRank:
             learner_cfg,
             algo_cfg,
             model_path,
-            rank,
-            world_size,
-            total_steps,
-            grad_accum_steps,
-            Sampling(temperature, top_k, top_p),
-            ds_config_overrides or {},
+            rank=rank,
+            world_size=world_size,
+            total_steps=total_steps,
+            grad_accum_steps=grad_accum_steps,
+            sampling=Sampling(temperature, top_k, top_p),
+            ds_config_overrides=ds_config_overrides or {},
         )
         self.weights = WeightSender(self.policy)
         self.checkpoints = RankCheckpoints(self.policy, self.weights)

@@ -272,6 +272,7 @@ def build_policy(
     learner_cfg: LearnerConfig,
     algo_cfg: AlgoConfig,
     model_path: str,
+    *,
     rank: int,
     world_size: int,
     total_steps: int,
