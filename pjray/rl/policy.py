@@ -307,17 +307,23 @@ def build_policy(
     )
 
 
-def _trainable_model(device: torch.device, model_cfg: ModelConfig, model_path: str) -> tuple[Any, Any]:
-    """The judge to train and its processor: the vision tower frozen (model.freeze_vision),
-    gradient checkpointing and LoRA adapters as configured."""
-    model, processor = load_judge(
+def _load(device: torch.device, model_cfg: ModelConfig, model_path: str, trainable: bool) -> tuple[Any, Any]:
+    """The initial judge and its processor, in the dtype, attention kernels and image budget of
+    `model.*`."""
+    return load_judge(
         model_path,
         dtype=model_cfg.dtype,
         device=device,
-        trainable=True,
+        trainable=trainable,
         attn_implementation=model_cfg.attn_implementation,
         budget=model_cfg.image_budget,
     )
+
+
+def _trainable_model(device: torch.device, model_cfg: ModelConfig, model_path: str) -> tuple[Any, Any]:
+    """The judge to train and its processor: the vision tower frozen (model.freeze_vision),
+    gradient checkpointing and LoRA adapters as configured."""
+    model, processor = _load(device, model_cfg, model_path, trainable=True)
     # A text-only judge has no vision tower, so there is nothing for freeze_vision to freeze.
     if model_cfg.freeze_vision and processor.image_token_id is not None:
         visual = vision_tower(model)
@@ -352,14 +358,7 @@ def _reference(
         return None
     if model_cfg.lora.rank > 0:
         return engine
-    ref_model, _ = load_judge(
-        model_path,
-        dtype=model_cfg.dtype,
-        device=device,
-        trainable=False,
-        attn_implementation=model_cfg.attn_implementation,
-        budget=model_cfg.image_budget,
-    )
+    ref_model, _ = _load(device, model_cfg, model_path, trainable=False)
     if learner_cfg.zero_stage == 3 or learner_cfg.shard_reference:
         ref, _, _, _ = ds.initialize(
             model=ref_model, config=ref_ds_config(config, learner_cfg, world_size), dist_init_required=False
