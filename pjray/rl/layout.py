@@ -17,8 +17,8 @@ actors report memory as which role (`memory_roles`). Three sibling classes imple
 * `Hybrid` (rollout.backend=hybrid): the learner ranks generate with the weights they train; no
   rollout workers, no transport, no version gap.
 
-The two layouts with rollout workers share their workers' start, transport and refresh through
-`WorkerEngines`, a part each holds. Adding a layout is one class here.
+The two layouts with rollout workers derive from `WithWorkers`, which holds what they share (the
+workers' start, transport and refresh). Adding a layout is one class here.
 """
 
 from __future__ import annotations
@@ -89,18 +89,15 @@ def base_roles(cfg: Config) -> dict[str, RoleResources]:
     }
 
 
-def versions_behind(version: int, completions: list[Completion]) -> list[int]:
-    """How many updates behind the learner's `version` each completion's sampling weights are."""
-    return [version - c.weight_version for c in completions]
+class WithWorkers:
+    """What the layouts with rollout workers of their own share: the workers' placement, start,
+    weight transport and refresh. `Split` and `Colocated` derive from it and add, each its own,
+    how a step's generation, a sync and the workers' start are timed; neither overrides the other."""
 
+    share_learner_bundles = False
 
-class WorkerEngines:
-    """Rollout workers of their own: their placement, start, weight transport and refresh (a part
-    of `Split` and `Colocated`)."""
-
-    def __init__(self, cfg: Config, share_learner_bundles: bool) -> None:
+    def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.share_learner_bundles = share_learner_bundles
         self.transport: Transport | None = None
         # What a sync sends with LoRA: "adapter", "merged", or "" (no LoRA).
         self.lora_sync = cfg.model.lora.sync_mode(cfg.rollout, cfg.trainer.sync_backend)
@@ -117,6 +114,10 @@ class WorkerEngines:
         # In placement order: a role that shares another's bundles comes after it.
         return {"learner": base["learner"], "rollout": rollout, "reward": base["reward"]}
 
+    def learner_rollout(self) -> RolloutConfig | None:
+        """None: the learner ranks only train."""
+        return None
+
     def worker_model(self) -> ModelConfig:
         """The model settings the rollout workers start with: model.lora.sync resolved (an engine
         that takes the adapter alone starts with LoRA serving on)."""
@@ -125,7 +126,7 @@ class WorkerEngines:
             return model
         return dataclasses.replace(model, lora=dataclasses.replace(model.lora, sync=self.lora_sync))
 
-    def start(
+    def start_workers(
         self, placement: Placement, learners: list, starting: list, model_path: str, version: Callable[[], int]
     ) -> WorkerPool:
         """The rollout pool, its workers starting (their `ready` calls appended to `starting`)."""
@@ -187,57 +188,33 @@ class WorkerEngines:
         if self.transport is not None:
             self.transport.close(learners)
 
+    def staleness(self, version: int, completions: list[Completion]) -> list[int]:
+        """How many updates behind the learner's `version` each completion's sampling weights are."""
+        return [version - c.weight_version for c in completions]
 
-class Split:
+    def memory_roles(self, learners: list, reward: WorkerPool, rollout: Rollout) -> dict[str, list]:
+        return {"learner": learners, "reward": reward.actors, "rollout": rollout.actors}
+
+
+class Split(WithWorkers):
     """Rollout workers in bundles of their own, weights sent after every update."""
-
-    def __init__(self, cfg: Config) -> None:
-        self.workers = WorkerEngines(cfg, share_learner_bundles=False)
-
-    def roles(self) -> dict[str, RoleResources]:
-        return self.workers.roles()
-
-    def learner_rollout(self) -> RolloutConfig | None:
-        return None
 
     def start_rollout(
         self, placement: Placement, learners: list, starting: list, model_path: str, version: Callable[[], int]
     ) -> Rollout:
-        return self.workers.start(placement, learners, starting, model_path, version)
-
-    def connect(self, learners: list, rollout: Rollout) -> None:
-        self.workers.connect(learners, rollout)
+        return self.start_workers(placement, learners, starting, model_path, version)
 
     def after_generation(self, rollout: Rollout, timer: Timer) -> None:
         """Nothing: the engines keep their memory."""
 
     def sync(self, learners: list, rollout: Rollout, version: int) -> None:
-        self.workers.send(learners, rollout, version)
-
-    def refresh(self, learners: list, rollout: Rollout, worker: Any, version: int) -> None:
-        self.workers.refresh(learners, rollout, worker, version)
-
-    def staleness(self, version: int, completions: list[Completion]) -> list[int]:
-        return versions_behind(version, completions)
-
-    def memory_roles(self, learners: list, reward: WorkerPool, rollout: Rollout) -> dict[str, list]:
-        return {"learner": learners, "reward": reward.actors, "rollout": rollout.actors}
-
-    def close(self, learners: list) -> None:
-        self.workers.close(learners)
+        self.send(learners, rollout, version)
 
 
-class Colocated:
+class Colocated(WithWorkers):
     """Rollout worker i in learner rank i's GPU bundle, asleep while the learner trains."""
 
-    def __init__(self, cfg: Config) -> None:
-        self.workers = WorkerEngines(cfg, share_learner_bundles=True)
-
-    def roles(self) -> dict[str, RoleResources]:
-        return self.workers.roles()
-
-    def learner_rollout(self) -> RolloutConfig | None:
-        return None
+    share_learner_bundles = True
 
     def start_rollout(
         self, placement: Placement, learners: list, starting: list, model_path: str, version: Callable[[], int]
@@ -245,10 +222,7 @@ class Colocated:
         # An engine sizes its KV cache from the GPU memory it finds free: start it once the
         # learner ranks (and whatever else was starting) hold theirs.
         ray.get(starting)
-        return self.workers.start(placement, learners, starting, model_path, version)
-
-    def connect(self, learners: list, rollout: Rollout) -> None:
-        self.workers.connect(learners, rollout)
+        return self.start_workers(placement, learners, starting, model_path, version)
 
     def after_generation(self, rollout: Rollout, timer: Timer) -> None:
         """The engines hand their GPU memory to the learner until the next sync wakes them."""
@@ -260,20 +234,8 @@ class Colocated:
         blocks, the sleeping engines wake their weights and load, the learners free their two
         stream buffers, and only then do the engines wake their KV caches."""
         ray.get([r.release_memory.remote() for r in learners])
-        self.workers.send(learners, rollout, version)
+        self.send(learners, rollout, version)
         rollout.broadcast("wake_up")
-
-    def refresh(self, learners: list, rollout: Rollout, worker: Any, version: int) -> None:
-        self.workers.refresh(learners, rollout, worker, version)
-
-    def staleness(self, version: int, completions: list[Completion]) -> list[int]:
-        return versions_behind(version, completions)
-
-    def memory_roles(self, learners: list, reward: WorkerPool, rollout: Rollout) -> dict[str, list]:
-        return {"learner": learners, "reward": reward.actors, "rollout": rollout.actors}
-
-    def close(self, learners: list) -> None:
-        self.workers.close(learners)
 
 
 class Hybrid:

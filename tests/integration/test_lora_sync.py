@@ -54,7 +54,7 @@ def test_rollout_workers_take_the_adapter_alone(ray_local, tmp_path):
     trainer = Trainer(cfg, training_inputs(cfg))
     try:
         trainer.setup()
-        transport = trainer.layout.workers.transport
+        transport = trainer.layout.transport
         assert isinstance(transport, AdapterTransport)
         worker = trainer.rollout.actors[0]
         base_sums = ray.get(worker.checksums.remote())

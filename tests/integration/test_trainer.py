@@ -303,9 +303,9 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
     try:
         trainer.setup()
         # auto: HF engines on the learner's node sync through shared memory (set up here).
-        assert trainer.layout.workers.transport.name == "shm"
-        shared = trainer.layout.workers.transport
-        trainer.layout.workers.transport = make_transport("object_store", shared.bucket_bytes)  # for steps 1 and 2
+        assert trainer.layout.transport.name == "shm"
+        shared = trainer.layout.transport
+        trainer.layout.transport = make_transport("object_store", shared.bucket_bytes)  # for steps 1 and 2
         trainer.step = 1
         trainer.train_step()
         engines_hold_the_learners_weights()
@@ -324,7 +324,7 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
         # Shared memory. Kill one rollout worker and the reward worker between steps: the next
         # step rebuilds them, gives the new rollout worker the current weights and completes,
         # counting each prompt once.
-        trainer.layout.workers.transport = shared
+        trainer.layout.transport = shared
         consumed = trainer.collector.sampler.state.consumed
         ray.kill(trainer.rollout.actors[0], no_restart=True)
         ray.kill(trainer.reward.actors[0], no_restart=True)

@@ -413,7 +413,7 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
         ray.kill(trainer.rollout.actors[1], no_restart=True)
         started = time.monotonic()
         trainer.sync_weights()
-        assert trainer.rollout.restarts == 1 and time.monotonic() - started < trainer.layout.workers.transport.timeout_s
+        assert trainer.rollout.restarts == 1 and time.monotonic() - started < trainer.layout.transport.timeout_s
         sums = ray.get([w.checksums.remote() for w in trainer.rollout.actors])
         assert sums[0] == sums[1]  # vLLM's own parameters, bit for bit
         assert _served_matches_learner(trainer, prompt, continuation) == pytest.approx(after_gloo, abs=1e-5)
@@ -433,7 +433,7 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
                 member.kill()
             finally:
                 os.kill(learner_pid, signal.SIGCONT)
-            syncing.result(timeout=trainer.layout.workers.transport.timeout_s)
+            syncing.result(timeout=trainer.layout.transport.timeout_s)
         assert trainer.rollout.restarts == 2
         sums = ray.get([w.checksums.remote() for w in trainer.rollout.actors])
         assert sums[0] == sums[1]
@@ -452,7 +452,7 @@ def test_grpo_steps_and_weight_sync_with_vllm(ray_local, tmp_path: Path) -> None
         # One more step, synchronous, synced through the object store (the transport every layout
         # has). Engine 0's core process is dead when its generation reaches it: the worker is
         # rebuilt at the learner's weights and the generation retried.
-        trainer.layout.workers.transport = make_transport("object_store", trainer.layout.workers.transport.bucket_bytes)
+        trainer.layout.transport = make_transport("object_store", trainer.layout.transport.bucket_bytes)
         with_trainer_keys(trainer, max_staleness=0, steps=5)
         _vllm_process(trainer.rollout.actors[0], "VLLM::EngineCore").kill()
         trainer.run()

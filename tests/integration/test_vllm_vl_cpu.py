@@ -366,7 +366,7 @@ def test_grpo_with_images_and_a_trainable_vision_tower(ray_local, tmp_path: Path
     trainer = Trainer(cfg, training_inputs(cfg))
     try:
         trainer.setup()
-        assert trainer.layout.workers.transport.name == "shm"
+        assert trainer.layout.transport.name == "shm"
         visual_before = ray.get(trainer.learners[0].checksums.remote())
         trainer.run()
         metrics = [json.loads(line) for line in (trainer.run_dir / "metrics.jsonl").read_text().splitlines()]
