@@ -417,7 +417,6 @@ class LearnerRank:
                     f"train_step: algo.kl_coef={self.algo_cfg.kl_coef} but experiences {missing[:5]} have no "
                     "ref_logprobs; fill them with compute_logprobs(..., 'ref') first"
                 )
-        p.states_on_gpu()
         lr = p.lr()
         loss = GRPOLoss(
             self.algo_cfg,
@@ -451,7 +450,6 @@ class LearnerRank:
         """
         p = self.policy
         p.check_shard("sft_step", experiences)
-        p.states_on_gpu()
         lr = p.lr()
         loss = SFTLoss(float(global_tokens), p.world_size, p.device)
         # Unbanned and untruncated: teacher forcing on fixed targets samples nothing (and the
