@@ -105,6 +105,9 @@ def check_inputs(cfg: Config, command: str) -> None:
         check_exists("data.path", cfg.data.path)
     if command == "train" and cfg.data.source == "hf":
         check_dataset("data.path", cfg.data.path)
+    if command == "train" and cfg.task.kind == "policy" and cfg.reward.source != "rule":
+        if cfg.reward.judge.model != "shipped":
+            check_model("reward.judge.model", cfg.reward.judge.model)
     if command == "train" and cfg.eval.every_steps and cfg.eval.train_bench != "perceptual_bias":
         check_dataset("eval.data", cfg.eval.data, files=True)
     if command == "sft" and cfg.sft.path:

@@ -35,6 +35,40 @@ class JudgeItem:
 
 
 @dataclass(frozen=True)
+class Question:
+    """One row of a policy's training: an image, a question and, where known, its answer."""
+
+    id: str
+    image: bytes  # encoded PNG or JPEG
+    question: str
+    reference: str | None  # the correct final answer; None: no rule reward can score it
+    source: str  # "scenes", or the dataset it came from
+    # A scene row's `pjray.data.scenes.scene_ref` (the oracle reads the scene from it); None else.
+    scene: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class AnswerGroup:
+    """A policy's G answers to one question, sent to a judge reward worker to be ranked."""
+
+    key: str  # draws the group's call design (the same key, the same design)
+    question: str
+    image: bytes | None
+    answers: tuple[str, ...]  # [G], as the judge is shown them
+
+
+@dataclass(frozen=True)
+class GroupVerdict:
+    """What a judge made of one `AnswerGroup` (`pjray.reward.judging`)."""
+
+    rewards: tuple[float, ...]  # [G] in [0, 1]
+    calls: int  # judge prompts generated for the group
+    unreadable: int  # of them, verdicts that could not be read
+    subsets_judged: int  # subsets whose every letter rotation got a readable verdict
+    subsets_consistent: int  # of them, those whose verdicts followed the answers, not the letters
+
+
+@dataclass(frozen=True)
 class JudgePrompt:
     """A rendered judge prompt for one item, with the candidates shuffled and lettered.
 
@@ -178,6 +212,9 @@ class TrainBatch:
 class TrainInputs:
     """What a training reads, resolved before the trainer starts (`pjray.recipes.training`)."""
 
-    model: str  # the judge to train: an HF directory or a hub id
-    items: str  # the training rows: a PPJD parquet file or folder, or the dataset (data.source=hf)
+    model: str  # the model to train (a judge, or a policy): an HF directory or a hub id
+    # The training rows: a PPJD parquet file or folder, or the dataset (data.source=hf); "" for a
+    # policy's scenes (made from data.* as they are read).
+    items: str
     base_judge: bool  # `model` is a base judge of pjray's recipes (the held-out check compares against it)
+    judge: str = ""  # task.kind=policy with a judge reward: the judge (an HF directory or a hub id)

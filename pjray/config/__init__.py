@@ -5,7 +5,7 @@ dataclass defaults and returns a `Config` object. Unknown keys, wrong types and 
 combinations raise `ConfigError` naming the key; nothing here rewrites what the user asked for.
 
 - `fields`: the errors, and `opt`, which writes a field's own rule (its choices or range) beside it.
-- one module per section (`model`, `data`, `rollout`, `reward`, `algo`, `learner`, `trainer`,
+- one module per section (`task`, `model`, `data`, `rollout`, `reward`, `algo`, `learner`, `trainer`,
   `tracking`, `cluster` for `ray.*`, `ppjd`, `eval`, `sft`): its dataclass, its constants, and
   its `check()`, the rules that read only that section's fields.
 - `cross`: the rules that tie two or more sections, one function per tie.
@@ -24,10 +24,11 @@ from pjray.config.fields import CHECK, Check, ConfigError, PathError, opt
 from pjray.config.learner import LearnerConfig
 from pjray.config.model import VLLM_LORA_MODULES, VLLM_LORA_RANKS, ImageBudget, LoraConfig, ModelConfig
 from pjray.config.ppjd import HUB_ID, PPJDConfig
-from pjray.config.reward import RewardConfig
+from pjray.config.reward import JudgeRewardConfig, RewardConfig
 from pjray.config.rollout import RolloutConfig
 from pjray.config.root import Config, load, to_dict, to_yaml, validate
 from pjray.config.sft import SFTConfig
+from pjray.config.task import TaskConfig
 from pjray.config.tracking import TrackingConfig
 from pjray.config.trainer import TrainerConfig
 
@@ -48,6 +49,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "ImageBudget",
+    "JudgeRewardConfig",
     "LearnerConfig",
     "LoraConfig",
     "ModelConfig",
@@ -57,6 +59,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "SFTConfig",
+    "TaskConfig",
     "TrackingConfig",
     "TrainerConfig",
     "is_outputs_file",

@@ -19,6 +19,7 @@ from pjray.config.learner import LearnerConfig
 from pjray.config.model import VLLM_LORA_MODULES, VLLM_LORA_RANKS, ModelConfig
 from pjray.config.reward import RewardConfig
 from pjray.config.rollout import RolloutConfig
+from pjray.config.task import TaskConfig
 from pjray.config.trainer import TrainerConfig
 
 
@@ -255,7 +256,74 @@ def check_held_out_seed(eval: EvalConfig, data: DataConfig) -> None:
         raise ConfigError(f"eval.train_seed={eval.train_seed}: must differ from data.seed for a held-out eval")
 
 
+def check_judge_task(task: TaskConfig, reward: RewardConfig, data: DataConfig) -> None:
+    """A judge's training reads none of the policy's reward keys, nor a reference answer column."""
+    if task.kind == "judge" and "answer" in data.columns:
+        raise ConfigError("data.columns.answer: a policy's reference answer, only read when task.kind=policy")
+    if task.kind == "judge":
+        defaults = RewardConfig()
+        for key in ("source", "judge_weight", "judge"):
+            if getattr(reward, key) != getattr(defaults, key):
+                raise ConfigError(f"reward.{key}: only read when task.kind=policy (a policy's reward)")
+
+
+# Judge-training features a policy's run has no use for: their key and why.
+_JUDGE_ONLY = (
+    ("data.counterfactual_pairs", lambda c: c["data"].counterfactual_pairs, "swaps a PPJD tuple's image"),
+    ("algo.contrast_responses", lambda c: c["algo"].contrast_responses, "rewards a judge's use of the image"),
+    ("reward.shuffle_target", lambda c: c["reward"].shuffle_target, "shuffles a ranking target"),
+    ("reward.function", lambda c: bool(c["reward"].function), "replaces the judge's ranking reward"),
+    ("data.streaming", lambda c: c["data"].streaming, "streams PPJD tuples"),
+    ("eval.every_steps", lambda c: bool(c["eval"].every_steps), "evaluates a judge"),
+)
+
+
+def check_policy_task(
+    task: TaskConfig,
+    data: DataConfig,
+    algo: AlgoConfig,
+    reward: RewardConfig,
+    trainer: TrainerConfig,
+    rollout: RolloutConfig,
+    eval: EvalConfig,
+) -> None:
+    """task.kind=policy: rows of (image, question[, answer]), no judge-only feature, and a judge
+    reward whose call design fits the group and the step's cap."""
+    if task.kind != "policy":
+        return
+    sections = {"data": data, "algo": algo, "reward": reward, "eval": eval}
+    for key, is_set, why in _JUDGE_ONLY:
+        if is_set(sections):
+            raise ConfigError(f"{key}: not with task.kind=policy (it {why})")
+    if data.source == "parquet":
+        raise ConfigError(
+            "data.source=parquet reads PPJD tuples; a policy reads (image, question, answer) rows: "
+            "data.source=scenes, or hf (a dataset, or a folder of JSONL or parquet files)"
+        )
+    if reward.source == "rule":
+        return
+    judge = reward.judge
+    if judge.subset_size > algo.group_size:
+        raise ConfigError(
+            f"algo.group_size={algo.group_size}: reward.judge.protocol={judge.protocol} shows "
+            f"{judge.subset_size} answers of a group a call"
+        )
+    calls = trainer.prompts_per_step * judge.calls_per_group(algo.group_size)
+    if judge.max_calls_per_step and calls > judge.max_calls_per_step:
+        raise ConfigError(
+            f"reward.judge.max_calls_per_step={judge.max_calls_per_step}: a step needs {calls} judge calls "
+            f"(trainer.prompts_per_step x reward.judge.rounds x the group's subsets x their K rotations); lower rounds or raise the cap"
+        )
+    if judge.colocate and (rollout.backend == "hybrid" or judge.num_workers > rollout.num_workers):
+        raise ConfigError(
+            "reward.judge.colocate: judge worker i shares rollout worker i's bundle: needs rollout workers "
+            f"(rollout.backend hf or vllm) and reward.judge.num_workers <= rollout.num_workers={rollout.num_workers}"
+        )
+
+
 TIES = (
+    check_judge_task,
+    check_policy_task,
     check_lora_sync,
     check_counterfactual_pairs,
     check_scores_style,

@@ -26,8 +26,9 @@ CONSTRUCTIONS: tuple[str, ...] = ("nested", "independent")
 SCENE_MAX_CANDIDATES = 6
 
 # The fields `data.columns` may map to a dataset's columns (pjray.data.hf): the PPJD columns, or
-# chosen/rejected for a preference-pair dataset (K = 2 tuples).
-DATA_COLUMNS = ("id", "image", "question", "candidates", "order", "source", "meta", "chosen", "rejected")
+# chosen/rejected for a preference-pair dataset (K = 2 tuples); a policy's rows (task.kind=policy):
+# id, image, question and answer (the reference, optional).
+DATA_COLUMNS = ("id", "image", "question", "candidates", "order", "source", "meta", "chosen", "rejected", "answer")
 
 # Distinct wrong final answers a question kind can carry (the independent construction needs
 # K - 1): spatial and existence answers have two values, a size answer three; a count question

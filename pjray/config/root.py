@@ -23,12 +23,14 @@ from pjray.config.ppjd import PPJDConfig
 from pjray.config.reward import RewardConfig
 from pjray.config.rollout import RolloutConfig
 from pjray.config.sft import SFTConfig
+from pjray.config.task import TaskConfig
 from pjray.config.tracking import TrackingConfig
 from pjray.config.trainer import TrainerConfig
 
 
 @dataclass(frozen=True)
 class Config:
+    task: TaskConfig = field(default_factory=TaskConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)

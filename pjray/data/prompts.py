@@ -103,6 +103,15 @@ SYSTEM_PROBE = (
     "phrase) inside <answer> </answer>, for example <answer>red</answer>"
 )
 
+SYSTEM_ANSWER = (
+    "You are a helpful assistant. Look at the image and answer the question about it. Reason "
+    "step by step about what the image shows, then give the final answer on its own last line, "
+    "for example\nFinal Answer: red"
+)
+# How a policy is asked to answer (task.answer_style): reasoning, then a "Final Answer:" line (the
+# PPJD candidates' style, which pjray judges read), or the VQA probe's short answer block.
+ANSWER_SYSTEM = {"reasoned": SYSTEM_ANSWER, "short": SYSTEM_PROBE}
+
 _BATCH_SYSTEM = {"ranking": SYSTEM_BATCH_RANKING, "scores": SYSTEM_BATCH_SCORES}
 _PAIR_SYSTEM = {"ranking": SYSTEM_PAIR_RANKING, "scores": SYSTEM_PAIR_SCORES}
 
@@ -260,4 +269,24 @@ def render_probe(question: str, image: bytes | None, *, item_id: str = "") -> Ju
         num_candidates=0,
         shown=(),
         target="",
+    )
+
+
+def render_question(
+    question: str, image: bytes | None, *, item_id: str = "", reference: str = "", style: str = "reasoned"
+) -> JudgePrompt:
+    """A policy's prompt: the question about the image, answered in `style` (`ANSWER_SYSTEM`);
+    `target` is the reference answer ("" when there is none)."""
+    if style not in ANSWER_SYSTEM:
+        raise ValueError(f"item {item_id!r}: unknown answer style {style!r}; expected one of {sorted(ANSWER_SYSTEM)}")
+    return JudgePrompt(
+        item_id=item_id,
+        system=ANSWER_SYSTEM[style],
+        user=question,
+        image=image,
+        protocol="answer",
+        style=style,
+        num_candidates=0,
+        shown=(),
+        target=reference,
     )

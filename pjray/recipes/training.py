@@ -9,7 +9,10 @@ module does both, saying what it does and how long it takes:
 * the rows: `data.path` (a PPJD parquet or a dataset); else (`data.source=scenes`) the PPJD Ray Data
   job on synthetic scenes (rules + oracle), into `<run_dir>/data` on the cluster of this training.
   A rerun or resume reuses the shards already there, and a new run of the same data settings and
-  code starts from the shards kept on this machine (`pjray.ppjd.cache`).
+  code starts from the shards kept on this machine (`pjray.ppjd.cache`). A policy's scenes
+  (task.kind=policy) need no job: they are questions made from data.* as the trainer reads them;
+* a policy's judge (reward.judge.model): the shipped base judge, a directory (a run's export), or
+  a hub id (a path that is not there fails before, in `pjray.inputs`, in one line).
 """
 
 from __future__ import annotations
@@ -31,9 +34,33 @@ Say = Callable[[str], None]
 
 def training_inputs(cfg: Config, say: Say = log.info) -> TrainInputs:
     """The judge and the rows of the training `cfg` describes, built where they must be."""
-    items = cfg.data.path if cfg.data.source in ("parquet", "hf") else str(scene_data(cfg, say))
+    if cfg.data.source in ("parquet", "hf"):
+        items = cfg.data.path
+    else:
+        items = str(scene_data(cfg, say)) if cfg.task.kind == "judge" else ""
     model, base = judge(cfg, say)
-    return TrainInputs(model=model, items=items, base_judge=base)
+    if cfg.task.kind == "judge":
+        return TrainInputs(model=model, items=items, base_judge=base)
+    reward_judge = policy_judge(cfg, say) if cfg.reward.source != "rule" else ""
+    return TrainInputs(model=model, items=items, base_judge=False, judge=reward_judge)
+
+
+def policy_judge(cfg: Config, say: Say) -> str:
+    """The judge of a policy's reward (reward.judge.model): "shipped", the base judge pjray ships
+    (its weights checked against its record); else a model directory or a hub id, as
+    `pjray.inputs.check_inputs` found it."""
+    name = cfg.reward.judge.model
+    if name == "shipped":
+        from pjray.recipes.base_judge import SHIPPED, shipped_record
+
+        shipped_record()
+        path = str(SHIPPED / "hf_model")
+        say(f"pjray: reward judge: the shipped base judge, {path}")
+        return path
+    # Checked by pjray.inputs.check_inputs before the run: a model directory or a hub id.
+    resolved = str(Path(name).resolve()) if Path(name).is_dir() else name
+    say(f"pjray: reward judge: {resolved}")
+    return resolved
 
 
 def judge(cfg: Config, say: Say) -> tuple[str, bool]:

@@ -1,4 +1,5 @@
-"""RewardWorker: a CPU actor that scores judge responses with the pure reward functions."""
+"""RewardWorker: a CPU actor that scores responses with the pure reward functions: a judge's
+verdicts (`score`), a policy's answers by the rule (`score_answers`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from collections.abc import Callable
 from pjray.config import RewardConfig
 from pjray.memory import peak_memory_mib
 from pjray.reward import judge_reward
-from pjray.types import Completion, RewardResult, Timed
+from pjray.reward.answer import answer_reward
+from pjray.types import Completion, Question, RewardResult, Timed
 
 
 def load_function(spec: str) -> Callable[[str, str], float]:
@@ -82,13 +84,38 @@ class RewardWorker:
                     think_prefilled=prefilled,
                     truncated=completion.finish_reason == "length" and not self.cfg.score_truncated,
                 )
-            penalty = overlong_penalty(
-                len(completion.token_ids), self.max_new_tokens, self.cfg.overlong_buffer, self.cfg.overlong_penalty
-            )
-            if penalty:
-                result = dataclasses.replace(result, total=result.total + penalty)
-            results.append(result)
+            results.append(self.penalised(result, completion))
         return results
+
+    def penalised(self, result: RewardResult, completion: Completion) -> RewardResult:
+        """`result` with the overlong penalty of `completion` added to its total."""
+        penalty = overlong_penalty(
+            len(completion.token_ids), self.max_new_tokens, self.cfg.overlong_buffer, self.cfg.overlong_penalty
+        )
+        return dataclasses.replace(result, total=result.total + penalty) if penalty else result
+
+    def score_answers(self, completions: list[Completion], rows: list[Question]) -> list[RewardResult]:
+        """A policy's answers by the rule (`pjray.reward.answer.answer_reward`): `rows[i]` is the
+        question `completions[i]` answers. A response cut at the token limit gets no format
+        credit unless reward.score_truncated; the overlong penalty applies."""
+        if len(completions) != len(rows):
+            raise ValueError(f"{len(completions)} completions, {len(rows)} rows")
+        return [
+            self.penalised(
+                answer_reward(
+                    c.text,
+                    row.reference,
+                    row.scene,
+                    truncated=c.finish_reason == "length" and not self.cfg.score_truncated,
+                ),
+                c,
+            )
+            for c, row in zip(completions, rows)
+        ]
+
+    def score_answers_timed(self, completions: list[Completion], rows: list[Question]) -> Timed[list[RewardResult]]:
+        """`score_answers`, with the seconds it took in this worker."""
+        return Timed.measure(self.score_answers, completions, rows)
 
     def score_timed(
         self, completions: list[Completion], targets: list[str], think_prefilled: list[bool]

@@ -1,5 +1,5 @@
-"""A step's scored groups: items sampled and rendered, responses generated (ahead of training with
-`trainer.max_staleness`), scored by the reward workers (with `algo.contrast_responses`, also
+"""A step's scored groups: items sampled and rendered by the task (`pjray.rl.task`), responses
+generated (ahead of training with `trainer.max_staleness`), scored as the task scores them (with `algo.contrast_responses`, also
 on a contrast image, for the image-contrast bonus), and, with `algo.filter_zero_std`, groups
 without reward variance dropped and refilled (DAPO's dynamic sampling)."""
 
@@ -16,15 +16,10 @@ from typing import Any
 import torch
 
 from pjray.config import Config
-from pjray.data.prompts import render_batch
-from pjray.data.sampler import shown_order
 from pjray.data.scenes import render
-from pjray.models.loading import opens_think, render_chat
-from pjray.placement import split_evenly
+from pjray.models.loading import render_chat
 from pjray.ppjd.shortcuts import scene_qa
-from pjray.ppjd.swap import counterfactual_pair
 from pjray.reward.contrast import with_contrast
-from pjray.reward.ranking import shuffled_target
 from pjray.rl.grpo import zero_std_groups
 from pjray.rl.timer import Timer
 from pjray.rollout.worker import PendingGeneration, generate_with_pool, submit_generation
@@ -123,11 +118,12 @@ class Batch:
 
 
 class Collector:
-    """Draws items from `sampler`, generates on the `rollout` pool, scores on the `reward` pool."""
+    """Draws items from `sampler`, has `task` (a `pjray.rl.task.Task`) render them, generates on
+    the `rollout` pool, and has `task` score the responses."""
 
-    def __init__(self, cfg: Config, sampler: Any, processor: Any, rollout: Any, reward: Any) -> None:
+    def __init__(self, cfg: Config, sampler: Any, processor: Any, rollout: Any, task: Any) -> None:
         self.cfg = cfg
-        self.sampler, self.processor, self.rollout, self.reward = sampler, processor, rollout, reward
+        self.sampler, self.processor, self.rollout, self.task = sampler, processor, rollout, task
         # Batches whose generation has started, oldest first: the current step's and, with
         # trainer.max_staleness = k, those of up to k steps ahead.
         self.in_flight: deque[Batch] = deque()
@@ -240,23 +236,14 @@ class Collector:
         return r, completions[0], completions[1] if r.contrast else []
 
     def sample_prompts(self, num_groups: int) -> Round:
-        """Sample items and render prompts (candidates in the stream's balanced orders,
-        `shown_order`), group by group (with counterfactual pairs two prompts a group, the same
-        letters on both images), with each prompt's chat text as the engines and the learner
-        render it; with reward.shuffle_target each prompt's target shuffled (the control), and
-        with algo.contrast_responses the prompts on their contrast images."""
+        """Sample items and have the task render each group's prompts (`Task.prompts`), with each
+        prompt's chat text as the engines and the learner render it; with
+        algo.contrast_responses, also the prompts on their contrast images."""
         prompts, items = [], []
         for index, item in self.sampler.take(num_groups):
-            shown = shown_order(index, len(item.candidates), self.cfg.trainer.seed)
-            for it in counterfactual_pair(item) if self.cfg.data.counterfactual_pairs else (item,):
-                prompt = render_batch(it, None, style=self.cfg.reward.style, shown=shown)
-                if self.cfg.reward.shuffle_target:
-                    prompt = dataclasses.replace(
-                        prompt, target=shuffled_target(prompt.target, f"{self.cfg.trainer.seed}:{index}:{it.id}")
-                    )
-                # data.images=false: a text-only judge (validated against the model in config).
-                prompts.append(prompt if self.cfg.data.images else dataclasses.replace(prompt, image=None))
-                items.append(it)
+            for prompt in self.task.prompts(index, item):
+                prompts.append(prompt)
+                items.append(item)
         r = Round(prompts, self.chat_texts(prompts))
         if self.cfg.algo.contrast_responses:
             r.contrast = self.contrast_prompts(prompts, items)
@@ -301,20 +288,8 @@ class Collector:
     def score(
         self, prompts: list[JudgePrompt], texts: list[str], completions: list[Completion], timer: Timer
     ) -> list[RewardResult]:
-        """Reward per completion, over the reward workers in even chunks."""
-        targets = [prompts[c.prompt_index].target for c in completions]
-        # Whether a response must open <think> itself is read from its prompt's text: a chat
-        # template may open the block whatever model.think_prefix says.
-        prefilled = [opens_think(texts[c.prompt_index]) for c in completions]
-        chunks = split_evenly(range(len(completions)), len(self.reward))
-        answers = self.reward.call(
-            "score_timed",
-            [
-                ([completions[i] for i in chunk], [targets[i] for i in chunk], [prefilled[i] for i in chunk])
-                for chunk in chunks
-            ],
-        )
-        return [r for chunk_results in timer.unwrap("reward", answers) for r in chunk_results]
+        """Reward per completion, as the task scores them."""
+        return self.task.score(prompts, texts, completions, timer)
 
 
 def blank_image(item: JudgeItem) -> bytes:

@@ -110,10 +110,10 @@ def prefilter(
     resumed: bool,
     processor: Any,
     rollout: Any,
-    reward: Any,
+    task: Any,
 ) -> Rows[JudgeItem] | DatasetItems:
     """With algo.prefilter_zero_std, `data` without the items whose group, sampled by the current
-    (initial) policy on the `rollout` pool and scored on the `reward` pool, earns one reward in
+    (initial) policy on the `rollout` pool and scored as the `task` scores it, earns one reward in
     every response (`zero_variance_items`, `prefiltered`), each listed in
     <run_dir>/prefiltered_items.jsonl with that reward; else `data`. Decided once, before step 1:
     a resumed run reads the list (the held-out check still keeps every training item, left out or
@@ -131,7 +131,7 @@ def prefilter(
         left_out = {json.loads(line)["id"] for line in path.read_text(encoding="utf-8").splitlines()}
         return Rows(data.source, prefiltered(data.rows, left_out), data.rejects)
     started = time.perf_counter()
-    everything = Collector(cfg, ItemSampler(data.rows, cfg.trainer.seed), processor, rollout, reward)
+    everything = Collector(cfg, ItemSampler(data.rows, cfg.trainer.seed), processor, rollout, task)
     flat = zero_variance_items(everything, len(data.rows))
     kept = prefiltered(data.rows, flat)
     if len(kept) == len(data.rows) and flat:

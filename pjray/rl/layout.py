@@ -69,8 +69,8 @@ class Layout(Protocol):
     def staleness(self, version: int, completions: list[Completion]) -> list[int]:
         """Weight versions between the learner's weights now and those that sampled each completion."""
 
-    def memory_roles(self, learners: list, reward: WorkerPool, rollout: Rollout) -> dict[str, list]:
-        """The actors whose peak memory is reported, by role."""
+    def memory_roles(self, learners: list, pools: dict[str, WorkerPool], rollout: Rollout) -> dict[str, list]:
+        """The actors whose peak memory is reported, by role (`pools`: the task's scoring roles)."""
 
     def close(self, learners: list) -> None:
         """Release what the transport holds."""
@@ -192,8 +192,8 @@ class WithWorkers:
         """How many updates behind the learner's `version` each completion's sampling weights are."""
         return [version - c.weight_version for c in completions]
 
-    def memory_roles(self, learners: list, reward: WorkerPool, rollout: Rollout) -> dict[str, list]:
-        return {"learner": learners, "reward": reward.actors, "rollout": rollout.actors}
+    def memory_roles(self, learners: list, pools: dict[str, WorkerPool], rollout: Rollout) -> dict[str, list]:
+        return {"learner": learners, **{role: p.actors for role, p in pools.items()}, "rollout": rollout.actors}
 
 
 class Split(WithWorkers):
@@ -269,9 +269,9 @@ class Hybrid:
         """The learner's own weights sampled every completion."""
         return [0] * len(completions)
 
-    def memory_roles(self, learners: list, reward: WorkerPool, rollout: Rollout) -> dict[str, list]:
+    def memory_roles(self, learners: list, pools: dict[str, WorkerPool], rollout: Rollout) -> dict[str, list]:
         """The learner ranks are the rollout role too."""
-        return {"learner": learners, "reward": reward.actors}
+        return {"learner": learners, **{role: p.actors for role, p in pools.items()}}
 
     def close(self, learners: list) -> None:
         """No transport to release."""

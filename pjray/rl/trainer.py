@@ -44,15 +44,15 @@ from pjray.console import DATA_REJECTS, HELD_OUT, HELD_OUT_ITEMS, PhaseClock, St
 from pjray.data.sources import Rows
 from pjray.memory import peak_memory_metrics, peak_memory_mib
 from pjray.models.loading import load_processor
-from pjray.placement import Placement, WorkerPool, split_evenly
-from pjray.reward.workers import RewardWorker
+from pjray.placement import Placement, split_evenly
 from pjray.rl.best import BEST_MODEL, BestJudge
 from pjray.rl.checkpoint import checkpoint_to_resume, prune_checkpoints
 from pjray.rl.collect import Collector, Rollouts, mean, rollout_metrics
 from pjray.rl.grpo import group_advantages
-from pjray.rl.items import item_sampler, prefilter, training_items, usable_rows
+from pjray.rl.items import item_sampler, prefilter
 from pjray.rl.layout import Layout, choose_layout
 from pjray.rl.learner import LearnerRank
+from pjray.rl.task import Task, choose_task
 from pjray.rl.timer import Timer
 from pjray.signals import Interrupted, StopRequest
 from pjray.staging import stage_on_nodes
@@ -112,6 +112,7 @@ class Trainer:
         self.placement_group, self.first_bundle = placement_group, first_bundle
         self.on_step = on_step
         self.layout: Layout = choose_layout(cfg)
+        self.task: Task = choose_task(cfg)
         self.stalls = StallWatch(cfg.rollout.max_new_tokens)
         self.run_dir = Path(cfg.trainer.run_dir).resolve()
         # trainer.keep_best: the judge of the best validation so far (pjray.rl.best).
@@ -135,24 +136,22 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # A parquet or dataset is read (a stream opened) before Ray starts: a broken file costs
         # no cluster start-up.
-        data = training_items(cfg, self.inputs.items)
+        data = self.task.rows(self.inputs)
         clock.done("data")
         connect(cfg.ray)
         clock.done("ray")
         self.processor = load_processor(self.inputs.model, cfg.model.image_budget)
-        clock.done("judge")
-        if isinstance(data, Rows):  # a stream lists its bad rows as it reads them (StreamSampler)
-            data = usable_rows(data, self.processor, cfg, self.run_dir / DATA_REJECTS)
-        self.data = data
+        clock.done("model")
+        self.data = data = self.task.usable(data, self.processor, self.run_dir / DATA_REJECTS)
         self.start_actors(clock)
         resume_from = checkpoint_to_resume(self.cfg.trainer.resume, self.run_dir)
         saved: dict = {}
         if resume_from is not None:
             saved = self.resume(resume_from)
             clock.done("resume")
-        train = prefilter(data, cfg, self.run_dir, resume_from is not None, self.processor, self.rollout, self.reward)
+        train = prefilter(data, cfg, self.run_dir, resume_from is not None, self.processor, self.rollout, self.task)
         sampler = item_sampler(train, cfg, self.processor, saved, self.run_dir / DATA_REJECTS)
-        self.collector = Collector(cfg, sampler, self.processor, self.rollout, self.reward)
+        self.collector = Collector(cfg, sampler, self.processor, self.rollout, self.task)
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         self.tracker = Tracker(
             cfg.tracking, self.run_dir, to_dict(cfg), resume=resume_from is not None, start_step=self.step
@@ -163,7 +162,7 @@ class Trainer:
         says when its engines may start), then connect the weight transport."""
         cfg = self.cfg
         self.placement = Placement(
-            self.layout.roles(),
+            self.layout.roles() | self.task.roles(),
             strategy=cfg.ray.placement_strategy,
             timeout_s=cfg.ray.placement_timeout_s,
             group=self.placement_group,
@@ -174,15 +173,7 @@ class Trainer:
         clock.done("checkpoint staged")
         self.learners = self.launch_learners()
         starting = [r.ready.remote() for r in self.learners]
-        self.reward = WorkerPool(
-            self.placement,
-            "reward",
-            RewardWorker,
-            lambda i: (cfg.reward, cfg.rollout.max_new_tokens),
-            max_retries=cfg.trainer.max_step_retries,
-            wait=False,
-        )
-        starting += self.reward.ready()
+        starting += self.task.start(self.placement, self.inputs)
         self.rollout = self.layout.start_rollout(
             self.placement, self.learners, starting, self.model, lambda: self.weight_version
         )
@@ -353,7 +344,7 @@ class Trainer:
 
     def memory_metrics(self) -> dict[str, float]:
         """Peak host (and GPU) memory so far of each role's largest actor, and of the driver."""
-        roles = self.layout.memory_roles(self.learners, self.reward, self.rollout)
+        roles = self.layout.memory_roles(self.learners, self.task.pools, self.rollout)
         answers = iter(ray.get([a.peak_memory.remote() for actors in roles.values() for a in actors]))
         peaks = {
             "driver": [peak_memory_mib()],
@@ -423,7 +414,7 @@ class Trainer:
         tokens = sum(len(c.token_ids) for c in rollouts.completions)
         return {
             **rollout_metrics(rollouts, advantages, self.cfg.algo.group_size),
-            "rollout/worker_restarts": float(self.rollout.restarts + self.reward.restarts),
+            "rollout/worker_restarts": float(self.rollout.restarts + sum(p.restarts for p in self.task.pools.values())),
             "data/consumed": float(self.collector.trained_state().consumed),
             "data/rejected": float(self.rejected_rows()),
             "data/epoch": float(self.collector.sampler.epoch),
@@ -432,6 +423,7 @@ class Trainer:
             "training/global_step": float(self.step),
             **actor,
             **timer.metrics(),
+            **self.task.metrics(timer.seconds),
         }
 
     def rejected_rows(self) -> int:

@@ -227,6 +227,10 @@ class WeightSyncExtension:
                         head.weight.weight_loader(head.weight, tensor)
 
 
+# Tokens one engine step may prefill on CPU (whole prompts only, `llm_kwargs`).
+CPU_BATCHED_TOKENS = 8192
+
+
 def cpu_engine_env() -> None:
     """Settings for vLLM's CPU build, made before `vllm` is imported: a 1 GiB KV cache (a user's
     setting wins). The engine core runs in a process of its own, as vLLM runs it on GPUs, so
@@ -256,7 +260,14 @@ def llm_kwargs(model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConf
     # default, since compiling a test-sized model costs more than it saves.
     eager = rollout_cfg.enforce_eager
     kwargs["enforce_eager"] = rollout_cfg.device == "cpu" if eager is None else eager
-    if rollout_cfg.device != "cpu":
+    if rollout_cfg.device == "cpu":
+        # No chunked prefill on CPU: a prompt whose prefill is split over steps samples a token
+        # that is thrown away, and vLLM then rewinds the request's seeded generator, which a CPU
+        # generator cannot do ("CPU Generator does not use offset": the engine core dies). A
+        # step's budget of max_model_len tokens holds any whole prompt.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(rollout_cfg.max_model_len, CPU_BATCHED_TOKENS)
+    else:
         kwargs["gpu_memory_utilization"] = rollout_cfg.gpu_memory_utilization
         # TP ranks as processes of this actor, on the GPUs Ray gave it (one node).
         if rollout_cfg.tensor_parallel_size > 1:

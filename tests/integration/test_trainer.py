@@ -327,7 +327,7 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
         trainer.layout.transport = shared
         consumed = trainer.collector.sampler.state.consumed
         ray.kill(trainer.rollout.actors[0], no_restart=True)
-        ray.kill(trainer.reward.actors[0], no_restart=True)
+        ray.kill(trainer.task.pools["reward"].actors[0], no_restart=True)
         trainer.step = 3
         metrics = trainer.train_step()
         assert metrics["rollout/worker_restarts"] == 5  # the run's restarts so far

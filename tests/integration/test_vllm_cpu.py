@@ -557,3 +557,36 @@ def test_llm_stage_through_vllm(text_stage: LlmStage) -> None:
     for row in out.values():
         assert row["reject_reason"].startswith("unusable LLM reply: ")
         assert row["reject_stage"] in json.loads(row["stage_seconds"])
+
+
+def test_judge_reward_workers_rank_groups_on_vllm(judge_dir: str) -> None:
+    """A judge reward worker builds its own vLLM engine from reward.judge (engine=vllm, eager on
+    CPU) and judges every group of a step with one generate: each group gets its calls, its
+    rewards in [0, 1], and its unreadable verdicts counted (a random judge writes few readable
+    ones: answers with none get the group's mean)."""
+    from pjray.config import JudgeRewardConfig
+    from pjray.reward.judging import UNREAD_REWARD
+    from pjray.rollout.judge_worker import JudgeRewardWorker
+    from pjray.types import AnswerGroup
+
+    cfg = load(overrides=VLLM_CPU)
+    judge = JudgeRewardConfig(engine="vllm", max_model_len=1024, max_new_tokens=12, rounds=2)
+    worker = JudgeRewardWorker(judge, judge_dir, cfg.model)
+    try:
+        groups = [
+            AnswerGroup(
+                f"g{g}", "What colour is it?", None, tuple(f"It is colour {g}{a}.\nFinal Answer: {a}" for a in range(4))
+            )
+            for g in range(3)
+        ]
+        verdicts = worker.judge(groups, seed=3)
+        assert worker.engine_calls() == 1
+        assert [v.calls for v in verdicts] == [judge.calls_per_group(4)] * 3
+        for v in verdicts:
+            assert len(v.rewards) == 4 and all(0.0 <= r <= 1.0 for r in v.rewards)
+            assert 0 <= v.unreadable <= v.calls
+            if v.unreadable == v.calls:
+                assert v.rewards == (UNREAD_REWARD,) * 4
+        assert worker.judge(groups, seed=3) == verdicts  # deterministic in the seed
+    finally:
+        worker.engine.close()

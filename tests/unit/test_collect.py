@@ -40,7 +40,7 @@ class ScriptedCollector(Collector):
     reward variance iff `varied(g)`; a varied group scores 1 on its first sample and every other response 0.5."""
 
     def __init__(self, cfg, varied):
-        super().__init__(cfg, sampler=SimpleNamespace(state=None), processor=None, rollout=None, reward=None)
+        super().__init__(cfg, sampler=SimpleNamespace(state=None), processor=None, rollout=None, task=None)
         self.varied = varied
         self.generated: list[int] = []
 

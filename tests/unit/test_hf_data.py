@@ -110,7 +110,9 @@ def test_a_missing_column_names_what_exists_and_the_key_to_set():
 def test_data_columns_keys_are_validated():
     base = ["data.source=hf", "data.path=org/x"]
     assert load(overrides=[*base, "data.columns.question=prompt"]).data.columns == {"question": "prompt"}
-    with pytest.raises(ConfigError, match="data.columns.answer: not a field; expected one of id, image"):
+    with pytest.raises(ConfigError, match="data.columns.verdict: not a field; expected one of id, image"):
+        load(overrides=[*base, "data.columns.verdict=x"])
+    with pytest.raises(ConfigError, match="data.columns.answer: a policy's reference answer"):
         load(overrides=[*base, "data.columns.answer=x"])
     with pytest.raises(ConfigError, match="data.streaming: only read when data.source=hf"):
         load(overrides=["data.streaming=true"])

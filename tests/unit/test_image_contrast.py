@@ -17,6 +17,7 @@ from pjray.ppjd.shortcuts import scene_qa
 from pjray.reward.contrast import contrast_bonus, with_contrast
 from pjray.reward.ranking import shuffled_target
 from pjray.rl.collect import Batch, Collector, blank_image, rollout_metrics
+from pjray.rl.task import JudgeTask
 from pjray.rl.timer import Timer
 from pjray.types import Completion, RewardResult, Timed
 
@@ -88,7 +89,7 @@ class ContrastCollector(Collector):
     image, the target reversed."""
 
     def __init__(self, cfg, items):
-        super().__init__(cfg, Sampler(items), processor=None, rollout=None, reward=None)
+        super().__init__(cfg, Sampler(items), processor=None, rollout=None, task=JudgeTask(cfg))
         self.images = {it.id: it.image for it in items}
         self.calls: list[tuple[list[bytes | None], int]] = []
 
@@ -151,9 +152,10 @@ def test_the_collector_scores_contrast_responses_and_trains_on_the_real_ones(sce
 
 def test_the_shuffled_control_trains_on_targets_drawn_per_prompt(scene_items_):
     cfg = load(None, ["trainer.prompts_per_step=8", "reward.shuffle_target=true"])
-    plain = Collector(load(None, ["trainer.prompts_per_step=8"]), Sampler(scene_items_), None, None, None)
+    plain_cfg = load(None, ["trainer.prompts_per_step=8"])
+    plain = Collector(plain_cfg, Sampler(scene_items_), None, None, JudgeTask(plain_cfg))
     plain.chat_texts = lambda ps: ["t"] * len(ps)
-    shuffled = Collector(cfg, Sampler(scene_items_), None, None, None)
+    shuffled = Collector(cfg, Sampler(scene_items_), None, None, JudgeTask(cfg))
     shuffled.chat_texts = plain.chat_texts
     a, b = plain.sample_prompts(8).prompts, shuffled.sample_prompts(8).prompts
     assert [p.user for p in a] == [p.user for p in b]  # the same prompts ...

@@ -97,6 +97,7 @@ def test_the_rollout_and_sync_packages_stand_below_the_trainer():
         "microbatch.py",
         "policy.py",
         "sft.py",
+        "task.py",
         "timer.py",
         "trainer.py",
     ]
@@ -120,6 +121,8 @@ def test_the_trainer_asks_its_layout_and_only_trains():
 
     source = (PACKAGE / "rl" / "trainer.py").read_text()
     assert [word for word in ("hybrid", "colocate", "backend", "isinstance(self.layout") if word in source] == []
+    # Nor does it name the task (`pjray.rl.task.choose_task`): no `if task ==`, no policy branch.
+    assert [word for word in ("task.kind", "PolicyTask", "JudgeTask") if word in source] == []
     assert not re.search(r"^\s*(from|import) pjray\.(ppjd|recipes|models\.tiny)\b", source, re.M)
     assert len(source.splitlines()) <= 500  # as ruff formats it
     functions = [n for n in ast.walk(ast.parse(source)) if isinstance(n, ast.FunctionDef)]

@@ -276,6 +276,9 @@ def test_the_engine_arguments_follow_the_layout(vlm_processor) -> None:
 
     eager = llm_kwargs("judge", cpu.model, cpu.rollout, vlm_processor)
     assert eager["enforce_eager"] is True and "gpu_memory_utilization" not in eager
+    # Whole prompts a step on CPU (a split prefill would rewind a seeded CPU generator: the engine dies).
+    assert eager["enable_chunked_prefill"] is False and eager["max_num_batched_tokens"] >= cpu.rollout.max_model_len
+    assert "enable_chunked_prefill" not in on_gpus
     compiled = load(overrides=VLLM_CPU + ["rollout.enforce_eager=false"])
     assert llm_kwargs("judge", compiled.model, compiled.rollout, vlm_processor)["enforce_eager"] is False
 
