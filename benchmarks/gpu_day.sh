@@ -15,7 +15,11 @@
 #      hub): as shipped on 8 GPUs; on fewer, its split layout on what is there (half the GPUs
 #      learner ranks, half engines), or colocated on one. Its data: the PPJD parquet at
 #      $RECIPE_DATA when set, else generated scenes. Its table must show a mean log-prob gap
-#      under 0.05 (bf16 kernels differ by ~1e-2) on every step.
+#      under 0.05 (bf16 kernels differ by ~1e-2) on every step;
+#   5. three steps of the judge at work, configs/policy_qwen25vl_7b.yaml (a Qwen2.5-VL-7B policy
+#      rewarded by a 7B judge on vLLM engines of its own; the judge jongwooko/Flex-VL-7B from the
+#      hub unless $POLICY_JUDGE names another, its rows $POLICY_DATA or the recipe's dataset):
+#      8 GPUs as shipped; skipped on fewer.
 #
 # Every step runs whatever happened to the ones before it, under a time limit of its own; the
 # script exits non-zero when any failed (benchmarks/steps.sh). Steps that need two GPUs are
@@ -111,5 +115,19 @@ rm -rf "$ROOT/recipe"
 step "recipe qwen3vl_4b, 3 steps ($LAYOUT)" "${RECIPE_LIMIT:-5400}" \
   "$PY" -m pjray train --config configs/qwen3vl_4b.yaml "${RECIPE[@]}" &&
   step "recipe gaps" 60 "$PY" benchmarks/step_table.py "$ROOT/recipe/metrics.jsonl" --max-diff-mean 0.05
+
+# 5. The judge at work, three steps.
+POLICY=(trainer.steps=3 trainer.save_every=0 trainer.export_hf=false trainer.resume=disable tracking.wandb=false
+        "trainer.run_dir=$ROOT/policy" "reward.judge.model=${POLICY_JUDGE:-jongwooko/Flex-VL-7B}")
+if [ -n "${POLICY_DATA:-}" ]; then
+  POLICY+=("data.path=$POLICY_DATA")
+fi
+if [ "$GPUS" -ge 8 ]; then
+  rm -rf "$ROOT/policy"
+  step "recipe policy_qwen25vl_7b, 3 steps (4 learner + 2 policy engine + 2 judge engine GPUs)" "${RECIPE_LIMIT:-5400}" \
+    "$PY" -m pjray train --config configs/policy_qwen25vl_7b.yaml "${POLICY[@]}"
+else
+  skip "recipe policy_qwen25vl_7b, 3 steps" "needs 8 GPUs, $GPUS here"
+fi
 
 steps_end

@@ -228,9 +228,11 @@ def check_sync_backend(trainer: TrainerConfig, rollout: RolloutConfig, learner: 
         raise ConfigError(f"trainer.sync_backend={sync}: only the vllm backend has a weight-sync group")
 
 
-def check_gpus_fit(ray: RayConfig, rollout: RolloutConfig, learner: LearnerConfig) -> None:
-    """The GPUs the layout needs fit in ray.num_gpus."""
-    ro, lc = rollout, learner
+def check_gpus_fit(
+    ray: RayConfig, rollout: RolloutConfig, learner: LearnerConfig, task: TaskConfig, reward: RewardConfig
+) -> None:
+    """The GPUs the layout needs (with a policy's judge engines on GPUs of their own) fit in ray.num_gpus."""
+    ro, lc, judge = rollout, learner, reward.judge
     if ray.num_gpus <= 0:
         return
     if ro.colocate:
@@ -241,6 +243,10 @@ def check_gpus_fit(ray: RayConfig, rollout: RolloutConfig, learner: LearnerConfi
         rollout_gpus = ro.num_workers * ro.num_gpus_per_worker
         needed = f"{learner_gpus:g} learner + {rollout_gpus:g} rollout GPUs"
         total = learner_gpus + rollout_gpus
+    if task.kind == "policy" and reward.source != "rule" and not judge.colocate and judge.num_gpus_per_worker:
+        judge_gpus = judge.num_workers * judge.num_gpus_per_worker
+        needed += f" + {judge_gpus:g} judge GPUs"
+        total += judge_gpus
     if total > ray.num_gpus:
         raise ConfigError(f"ray.num_gpus={ray.num_gpus}: the layout needs {needed}")
 
@@ -256,8 +262,11 @@ def check_held_out_seed(eval: EvalConfig, data: DataConfig) -> None:
         raise ConfigError(f"eval.train_seed={eval.train_seed}: must differ from data.seed for a held-out eval")
 
 
-def check_judge_task(task: TaskConfig, reward: RewardConfig, data: DataConfig) -> None:
-    """A judge's training reads none of the policy's reward keys, nor a reference answer column."""
+def check_judge_task(task: TaskConfig, reward: RewardConfig, data: DataConfig, model: ModelConfig) -> None:
+    """A judge's training reads none of the policy's reward keys, nor a reference answer column,
+    and does not start from the base policy."""
+    if task.kind == "judge" and not model.path and model.init == "base_policy":
+        raise ConfigError("model.init=base_policy: a policy to train (task.kind=policy), not a judge")
     if task.kind == "judge" and "answer" in data.columns:
         raise ConfigError("data.columns.answer: a policy's reference answer, only read when task.kind=policy")
     if task.kind == "judge":

@@ -78,8 +78,9 @@ class ModelConfig:
     # base_judge = the judge with a "by the text / by the image" disposition, mostly by the text;
     # never_shown = that recipe with every supervised verdict by the text (both built once into
     # the user's cache); tiny = a random tiny judge of `tiny_arch` in the run directory (it never
-    # earns a reward: set algo.prefilter_zero_std=false, which would leave it nothing).
-    init: str = opt("one_disposition", choices=("base_judge", "never_shown", "one_disposition", "tiny"))
+    # earns a reward: set algo.prefilter_zero_std=false, which would leave it nothing);
+    # base_policy = the base policy (task.kind=policy: pjray.recipes.base_policy), built once.
+    init: str = opt("one_disposition", choices=("base_judge", "never_shown", "one_disposition", "base_policy", "tiny"))
     tiny_arch: str = opt("qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2"))  # qwen2: text-only
     dtype: str = opt("float32", choices=("float32", "bfloat16"))
     freeze_vision: bool = True

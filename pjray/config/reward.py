@@ -28,6 +28,9 @@ class JudgeRewardConfig:
     # ranking: borda (mean normalised rank) | plackett_luce (a fit's strengths); pair is
     # always Bradley-Terry.
     aggregate: str = opt("borda", choices=("borda", "plackett_luce"))
+    # A control: each group's judge rewards permuted within the group (drawn per group), so the
+    # reward keeps the judge's distribution and pays for nothing the answers say.
+    shuffle_rewards: bool = False
     # Judge prompts a training step may send (0: no cap); a design that needs more fails at load.
     max_calls_per_step: int = opt(0, ge=0)
     think_prefix: bool = True  # the judge's responses start inside <think> (model.think_prefix)

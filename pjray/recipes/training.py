@@ -67,6 +67,12 @@ def judge(cfg: Config, say: Say) -> tuple[str, bool]:
     """The judge to train, and whether it is a base judge of pjray's recipes."""
     if cfg.model.path:
         return cfg.model.path, False
+    if cfg.model.init == "base_policy":
+        from pjray.recipes.base_policy import base_policy
+
+        path = base_policy(cfg, log=say)
+        say(f"pjray: policy: {path} (model.init=base_policy)")
+        return str(path), False
     if cfg.model.init != "tiny":
         from pjray.recipes.base_judge import RECIPES, base_judge
 

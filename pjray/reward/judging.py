@@ -12,6 +12,9 @@ indices in letter order) and its verdict gives each shown answer points in [0, 1
   (`position_consistency`);
 - score: each answer alone, once a round.
 
+A group's answers are judged by their distinct texts (`distinct_answers`): copies share one
+reward, and a subset holds at most as many answers as the group has distinct ones.
+
 An answer's reward: the mean of its points (Borda: its mean normalised rank), or the strength of a
 Plackett-Luce (ranking) or Bradley-Terry (pair) fit, as the chance of beating another answer of its
 group. An unreadable verdict gives its answers nothing; an answer with no readable verdict gets
@@ -51,6 +54,14 @@ def subsets(group_size: int, k: int, rounds: int, key: str) -> list[tuple[int, .
                 subset += rng.sample(order[:i], k - len(subset))
             out.append(tuple(subset))
     return out
+
+
+def distinct_answers(answers: Sequence[str]) -> tuple[list[str], list[int]]:
+    """The distinct answers of a group in first-seen order, and for each answer the index of its
+    text among them: the same text is judged once and earns one reward, and two copies are never
+    ranked against each other (a verdict between them could only follow the letters)."""
+    distinct = list(dict.fromkeys(answers))
+    return distinct, [distinct.index(a) for a in answers]
 
 
 def calls(design: Sequence[tuple[int, ...]]) -> list[Call]:

@@ -16,6 +16,7 @@ come from, and how responses are rewarded. The loop, learner, sync and layouts a
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Protocol
@@ -256,7 +257,11 @@ class PolicyTask:
         self.sums["judge/unreadable"].append(sum(v.unreadable for v in verdicts) / max(1, calls))
         if judged:
             self.sums["judge/position_consistency"].append(sum(v.subsets_consistent for v in verdicts) / judged)
-        rewards = [r for v in verdicts for r in v.rewards]
+        per_group = [list(v.rewards) for v in verdicts]
+        if self.cfg.reward.judge.shuffle_rewards:
+            for g, rewards in zip(groups, per_group):
+                random.Random(f"shuffle/{g.key}").shuffle(rewards)
+        rewards = [r for group_rewards in per_group for r in group_rewards]
         self.sums["reward/judge_mean"].append(sum(rewards) / max(1, len(rewards)))
         return rewards
 

@@ -2,8 +2,8 @@
 answers, group by group, into rewards (`pjray.reward.judging`).
 
 Every call of a step goes to the engine as one batch: `judge` renders the judge prompts of all
-the groups it is given (each group's call design: subsets of its answers under every rotation of
-their letters), generates them with one `generate`, reads each verdict and turns each group's
+the groups it is given (each group's call design: subsets of its distinct answers under every
+rotation of their letters), generates them with one `generate`, reads each verdict and turns each group's
 verdicts into its rewards. An unreadable verdict is counted; its answers earn nothing from it,
 and an answer left with no readable verdict gets its group's mean.
 """
@@ -19,7 +19,14 @@ from pjray.config import JudgeRewardConfig, LoraConfig, ModelConfig, RolloutConf
 from pjray.data.prompts import render_batch, render_pair, render_score
 from pjray.memory import peak_memory_mib
 from pjray.models.loading import load_processor, opens_think, render_chat
-from pjray.reward.judging import calls, group_rewards, position_consistency, subsets, verdict_points
+from pjray.reward.judging import (
+    calls,
+    distinct_answers,
+    group_rewards,
+    position_consistency,
+    subsets,
+    verdict_points,
+)
 from pjray.reward.parse import parse_judgment, parse_pair, parse_score
 from pjray.rollout.engine import RolloutEngine
 from pjray.rollout.worker import build_engine
@@ -116,30 +123,39 @@ class JudgeRewardWorker:
         self.generate_calls = 0  # engine generate calls so far (one a `judge` call)
 
     def judge(self, groups: list[AnswerGroup], seed: int) -> list[GroupVerdict]:
-        """Each group's rewards, from one generate over every call of every group."""
-        cfg, k = self.cfg, self.cfg.subset_size
-        shown = [calls(subsets(len(g.answers), k, cfg.rounds, g.key)) for g in groups]
-        prompts = [call_prompt(cfg.protocol, cfg.style, g, c) for g, cs in zip(groups, shown) for c in cs]
-        if not prompts:
-            return []
-        completions = self.engine.generate(prompts, 1, seed)
-        self.generate_calls += 1
-        texts = [c.text for c in sorted(completions, key=lambda c: c.prompt_index)]
-        # Whether the chat opened <think> for the judge: the template's doing, alike for every call.
-        prefilled = opens_think(render_chat(self.processor, prompts[0], think_prefix=self.model_cfg.think_prefix))
+        """Each group's rewards, from one generate over every call of every group. A group is
+        judged by its distinct answers (`distinct_answers`), in subsets of at most that many; a
+        group of one distinct answer needs no ranking call (its answers earn UNREAD_REWARD
+        alike)."""
+        cfg = self.cfg
+        plans = []
+        for g in groups:
+            distinct, index = distinct_answers(g.answers)
+            k = min(cfg.subset_size, len(distinct))
+            shown = calls(subsets(len(distinct), k, cfg.rounds, g.key)) if k > 1 or cfg.protocol == "score" else []
+            plans.append((dataclasses.replace(g, answers=tuple(distinct)), index, k, shown))
+        prompts = [call_prompt(cfg.protocol, cfg.style, g, c) for g, _, _, shown in plans for c in shown]
+        texts: list[str] = []
+        prefilled = False
+        if prompts:
+            completions = self.engine.generate(prompts, 1, seed)
+            self.generate_calls += 1
+            texts = [c.text for c in sorted(completions, key=lambda c: c.prompt_index)]
+            # Whether the chat opened <think> for the judge: the template's doing, alike for every call.
+            prefilled = opens_think(render_chat(self.processor, prompts[0], think_prefix=self.model_cfg.think_prefix))
         out, start = [], 0
-        for group, group_calls in zip(groups, shown):
+        for g, index, k, shown in plans:
             points = [
                 verdict_points(cfg.protocol, read_verdict(cfg.protocol, cfg.style, k, text, prefilled), k)
-                for text in texts[start : start + len(group_calls)]
+                for text in texts[start : start + len(shown)]
             ]
-            start += len(group_calls)
-            consistent, judged = position_consistency(group_calls, points)
-            rewards = group_rewards(cfg.protocol, cfg.aggregate, len(group.answers), group_calls, points)
+            start += len(shown)
+            consistent, judged = position_consistency(shown, points)
+            distinct = group_rewards(cfg.protocol, cfg.aggregate, len(g.answers), shown, points)
             out.append(
                 GroupVerdict(
-                    rewards=tuple(rewards),
-                    calls=len(group_calls),
+                    rewards=tuple(distinct[i] for i in index),
+                    calls=len(shown),
                     unreadable=sum(p is None for p in points),
                     subsets_judged=judged,
                     subsets_consistent=consistent,

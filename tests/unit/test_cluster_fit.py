@@ -118,12 +118,19 @@ def test_every_gpu_training_recipe_states_what_it_needs() -> None:
     trains_on_gpus = {
         f"configs/{p.name}" for p in sorted((REPO / "configs").glob("*.yaml")) if load(p).learner.num_gpus_per_rank > 0
     }
-    assert trains_on_gpus == set(RECIPES) == {"configs/qwen3vl_4b.yaml", "configs/flex_judge_7b.yaml"}
+    assert (
+        trains_on_gpus
+        == set(RECIPES)
+        == {"configs/qwen3vl_4b.yaml", "configs/flex_judge_7b.yaml", "configs/policy_qwen25vl_7b.yaml"}
+    )
     for recipe, need in RECIPES.items():
         cfg = load(REPO / recipe)
         assert need["gpus"] == cfg.ray.num_gpus, recipe
-        used = cfg.learner.num_ranks * cfg.learner.num_gpus_per_rank + (
-            0 if cfg.rollout.colocate else cfg.rollout.num_workers * cfg.rollout.num_gpus_per_worker
+        judge = cfg.reward.judge
+        used = (
+            cfg.learner.num_ranks * cfg.learner.num_gpus_per_rank
+            + (0 if cfg.rollout.colocate else cfg.rollout.num_workers * cfg.rollout.num_gpus_per_worker)
+            + (judge.num_workers * judge.num_gpus_per_worker if cfg.task.kind == "policy" and not judge.colocate else 0)
         )
         assert used <= need["gpus"], recipe
         assert need["gpu_memory_gib"] > 0 and need["clusters"], recipe

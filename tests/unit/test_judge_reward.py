@@ -241,6 +241,25 @@ def test_unreadable_verdicts_are_counted_and_their_answers_get_the_group_mean(tm
     assert len(readable) == 3
 
 
+def test_copies_of_an_answer_share_a_reward_and_are_never_ranked_against_each_other(tmp_judge):
+    def no_copies(prompt, answers):
+        assert len(set(answers)) == len(answers), answers
+        return by_quality(prompt, answers)
+
+    answers = (
+        "Final Answer: quality 1",
+        "Final Answer: quality 0",
+        "Final Answer: quality 1",
+        "Final Answer: quality 2",
+    )
+    v = worker(no_copies, tmp_judge).judge([AnswerGroup("d", "?", None, answers)], seed=0)[0]
+    assert v.rewards == (0.5, 0.0, 0.5, 1.0) and v.calls == 3  # three distinct answers, one subset
+    two = worker(no_copies, tmp_judge).judge([AnswerGroup("e", "?", None, answers[:3])], seed=0)[0]
+    assert two.rewards == (1.0, 0.0, 1.0) and two.calls == 2  # two distinct: pairs under K = 3
+    same = worker(no_copies, tmp_judge).judge([AnswerGroup("f", "?", None, answers[:1] * 4)], seed=0)[0]
+    assert same.rewards == (0.5,) * 4 and same.calls == 0
+
+
 def test_every_group_of_a_step_goes_to_the_engine_in_one_generate(tmp_judge):
     w = worker(by_quality, tmp_judge, rounds=2)
     w.judge([group(6, str(i)) for i in range(5)], seed=0)
