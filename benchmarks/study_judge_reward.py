@@ -3,6 +3,7 @@
     pjray train                                                     # the trained judge: runs/demo/hf_model
     python benchmarks/study_judge_reward.py                         # 4 arms x 5 seeds
     python benchmarks/study_judge_reward.py --quick                 # every stage, 1 seed, a few steps
+    python benchmarks/study_judge_reward.py --arms text --out benchmarks/results/judge_reward_text
 
 Declared before any run (keep this section as written; results that disagree are reported, not
 re-declared):
@@ -36,6 +37,13 @@ colours (difference of the seed means); (2) the trained arm's mean gain is withi
 the rule arm's; (3) the control's 95% t-interval over seeds includes 0. Secondary: the taught
 colours, each kind, hallucinated colours, format; per-item exact McNemar tests between arms
 (an item is right for an arm when most of its answers over the arm's seeds are right).
+
+**Amendment** (written after the four arms' results, before any run of this arm): the fifth arm
+of the issue, `text`: the text-following judge (`model.init=base_judge`'s recipe: it can judge by
+the image and mostly judges by the answer's text; built into the cache on first use), unforced,
+as the `base` arm otherwise. Same settings, seeds and evaluation, run on its own (`--arms text`,
+its own output). Hypothesis (4): its mean gain on untaught colours is at least 10 points below
+the trained arm's, and its hallucination rate is above the trained arm's.
 """
 
 from __future__ import annotations
@@ -66,7 +74,9 @@ ARMS = {
     "trained": ["reward.source=judge", "reward.judge.model={trained}"],
     "base": ["reward.source=judge", "reward.judge.model=shipped"],
     "control": ["reward.source=judge", "reward.judge.model={trained}", "reward.judge.shuffle_rewards=true"],
+    "text": ["reward.source=judge", "reward.judge.model={text}"],
 }
+DECLARED = ("rule", "trained", "base", "control")  # the default arms; `text` is the amendment's
 SETTINGS = [
     "task.kind=policy",
     "task.answer_style=reasoned",
@@ -105,14 +115,15 @@ def evaluate(policy: str, qas: list, samples: int) -> list[dict]:
     return answer_verdicts(engine, qas, samples, seed=0)
 
 
-def run_arm(arm: str, seed: int, steps: int, trained: str, out: Path) -> Path:
-    """Train one arm at one seed into out/runs/<arm>_<seed>; returns its run directory."""
+def run_arm(arm: str, seed: int, steps: int, judges: dict[str, str], out: Path) -> Path:
+    """Train one arm at one seed into out/runs/<arm>_<seed> (`judges` fills the arm's judge
+    path); returns its run directory."""
     from pjray.recipes.training import training_inputs
     from pjray.rl.trainer import train
 
     run_dir = out / "runs" / f"{arm}_{seed}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = [o.format(trained=trained) for o in ARMS[arm]]
+    overrides = [o.format(**judges) for o in ARMS[arm]]
     cfg = load(
         overrides=[
             *SETTINGS,
@@ -131,12 +142,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", default="0,1,2,3,4")
     p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--arms", default=",".join(ARMS))
+    p.add_argument("--arms", default=",".join(DECLARED))
     p.add_argument("--trained-judge", default="runs/demo/hf_model")
     p.add_argument("--per-cell", type=int, default=8)
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--quick", action="store_true", help="1 seed, 4 steps, 2 questions a cell")
     p.add_argument("--out", default="benchmarks/results/judge_reward")
+    p.add_argument(
+        "--earlier",
+        help="an earlier output of this script (its .json; its _items.parquet beside it) whose arms join "
+        "this one's report: same settings, and the same base policy evaluation, or a refusal",
+    )
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     arms = args.arms.split(",")
@@ -150,19 +166,38 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
 
+    from pjray.recipes.base_judge import RECIPES, base_judge
     from pjray.recipes.base_policy import base_policy
 
     cfg = load(overrides=SETTINGS)
     base = str(base_policy(cfg))
+    judges = {"trained": trained}
+    if "text" in arms:
+        judges["text"] = str(base_judge(cfg, RECIPES["base_judge"]))
     qas = held_out_questions(args.per_cell, ("color", "size"))
     item_rows: list[dict[str, Any]] = []
     base_rows = evaluate(base, qas, args.samples)
     item_rows += [{**r, "arm": "base_policy", "seed": -1, "step": 0} for r in base_rows]
     results: dict[str, Any] = {"base_policy": summarize(base_rows), "runs": {}}
+    earlier_arms: list[str] = []
+    if args.earlier:
+        earlier = json.loads(Path(args.earlier).read_text())
+        same = {k: earlier["settings"][k] for k in ("seeds", "steps", "per_cell", "samples", "common")}
+        now = {"seeds": seeds, "steps": args.steps, "per_cell": args.per_cell, "samples": args.samples}
+        if same != {**now, "common": SETTINGS}:
+            print(f"{args.earlier} was run with other settings: {same}", file=sys.stderr)
+            return 2
+        if earlier["base_policy"] != results["base_policy"]:
+            print(f"{args.earlier} evaluated another base policy (or other held-out items)", file=sys.stderr)
+            return 2
+        earlier_arms = [a for a in earlier["settings"]["arms"] if a not in arms]
+        results["runs"] = {k: v for k, v in earlier["runs"].items() if k.rsplit("_", 1)[0] in earlier_arms}
+        rows = pq.read_table(Path(args.earlier).with_name(Path(args.earlier).stem + "_items.parquet")).to_pylist()
+        item_rows += [r for r in rows if r["arm"] in earlier_arms]
     for arm in arms:
         for seed in seeds:
             t0 = time.perf_counter()
-            run_dir = run_arm(arm, seed, args.steps, trained, out)
+            run_dir = run_arm(arm, seed, args.steps, judges, out)
             metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             run = {"train_seconds": time.perf_counter() - t0, "steps": {}}
             for step, path in (
@@ -190,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{time.perf_counter() - t0:.0f}s",
                 flush=True,
             )
+    arms = [*earlier_arms, *arms]
     results["summary"] = summary(results, arms, seeds, args.steps)
     results["paired"] = paired(item_rows, arms, args.steps)
     results["settings"] = {
@@ -198,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "per_cell": args.per_cell,
         "samples": args.samples,
         "arms": {a: ARMS[a] for a in arms},
+        "earlier": args.earlier,
         "common": SETTINGS,
         "seconds": time.perf_counter() - started,
     }
@@ -243,6 +280,11 @@ def summary(results: dict[str, Any], arms: list[str], seeds: list[int], steps: i
     if "control" in out and out["control"]["gain_untaught"]["lo"] is not None:
         c = out["control"]["gain_untaught"]
         verdicts["control_includes_0"] = c["lo"] <= 0 <= c["hi"]
+    if {"trained", "text"} <= set(out):
+        verdicts["text_below_trained_by_10_and_hallucinates_more"] = (
+            out["trained"]["gain_untaught"]["mean"] - out["text"]["gain_untaught"]["mean"] >= 0.10
+            and out["text"]["hallucinated"]["mean"] > out["trained"]["hallucinated"]["mean"]
+        )
     out["hypotheses"] = verdicts
     return out
 

@@ -222,7 +222,7 @@ def ship(built: Path, root: Path | None = None) -> dict[str, Any]:
     record; returns the record."""
     root = root or SHIPPED
     if not (built / "hf_model" / "COMPLETE").exists():
-        raise ShippedJudgeError(f"{built} holds no finished build; run `pjray sft` first")
+        raise ShippedJudgeError(f"{built} holds no finished build")
     report = json.loads((built / "report.json").read_text())
     shutil.rmtree(root, ignore_errors=True)
     (root / "hf_model").mkdir(parents=True)

@@ -8,8 +8,9 @@ whose target answer states the true colour with probability `correct`, else a wr
 uniformly from the other five, on every colour alike (taught and untaught by the judge): the
 perception fact and everything it carries change together, as in PPJD's perception-only errors,
 so a wrong answer is fluent. A downstream study asks whether a judge's reward moves it towards
-the image. Built once into the cache, named by a hash of the recipe, the shipped judge's weights
-and this module's example code; `report.json` holds its gates (`policy_gates`).
+the image. Shipped in pjray/assets/base_policy (`ship`), or built once into the cache, named by a
+hash of the recipe, the shipped judge's weights and this module's example code; `report.json`
+holds its gates (`policy_gates`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from pjray.data.scenes import COLORS, Seen, answer_text, compose_answer, render,
 from pjray.types import ChatExample
 
 RECIPE_VERSION = 1
+SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "base_policy"
+SHIPPED_RECORD = "shipped.json"
 
 
 @dataclass(frozen=True)
@@ -95,16 +98,31 @@ def recipe_hash(recipe: BasePolicyRecipe, judge_digest: str) -> str:
 
 
 def base_policy(cfg: Any, recipe: BasePolicyRecipe | None = None, log: Callable[[str], None] = print) -> Path:
-    """The base policy of `recipe` (default: the one `model.init=base_policy` names), built into
-    the cache once; `cfg` supplies the Ray settings of the build's SFT stage."""
-    from pjray.recipes.base_judge import SHIPPED, shipped_record
+    """The base policy of `recipe` (default: the one `model.init=base_policy` names): the one pjray
+    ships (pjray/assets/base_policy) when it is that recipe's build, else built into the cache
+    once; `cfg` supplies the Ray settings of a build's SFT stage."""
+    from pjray.recipes.base_judge import SHIPPED as SHIPPED_JUDGE
+    from pjray.recipes.base_judge import shipped_record, weights_sha256
 
     recipe = recipe or BasePolicyRecipe()
-    judge = SHIPPED / "hf_model"
-    target = cache_root() / "base_policy" / recipe_hash(recipe, shipped_record()["weights_sha256"])
+    current = recipe_hash(recipe, shipped_record()["weights_sha256"])
+    record = SHIPPED / SHIPPED_RECORD
+    if record.exists():
+        shipped = json.loads(record.read_text())
+        if shipped["recipe_hash"] == current and weights_sha256(SHIPPED / "hf_model") == shipped["weights_sha256"]:
+            return SHIPPED / "hf_model"
+    target = cache_root() / "base_policy" / current
     if (target / "hf_model" / "COMPLETE").exists():
         return target / "hf_model"
-    return build_base_policy(cfg, recipe, str(judge), target, log)
+    return build_base_policy(cfg, recipe, str(SHIPPED_JUDGE / "hf_model"), target, log)
+
+
+def ship(built: Path) -> dict[str, Any]:
+    """Copies a finished build (`<cache>/base_policy/<hash>`) over the shipped base policy and
+    writes its record, as the base judge's `ship` does; returns the record."""
+    from pjray.recipes import base_judge
+
+    return base_judge.ship(built, SHIPPED)
 
 
 def build_base_policy(cfg: Any, recipe: BasePolicyRecipe, judge: str, target: Path, log: Callable[[str], None]) -> Path:

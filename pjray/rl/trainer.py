@@ -10,7 +10,9 @@ The variant is verl's GRPO as used by the paper's training recipe:
 - On-policy by default: one optimizer step per training step, old logprobs = current ones.
   Every learner log-prob (current, old, reference) is of logits / rollout.temperature, the
   distribution the responses were sampled from, as in verl.
-- Reward = format x ranking, ranking = 1 - Levenshtein/K (the paper) or Kendall (the release).
+- A judge's reward = format x ranking, ranking = 1 - Levenshtein/K (the paper) or Kendall (the
+  release). A policy is rewarded by a rule, a frozen judge on reward workers, or both; the task
+  (`pjray.rl.task`) decides which, the loop is the same.
 Unlike the paper's written objective (a per-sample mean 1/n sum_i, a generic KL term), and like
 verl, which the paper trained with, it aggregates over tokens and uses the k3 estimator. What it
 adds (dynamic sampling, counterfactual pairs, async rollouts): `Trainer`.

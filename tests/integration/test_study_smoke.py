@@ -4,7 +4,8 @@ GRPO from the shipped base judge (one disposition) with HF exports along its cur
 unforced and forced, each run at each step of the curve) is judged on the held-out tuples, and
 the rows, intervals, per-item verdicts, table and plot are written; a second invocation reuses a
 finished run and retrains one whose key names other code. The group-size study
-(`benchmarks/group_size_study.py`): its runs, rows and report, and their reuse."""
+(`benchmarks/group_size_study.py`): its runs, rows and report, and their reuse. The judge-reward
+study (`benchmarks/study_judge_reward.py`): every arm, its evaluations, report and plot."""
 
 from __future__ import annotations
 
@@ -138,3 +139,34 @@ def test_the_group_size_study_runs_and_reuses_its_runs(tmp_path: Path):
     again = subprocess.run(command, capture_output=True, text=True, timeout=30 * 60)
     assert again.returncode == 0, again.stderr[-3000:]
     assert again.stdout.count(" reused ") == 3 and " trained " not in again.stdout
+
+
+JUDGE_REWARD_STUDY = STUDY.parent / "study_judge_reward.py"
+
+
+def test_the_judge_reward_study_runs_every_arm(tmp_path: Path):
+    """`benchmarks/study_judge_reward.py --quick`: every arm trains the base policy a few steps
+    and is evaluated at its middle and last step beside the base policy; results, per-item
+    verdicts, table and plot are written. The shipped judge stands in for the trained one (the
+    default run's export costs minutes); a missing trained judge is refused before any run."""
+    from pjray.recipes.base_judge import SHIPPED
+
+    out = tmp_path / "results"
+    command = [sys.executable, str(JUDGE_REWARD_STUDY), "--quick", "--out", str(out)]
+    missing = subprocess.run([*command, "--trained-judge", str(tmp_path / "none")], capture_output=True, text=True)
+    assert missing.returncode == 2 and "run `pjray train` first" in missing.stderr
+    done = subprocess.run(
+        [*command, "--trained-judge", str(SHIPPED / "hf_model")], capture_output=True, text=True, timeout=30 * 60
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads((out / "quick.json").read_text())
+    arms = ("rule", "trained", "base", "control")
+    assert set(results["runs"]) == {f"{a}_0" for a in arms}
+    assert set(results["summary"]) == {*arms, "hypotheses"}
+    assert all(set(r["steps"]) == {"2", "4"} for r in results["runs"].values())
+    assert all("judge/calls" in r["train"] for key, r in results["runs"].items() if not key.startswith("rule"))
+    items = pq.read_table(out / "quick_items.parquet").to_pylist()
+    per_evaluation = 2 * 2 * 6 * 2  # 2 questions a kind x colour cell, 2 kinds, 6 colours, 2 answers each
+    assert len(items) == per_evaluation * (1 + len(arms) * 2)
+    assert "| base policy |" in (out / "quick.md").read_text()
+    assert (out / "quick.png").read_bytes()[:4] == b"\x89PNG"

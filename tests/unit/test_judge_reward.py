@@ -4,6 +4,7 @@ prompt by a known rule, so the rewards it must give are known exactly)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from collections import Counter
@@ -170,7 +171,7 @@ class ScriptedJudge:
 
 
 def quality(answer: str) -> int:
-    return int(answer.rsplit(" ", 1)[1])
+    return int(re.search(r"quality (\d+)", answer).group(1))
 
 
 def by_quality(prompt: JudgePrompt, answers: list[str]) -> str:
@@ -298,3 +299,80 @@ def test_calls_per_group_matches_the_design():
     for protocol, size, rounds in itertools.product(("ranking", "pair", "score"), (3, 5, 8), (1, 3)):
         j = JudgeRewardConfig(protocol=protocol, rounds=rounds)
         assert j.calls_per_group(size) == len(calls(subsets(size, j.subset_size, rounds, "k")))
+
+
+# --------------------------------------------------------------------------- the policy task
+
+
+class InProcessPool:
+    """Stands in for a Ray `WorkerPool` of real worker objects: `call` runs each worker's method
+    in this process (the task's arithmetic is under test, not Ray)."""
+
+    def __init__(self, *workers):
+        self.workers, self.actors, self.restarts = list(workers), [], 0
+
+    def __len__(self):
+        return len(self.workers)
+
+    def call(self, method, per_worker_args):
+        return [getattr(w, method)(*args) for w, args in zip(self.workers, per_worker_args)]
+
+
+def policy_task(tmp_judge, *overrides):
+    from pjray.reward.workers import RewardWorker
+    from pjray.rl.task import PolicyTask
+
+    cfg = load(
+        overrides=[
+            "task.kind=policy",
+            "data.num_items=4",
+            "algo.group_size=3",
+            "learner.micro_batch_size=12",
+            *overrides,
+        ]
+    )
+    task = PolicyTask(cfg)
+    rows = task.rows(None).rows
+    judge = JudgeRewardWorker(cfg.reward.judge, str(tmp_judge), ModelConfig(), engine=ScriptedJudge(by_quality))
+    task.pools = {"reward": InProcessPool(RewardWorker(cfg.reward, 64)), "judge": InProcessPool(judge)}
+    return task, rows
+
+
+def answers_for(row, right: list[bool]) -> list[Completion]:
+    """Three answers to `row` whose judge quality is their index; `right[i]`: the final is the reference."""
+    out = []
+    for i, ok in enumerate(right):
+        final = row.reference if ok else "nothing"
+        out.append(Completion(0, i, (1,), (0.0,), f"Step quality {i}.\nFinal Answer: {final}", "stop"))
+    return out
+
+
+def test_the_policy_task_mixes_the_rule_and_the_judge_and_logs_their_agreement(tmp_judge):
+    from pjray.rl.timer import Timer
+
+    task, rows = policy_task(tmp_judge, "reward.source=mix", "reward.judge_weight=0.25")
+    prompt = task.prompts(0, rows[0])[0]
+    # The judge prefers higher quality (answer 2), the rule the answers with the right final (0 and 2).
+    results = task.score([prompt], ["t"], answers_for(rows[0], [True, False, True]), Timer())
+    rule, judge = [1.0, 0.0, 1.0], [0.0, 0.5, 1.0]
+    assert [r.total for r in results] == pytest.approx([0.75 * a + 0.25 * b for a, b in zip(rule, judge)])
+    m = task.metrics({"step": 2.0, "judge": 0.5})
+    assert m["judge/calls"] == 3 and m["judge/unreadable"] == 0.0 and m["judge/time_share"] == 0.25
+    assert m["judge/oracle_agreement"] == pytest.approx(kendall_tau(judge, rule))
+    assert m["reward/rule_mean"] == pytest.approx(2 / 3) and m["reward/judge_mean"] == pytest.approx(0.5)
+    assert task.metrics({"step": 1.0}) == {"judge/time_share": 0.0}  # the sums start again
+
+
+def test_the_shuffled_control_permutes_each_groups_judge_rewards(tmp_judge):
+    from pjray.rl.timer import Timer
+
+    plain, rows = policy_task(tmp_judge, "reward.source=judge")
+    shuffled, _ = policy_task(tmp_judge, "reward.source=judge", "reward.judge.shuffle_rewards=true")
+    prompts = [plain.prompts(i, rows[i])[0] for i in range(4)]
+    completions = [
+        dataclasses.replace(c, prompt_index=g) for g in range(4) for c in answers_for(rows[g], [True, True, True])
+    ]
+    a = [r.total for r in plain.score(prompts, ["t"] * 4, completions, Timer())]
+    b = [r.total for r in shuffled.score(prompts, ["t"] * 4, completions, Timer())]
+    assert a == [0.0, 0.5, 1.0] * 4
+    assert a != b and all(sorted(b[3 * g : 3 * g + 3]) == [0.0, 0.5, 1.0] for g in range(4))
