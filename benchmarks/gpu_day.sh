@@ -16,6 +16,10 @@
 #      learner ranks, half engines), or colocated on one. Its data: the PPJD parquet at
 #      $RECIPE_DATA when set, else generated scenes. Its table must show a mean log-prob gap
 #      under 0.05 (bf16 kernels differ by ~1e-2) on every step;
+#   4b. ZeRO-3 and offload during generation: three steps of the same recipe colocated on every
+#      GPU (two at least: ZeRO-3 ranks must run the same forwards), ZeRO-3, the optimizer's
+#      states off the GPU while the engines generate, micro-batches cut by a token budget,
+#      dynamic sampling's padding rows and two mini-batches (old log-probs), its gaps checked;
 #   5. three steps of the judge at work, configs/policy_qwen25vl_7b.yaml (a Qwen2.5-VL-7B policy
 #      rewarded by a 7B judge on vLLM engines of its own; the judge jongwooko/Flex-VL-7B from the
 #      hub unless $POLICY_JUDGE names another, its rows $POLICY_DATA or the recipe's dataset):
@@ -115,6 +119,23 @@ rm -rf "$ROOT/recipe"
 step "recipe qwen3vl_4b, 3 steps ($LAYOUT)" "${RECIPE_LIMIT:-5400}" \
   "$PY" -m pjray train --config configs/qwen3vl_4b.yaml "${RECIPE[@]}" &&
   step "recipe gaps" 60 "$PY" benchmarks/step_table.py "$ROOT/recipe/metrics.jsonl" --max-diff-mean 0.05
+
+# 4b. ZeRO-3 and offload during generation, three steps.
+if [ "$GPUS" -ge 2 ]; then
+  rm -rf "$ROOT/zero3"
+  ZERO3=(trainer.steps=3 trainer.save_every=0 trainer.export_hf=false trainer.resume=disable tracking.wandb=false
+         "trainer.run_dir=$ROOT/zero3" data.source=scenes "data.path=''" data.num_items=512
+         "ray.num_gpus=$GPUS" "learner.num_ranks=$GPUS" "rollout.num_workers=$GPUS" rollout.colocate=true
+         learner.num_gpus_per_rank=0.5 rollout.num_gpus_per_worker=0.4 rollout.gpu_memory_utilization=0.35
+         trainer.sync_backend=ipc learner.zero_stage=3 learner.offload_during_generation=true
+         learner.micro_batch_tokens=16384 algo.filter_zero_std=true algo.ppo_mini_batches=2
+         "trainer.prompts_per_step=$((16 * GPUS))")
+  step "recipe qwen3vl_4b, ZeRO-3 and offload during generation, 3 steps (colocated on $GPUS GPUs)" \
+    "${RECIPE_LIMIT:-5400}" "$PY" -m pjray train --config configs/qwen3vl_4b.yaml "${ZERO3[@]}" &&
+    step "ZeRO-3 gaps" 60 "$PY" benchmarks/step_table.py "$ROOT/zero3/metrics.jsonl" --max-diff-mean 0.05
+else
+  skip "recipe qwen3vl_4b, ZeRO-3 and offload during generation, 3 steps" "needs 2 GPUs, $GPUS here"
+fi
 
 # 5. The judge at work, three steps.
 POLICY=(trainer.steps=3 trainer.save_every=0 trainer.export_hf=false trainer.resume=disable tracking.wandb=false

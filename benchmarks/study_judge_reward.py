@@ -3,7 +3,7 @@
     pjray train                                                     # the trained judge: runs/demo/hf_model
     python benchmarks/study_judge_reward.py                         # 4 arms x 5 seeds
     python benchmarks/study_judge_reward.py --quick                 # every stage, 1 seed, a few steps
-    python benchmarks/study_judge_reward.py --arms text --out benchmarks/results/judge_reward_text
+    python benchmarks/study_judge_reward.py --arms text --out OUT --earlier benchmarks/results/judge_reward/study.json
 
 Declared before any run (keep this section as written; results that disagree are reported, not
 re-declared):
@@ -44,6 +44,11 @@ the image and mostly judges by the answer's text; built into the cache on first 
 as the `base` arm otherwise. Same settings, seeds and evaluation, run on its own (`--arms text`,
 its own output). Hypothesis (4): its mean gain on untaught colours is at least 10 points below
 the trained arm's, and its hallucination rate is above the trained arm's.
+
+Outcome of the amendment (2026-12-07): not run. The text-following judge that this code builds
+(recipe 788cbfffe2f44576, 21 min) fails its own held-out report: greedy ranking format 0.375,
+probe colour accuracy 0.109 (the shipped judge's: 1.0 and 1.0). A judge that cannot be read
+would make this arm a second control, not the paper's biased judge.
 """
 
 from __future__ import annotations

@@ -54,7 +54,9 @@ class LearnerConfig:
     offload: str = opt("none", choices=("none", "optimizer", "all"))
     # Colocated GPUs: move the optimizer's states (fp32 master weights, Adam moments, gradient
     # buffers; ~16 bytes a trainable parameter / num_ranks under ZeRO) to pinned CPU memory while
-    # the engines generate, and back before the update (DeepSpeed's offload_states).
+    # the engines generate, and back before the update or a checkpoint (DeepSpeed's
+    # offload_states; the bf16 weights stay). Under ZeRO-3 the optimizer is DeepSpeed's FusedAdam
+    # (a CUDA op it builds on first use), the only one whose states ZeRO-3 moves.
     offload_during_generation: bool = False
     # The KL term's reference model partitioned over the ranks as a ZeRO-3 inference engine (its
     # layers gathered as its forward reaches them) where the policy is not ZeRO-3 (under ZeRO-3

@@ -100,10 +100,12 @@ class RankCheckpoints:
         """
         # Nested under one key: DeepSpeed returns its own bookkeeping (module state, config,
         # ...) in the same dict on load, and the caller should get back only what it saved.
+        self.model.states_on_gpu()
         self.model.engine.save_checkpoint(path, client_state={_CLIENT_STATE_KEY: dict(client_state or {})})
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore what `save_checkpoint` wrote (the latest tag under `path`); returns client_state."""
+        self.model.states_on_gpu()
         load_path, client_state = self.model.engine.load_checkpoint(
             path, load_optimizer_states=True, load_lr_scheduler_states=True
         )

@@ -206,6 +206,8 @@ class Collector:
         reach only after k long generations (past NCCL's watchdog)."""
         for batch in self.in_flight:
             batch.generation.wait_finished()
+            if batch.contrast is not None:  # algo.contrast_responses: queued on the same workers
+                batch.contrast.wait_finished()
 
     def submit_batch(self, step: int) -> Batch:
         """Take a step's items and start generating their groups."""

@@ -71,7 +71,8 @@ def optimizer(model: torch.nn.Module, lc: LearnerConfig) -> torch.optim.Optimize
     """AdamW over the trainable parameters; biases and norm weights (1-D) are not decayed, the
     usual convention. A plain torch AdamW: DeepSpeed's own Adam variants JIT-compile a C++/CUDA
     op first; with learner.offload the states live in CPU memory, which DeepSpeed steps with its
-    CPU Adam (the same AdamW update)."""
+    CPU Adam, and ZeRO-3 with learner.offload_during_generation needs its FusedAdam (the same
+    AdamW update)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -88,6 +89,12 @@ def optimizer(model: torch.nn.Module, lc: LearnerConfig) -> torch.optim.Optimize
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(groups, lr=lc.lr, betas=(0.9, 0.999), eps=1e-8, adamw_mode=True)
+    if lc.offload_during_generation and lc.zero_stage == 3:
+        # ZeRO-3 moves its optimizer states off the GPU (`engine.offload_states`) only when the
+        # optimizer is DeepSpeed's FusedAdam (a CUDA op; offload during generation is GPU-only).
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, lr=lc.lr, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True)
     return torch.optim.AdamW(groups, lr=lc.lr, betas=(0.9, 0.999), eps=1e-8)
 
 

@@ -379,11 +379,15 @@ def _project_in_chunks(
     ]
     # Up to `min_chunks`: one-row chunks of zeros whose log-probs enter the loss times 0, so their
     # projection runs in the forward, in the recomputation and in the weight's backward alike.
+    # The row is taken from `hidden` (its sum times 0), so that its backward also reaches the
+    # model, as a real chunk's does: under ZeRO-3 a filler that reached the head alone was seen
+    # to put a rank's gathers out of step with another rank's real chunks (a crashed collective).
+    zero_row = hidden.sum(0, keepdim=True) * 0.0
     fillers = [
         checkpoint(
             _chunk_stats,
             head,
-            hidden.new_zeros(1, hidden.shape[1]),
+            zero_row,
             labels.new_zeros(1),
             temperature,
             ban,

@@ -4,7 +4,10 @@ optimizer steps over a shard of experiences.
 `PolicyModel` is a part of `pjray.rl.learner.LearnerRank`, built by `build_policy` once the rank
 has joined the process group. Under ZeRO-3 each forward gathers parameters collectively, so
 every method that forwards cuts the shard into micro-batches and runs as many of them as the
-rank that needs the most (`micro_batches`); a rank that skipped one would hang the others.
+rank that needs the most (`micro_batches`), with the same forwards in each: a prompt is forwarded
+once for its group only where every rank's micro-batch can do so (`forward`), and one without an
+image carries a blank one (`image_filler`), since the vision tower gathers its parameters too. A
+rank that skipped a gather would hang the others.
 
 `step(experiences, loss)` is the one optimizer step of GRPO and SFT alike: per micro-batch the
 forward, the caller's `loss` of it, the backward (without DeepSpeed's 1/GAS scaling: the losses
@@ -15,15 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from PIL import Image
 from torch import Tensor
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
-from pjray.models.loading import load_judge, placeholder_ids
+from pjray.models.loading import is_text_only, load_judge, placeholder_ids
 from pjray.models.lora import apply_lora
 from pjray.placement import split_evenly
 from pjray.rl.ds_setup import ds_config, lr_multiplier, optimizer, ref_ds_config, vision_tower
@@ -52,8 +57,27 @@ class Forward:
     shared: bool
 
 
+# What `learner.offload_during_generation` moves off the GPU while engines generate (DeepSpeed's
+# OffloadStateTypeEnum values): the optimizer's alone. The bf16 weights ("lp_params") stay: the
+# log-prob passes, the LoRA reference (the same module, adapters off) and the weight sync read
+# them before the next optimizer step.
+OFFLOADED = ("optim_states", "hp_params", "lp_grads", "contiguous_grad_buffer")
+
 # A micro-batch's loss: computed from its batch and forward, returned for the backward.
 MicroLoss = Callable[[TrainBatch, Forward], Tensor]
+
+
+def image_filler(processor: Any) -> Experience | None:
+    """A row that runs the vision tower and trains nothing: a blank image under the judge's own
+    chat template, no response (None for a text-only judge). verl runs a dummy visual forward
+    for the same reason (see `PolicyModel.micro_batches`)."""
+    if is_text_only(processor):
+        return None
+    blank = io.BytesIO()
+    Image.new("RGB", (28, 28)).save(blank, format="PNG")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "."}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return Experience(prompt_text=text, image=blank.getvalue(), response_ids=(), advantage=0.0)
 
 
 class PolicyModel:
@@ -86,6 +110,7 @@ class PolicyModel:
         # The distribution the engines sample from has no placeholder tokens; the log-probs here
         # are of that same distribution.
         self.banned = placeholder_ids(processor)
+        self.image_filler = image_filler(processor)
         self.states_offloaded = False  # learner.offload_during_generation (`release_memory`)
 
     # ------------------------------------------------------------------ forwards
@@ -95,6 +120,11 @@ class PolicyModel:
         as SFT trains)."""
         lc = self.learner_cfg
         shared = lc.shared_prefix and can_share_prefix(model, batch)
+        if self.zero3:
+            # The shared-prefix path runs two forwards, the others one, and under ZeRO-3 every
+            # forward gathers the parameters (collectives): a micro-batch shares only where every
+            # rank's does.
+            shared = self.on_every_rank(shared)
         s = self.sampling if sampled else Sampling()
         logp, stats = forward_logprobs(
             model,
@@ -190,22 +220,32 @@ class PolicyModel:
         (`take_rows`): into the fixed `runs` of indices, or with `learner.micro_batch_tokens`
         under that token budget (`token_budget_batches`, packed or padded as the forward runs),
         and then padded with micro-batches that train nothing up to the largest count on any rank
-        (ZeRO's collectives run per micro-batch)."""
+        (ZeRO's collectives run per micro-batch; shards of different lengths cut into fixed runs
+        can make different counts too)."""
         lc = self.learner_cfg
         if not experiences:
             return []
-        whole = collate(self.processor, experiences)
+        n = len(experiences)
+        # Under ZeRO-3 the vision tower's parameters are gathered where a forward runs it, so a
+        # micro-batch without an image (text rows, padding rows) carries the image filler too.
+        filler = self.image_filler if self.zero3 and self.world_size > 1 else None
+        whole = collate(self.processor, [*experiences, filler] if filler else experiences)
+
+        def rows_of(rows: list[int]) -> list[int]:
+            if filler is None or any(whole.image_grid_thw[r].numel() for r in rows):
+                return rows
+            return [*rows, n]
+
         if lc.micro_batch_tokens:
-            lengths = [int(n) for n in whole.attention_mask.sum(-1)]
+            lengths = [int(k) for k in whole.attention_mask[:n].sum(-1)]
             cuts = token_budget_batches(lengths, lc.micro_batch_tokens, lc.packing)
         else:
             cuts = runs
-        batches = [(rows, take_rows(whole, rows)) for rows in cuts]
-        wanted = self.most_over_ranks(len(batches)) if lc.micro_batch_tokens else len(batches)
-        # The shortest row's forward, with nothing to train: it keeps the vision tower's
-        # parameters in step under ZeRO-3 where the row has an image.
-        shortest = min(range(len(experiences)), key=lambda i: int(whole.attention_mask[i].sum()))
-        batches += [([], take_rows(whole, [shortest], trained=False))] * (wanted - len(batches))
+        batches = [(rows, take_rows(whole, rows_of(rows))) for rows in cuts]
+        wanted = self.most_over_ranks(len(batches))
+        # The shortest row's forward, with nothing to train.
+        shortest = min(range(n), key=lambda i: int(whole.attention_mask[i].sum()))
+        batches += [([], take_rows(whole, rows_of([shortest]), trained=False))] * (wanted - len(batches))
         return batches
 
     def chunks_in_step(self, batch: TrainBatch) -> int:
@@ -225,6 +265,10 @@ class PolicyModel:
         self.ds.comm.all_reduce(total, op=self.ds.comm.ReduceOp.MAX)
         return int(total.item())
 
+    def on_every_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on every rank (all ranks call this together)."""
+        return self.most_over_ranks(int(not flag)) == 0
+
     def all_reduce(self, tensor: Tensor, op: Any = None) -> None:
         """Sum (or `op`) `tensor` over the ranks in place; nothing with one rank."""
         if self.world_size == 1:
@@ -243,18 +287,21 @@ class PolicyModel:
     def release_memory(self) -> None:
         """Return the CUDA caching allocator's free blocks (activations of the update) to the
         GPU, for a colocated engine that wakes into it next; with
-        `learner.offload_during_generation`, first move the optimizer's states (fp32 master
-        weights, Adam moments, gradient buffers) to pinned CPU memory until the next update
-        (`states_on_gpu`). A no-op on CPU."""
+        `learner.offload_during_generation`, first move the optimizer's states (`OFFLOADED`:
+        fp32 master weights, Adam moments, gradient buffers, never the bf16 weights every
+        forward and weight export reads) to pinned CPU memory until the next optimizer step or
+        checkpoint (`states_on_gpu`). A no-op on CPU."""
         if not torch.cuda.is_available():
             return
         if self.learner_cfg.offload_during_generation and not self.states_offloaded:
-            self.engine.offload_states()
+            states = self.ds.runtime.zero.offload_config.OffloadStateTypeEnum
+            self.engine.offload_states(include=[states(name) for name in OFFLOADED])
             self.states_offloaded = True
         torch.cuda.empty_cache()
 
     def states_on_gpu(self) -> None:
-        """Bring back what `release_memory` offloaded, before an optimizer step needs it."""
+        """Bring back what `release_memory` offloaded, before an optimizer step or a checkpoint
+        needs it."""
         if self.states_offloaded:
             self.engine.reload_states()
             self.states_offloaded = False

@@ -16,6 +16,7 @@ import math
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -836,13 +837,13 @@ def test_rollout_correction_weighs_the_engines_samples_and_gspo_trains(tmp_path:
 # ---------------------------------------------------------------------------------------------
 
 
-def _launch(judge_dir: str, zero_stage: int, world_size: int, grad_accum_steps: int) -> list:
+def _launch(judge_dir: str, zero_stage: int, world_size: int, grad_accum_steps: int, **learner: Any) -> list:
     import ray
 
     model_cfg, learner_cfg, algo_cfg = _configs(zero_stage=zero_stage, micro_batch_size=2, kl_coef=0.01)
     # Chunks of 4 positions: the ranks' micro-batches need different numbers of them, and under
     # ZeRO-3 each projection gathers the head's weight (the ranks must call it as often).
-    learner_cfg = dataclasses.replace(learner_cfg, logit_chunk_tokens=4)
+    learner_cfg = dataclasses.replace(learner_cfg, **{"logit_chunk_tokens": 4, **learner})
     # Tiny parameters fall under ZeRO-3's persistence threshold and would never be partitioned;
     # 0 makes every parameter a real shard, so the gathers are exercised.
     overrides = {"zero_optimization": {"stage3_param_persistence_threshold": 0}} if zero_stage == 3 else None
@@ -868,16 +869,17 @@ def _launch(judge_dir: str, zero_stage: int, world_size: int, grad_accum_steps: 
     return ranks
 
 
-def _call(ranks: list, method: str, *per_rank_args) -> list:
+def _call(ranks: list, method: str, *per_rank_args, timeout: float | None = None) -> list:
     """Call `method` on every rank (collectives need all of them); per_rank_args[i] is a list
-    of rank i's arguments, or a plain value shared by all."""
+    of rank i's arguments, or a plain value shared by all. Ranks stuck in a collective fail the
+    call after `timeout` seconds."""
     import ray
 
     refs = []
     for i, r in enumerate(ranks):
         args = [a[i] if isinstance(a, tuple) else a for a in per_rank_args]
         refs.append(getattr(r, method).remote(*args))
-    return ray.get(refs)
+    return ray.get(refs, timeout=timeout)
 
 
 def _exported(ranks: list) -> dict[str, torch.Tensor]:
@@ -967,6 +969,70 @@ def test_two_ranks_match_one_rank(judge_dir: str, zero_stage: int, ray_local: No
 
     for r in pair + single:
         ray.kill(r)
+
+
+def _shard(kind: str, size: int, processor: Any) -> list[Experience]:
+    """groups: two GRPO groups of three (size 6), with images; distinct: `size` prompts, every
+    fourth without an image; text: `size` prompts without images."""
+    if kind == "groups":
+        rows = [e for e in _groups(seed=3, image_token_id=processor.image_token_id) if e.response_ids][:size]
+        return [dataclasses.replace(e, loss_mask=None) for e in rows]
+    return [
+        dataclasses.replace(
+            e,
+            prompt_text=_prompt(
+                f"Rank the answers to {kind} question {i}.", e.image is not None and kind == "distinct"
+            ),
+            image=e.image if kind == "distinct" else None,
+        )
+        for i, e in enumerate(_experiences(size, seed=4))
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("shards", "budget"), [("groups/distinct", 0), ("groups/distinct", 150), ("distinct/text", 0)])
+def test_zero3_ranks_whose_shards_differ_stay_in_step(
+    judge_dir: str, shards: str, budget: int, ray_local: None
+) -> None:
+    """Under ZeRO-3 every forward gathers the parameters it runs, so every rank must run the
+    same forwards. groups/distinct: rank 0's shard holds GRPO groups (a prompt forwarded once
+    for its three responses: two forwards a micro-batch), rank 1's distinct prompts (one
+    forward each), with fixed micro-batches and under a token budget
+    (`learner.micro_batch_tokens`, which cuts the shards into different counts). distinct/text:
+    rank 0's micro-batches hold images, rank 1's text alone (no vision tower). Both ranks finish
+    their log-probs (a shard of half the length too) and a step, with the log-probs and metrics
+    of one rank holding every row, and a step on shards of different lengths."""
+    import ray
+
+    _, processor = load_judge(judge_dir, trainable=False)
+    first, second = (_shard(kind, 6, processor) for kind in shards.split("/"))
+    assert len({e.prompt_text for e in first + second}) == (8 if shards == "groups/distinct" else 12)
+    rows = first + second
+    pair = _launch(judge_dir, 3, world_size=2, grad_accum_steps=2, micro_batch_tokens=budget)
+    single = _launch(judge_dir, 3, world_size=1, grad_accum_steps=4, micro_batch_tokens=budget)
+    try:
+        want = {}
+        for which in ("ref", "policy"):
+            got = _call(pair, "compute_logprobs", (first, second), which, timeout=120)
+            want[which] = _call(single, "compute_logprobs", (rows,), which)[0]
+            for a, b in zip([lp for part in got for lp in part], want[which], strict=True):
+                assert a == pytest.approx(b, abs=1e-5)
+        half = _call(pair, "compute_logprobs", (first, second[:3]), "policy", timeout=120)
+        for a, b in zip([lp for part in half for lp in part], want["policy"][:9], strict=True):
+            assert a == pytest.approx(b, abs=1e-5)
+        rows = [dataclasses.replace(e, ref_logprobs=lp) for e, lp in zip(rows, want["ref"])]
+        pair_metrics = _call(pair, "train_step", (rows[:6], rows[6:]), *_counts(rows), timeout=120)
+        single_metrics = _call(single, "train_step", (rows,), *_counts(rows))[0]
+        assert pair_metrics[0] == pair_metrics[1]
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/num_tokens"):
+            assert pair_metrics[0][key] == pytest.approx(single_metrics[key], rel=1e-4, abs=1e-6), key
+        # Shards of different lengths: micro-batches of different sizes, whose trained tokens
+        # need different numbers of output-projection chunks (the fewer padded with zero rows).
+        uneven = _call(pair, "train_step", (rows[:6], rows[6:9]), *_counts(rows[:9]), timeout=120)
+        assert uneven[0] == uneven[1] and uneven[0]["actor/num_tokens"] == _counts(rows[:9])[0]
+    finally:
+        for r in pair + single:
+            ray.kill(r)
 
 
 # ---------------------------------------------------------------------------------------------

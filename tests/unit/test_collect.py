@@ -81,6 +81,27 @@ def config(filter_zero_std: bool, rounds: int = 2):
     )
 
 
+def test_before_a_sync_the_contrast_generations_in_flight_are_waited_for_too():
+    """With trainer.max_staleness, a weight sync waits for every generation queued before it on
+    the workers (`Collector.wait_for_generation`): a step's responses and, with
+    algo.contrast_responses, its responses on the contrast images."""
+    waited: list[str] = []
+
+    def pending(name):
+        return SimpleNamespace(wait_finished=lambda: waited.append(name))
+
+    collector = Collector(config(False), sampler=None, processor=None, rollout=None, task=None)
+    r = Round([], [])
+    collector.in_flight.extend(
+        [
+            Batch(1, None, r, pending("step 1"), pending("step 1 contrast")),
+            Batch(2, None, r, pending("step 2")),
+        ]
+    )
+    collector.wait_for_generation()
+    assert waited == ["step 1", "step 1 contrast", "step 2"]
+
+
 def test_dynamic_sampling_keeps_varied_groups_and_measures_every_response():
     collector = ScriptedCollector(config(True), varied=lambda g: g % 4 == 0)  # 1 group in 4 has signal
     rollouts = collector.collect(1, Timer())

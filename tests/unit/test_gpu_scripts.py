@@ -133,12 +133,18 @@ def test_gpu_day_runs_its_checks_in_order_and_fails_when_the_recipe_fails(tmp_pa
         "pinned versions",
         "CUDA GPUs",
     ]
-    assert names[6:-2] == SMOKE_STEPS
-    assert names[-2] == "recipe qwen3vl_4b, 3 steps (split: 1 learner + 1 engine GPUs, NCCL)"
+    assert names[6:-3] == SMOKE_STEPS
+    assert names[-3] == "recipe qwen3vl_4b, 3 steps (split: 1 learner + 1 engine GPUs, NCCL)"
+    assert names[-2] == "recipe qwen3vl_4b, ZeRO-3 and offload during generation, 3 steps (colocated on 2 GPUs)"
     # The judge at work needs 8 GPUs: listed as skipped here, not failed.
     assert names[-1] == "recipe policy_qwen25vl_7b, 3 steps" and rows[-1][2].startswith("skipped: needs 8 GPUs")
-    assert done.returncode == 1 and [r[1] for r in rows if r[2].startswith("FAIL")] == [names[-2]], done.stdout
-    # In order: the install before anything else, the recipe last.
+    # The ZeRO-3 step runs the same recipe file, so the stand-in fails it too.
+    assert done.returncode == 1 and [r[1] for r in rows if r[2].startswith("FAIL")] == names[-3:-1], done.stdout
+    # In order: the install before anything else, the recipe, then its ZeRO-3 run last.
     assert calls[0].startswith("-m pip install torch==")
     assert calls.index("-m pip install -e .[gpu,test]") < min(i for i, c in enumerate(calls) if "pytest" in c)
-    assert "configs/qwen3vl_4b.yaml" in calls[-1] and "ray.num_gpus=2" in calls[-1]
+    assert "configs/qwen3vl_4b.yaml" in calls[-2] and "ray.num_gpus=2" in calls[-2]
+    zero3 = calls[-1].split()
+    assert "configs/qwen3vl_4b.yaml" in zero3 and "learner.num_ranks=2" in zero3
+    for key in ("learner.zero_stage=3", "learner.offload_during_generation=true", "algo.filter_zero_std=true"):
+        assert key in zero3
