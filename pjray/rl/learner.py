@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -273,12 +273,29 @@ class HybridGeneration:
         finally:
             engine.train(was_training)
 
-    def _full_weights(self) -> contextlib.AbstractContextManager:
-        """ZeRO-3 with hybrid_gather=full: every partition gathered for the generate call."""
+    @contextlib.contextmanager
+    def _full_weights(self) -> Iterator[None]:
+        """ZeRO-3 with hybrid_gather=full: every partition gathered for the generate call, and
+        ZeRO-3's module hooks off meanwhile. With them on, each module's weights would be
+        released after its forward and gathered again at the next, a collective per forward: a
+        rank with more tokens or prompts to generate than another would wait in one for ever."""
         if not self.policy.zero3 or self.engine.synced:
-            return contextlib.nullcontext()
-        params = list(self.policy.engine.module.parameters())
-        return self.policy.ds.zero.GatheredParameters(params, modifier_rank=None)
+            yield
+            return
+        engine, ds = self.policy.engine, self.policy.ds
+        params = list(engine.module.parameters())
+        hooks = engine.optimizer.parameter_offload  # DeepSpeedZeRoOffload: the hooks' owner
+        with ds.zero.GatheredParameters(params, modifier_rank=None):
+            hooks._remove_module_hooks()
+            try:
+                yield
+            finally:
+                hooks.forward_hooks.clear()
+                hooks.backward_hooks.clear()
+                stack = ds.runtime.zero.parameter_offload.FWD_MODULE_STACK
+                depth = len(stack)
+                hooks.setup_zero_stage3_hooks()
+                del stack[depth:]  # the set-up pushes the root module again
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1130,8 +1130,9 @@ def test_a_rank_without_a_rollout_config_does_not_generate(judge_dir: str, rank_
 @pytest.mark.parametrize("gather", ["full", "layer"])
 def test_hybrid_zero3_ranks_generate_what_the_hf_engine_does(judge_dir: str, gather: str, ray_local: None) -> None:
     """Two ZeRO-3 ranks (every parameter sharded) generate through the pool interface: with
-    more prompts than ranks and with fewer (the idle rank joins with a filler prompt), each
-    chunk equals the HF engine's sample of it at that worker's seed."""
+    more prompts than ranks and with fewer (the idle rank joins with a filler prompt), and with
+    more generate calls on one rank than on the other, each chunk equals the HF engine's sample
+    of it at that worker's seed."""
     import ray
 
     from pjray.placement import RankGroup
@@ -1170,6 +1171,17 @@ def test_hybrid_zero3_ranks_generate_what_the_hf_engine_does(judge_dir: str, gat
         _same_completions(got, want)
         alone = generate_with_pool(group, prompts[1:2], 3, seed=9).value
         _same_completions(alone, engine.generate(prompts[1:2], 3, 9_000))
+        if gather == "layer":
+            return  # one synced generate call a rank, whatever its prompts
+        # Nine prompts beside eight: the first rank generates in two calls of its engine (at most
+        # eight prompts each), the second in one.
+        many = _judge_prompts(17)
+        chunks = (many[:9], many[9:])
+        got = ray.get(
+            [r.generate.remote(chunk, 1, 5_000 + w) for w, (r, chunk) in enumerate(zip(ranks, chunks))], timeout=120
+        )
+        for w, chunk in enumerate(chunks):
+            _same_completions(got[w], engine.generate(chunk, 1, 5_000 + w))
     finally:
         for r in ranks:
             ray.kill(r)
