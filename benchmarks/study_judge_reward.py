@@ -216,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 "reward/mean",
                 "reward/rule_mean",
                 "reward/judge_mean",
+                "judge/calls",
                 "judge/unreadable",
                 "judge/oracle_agreement",
                 "judge/position_consistency",
