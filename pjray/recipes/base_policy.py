@@ -15,6 +15,7 @@ holds its gates (`policy_gates`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -35,7 +36,6 @@ from pjray.types import ChatExample
 
 RECIPE_VERSION = 1
 SHIPPED = Path(__file__).resolve().parent.parent / "assets" / "base_policy"
-SHIPPED_RECORD = "shipped.json"
 
 
 @dataclass(frozen=True)
@@ -102,14 +102,13 @@ def base_policy(cfg: Any, recipe: BasePolicyRecipe | None = None, log: Callable[
     ships (pjray/assets/base_policy) when it is that recipe's build, else built into the cache
     once; `cfg` supplies the Ray settings of a build's SFT stage."""
     from pjray.recipes.base_judge import SHIPPED as SHIPPED_JUDGE
-    from pjray.recipes.base_judge import shipped_record, weights_sha256
+    from pjray.recipes.base_judge import ShippedJudgeError, shipped_record
 
     recipe = recipe or BasePolicyRecipe()
     current = recipe_hash(recipe, shipped_record()["weights_sha256"])
-    record = SHIPPED / SHIPPED_RECORD
-    if record.exists():
-        shipped = json.loads(record.read_text())
-        if shipped["recipe_hash"] == current and weights_sha256(SHIPPED / "hf_model") == shipped["weights_sha256"]:
+    # The shipped record, its files and its weights' digest, checked as the judge's are.
+    with contextlib.suppress(ShippedJudgeError):
+        if shipped_record(SHIPPED)["recipe_hash"] == current:
             return SHIPPED / "hf_model"
     target = cache_root() / "base_policy" / current
     if (target / "hf_model" / "COMPLETE").exists():

@@ -382,7 +382,8 @@ def _project_in_chunks(
     # The row is taken from `hidden` (its sum times 0), so that its backward also reaches the
     # model, as a real chunk's does: under ZeRO-3 a filler that reached the head alone was seen
     # to put a rank's gathers out of step with another rank's real chunks (a crashed collective).
-    zero_row = hidden.sum(0, keepdim=True) * 0.0
+    missing = min_chunks - len(pieces)
+    zero_row = hidden.sum(0, keepdim=True) * 0.0 if missing > 0 else None
     fillers = [
         checkpoint(
             _chunk_stats,
@@ -396,7 +397,7 @@ def _project_in_chunks(
             use_reentrant=False,
         )[0].sum()
         * 0.0
-        for _ in range(min_chunks - len(pieces))
+        for _ in range(missing)
     ]
     nothing = sum(fillers, hidden.new_zeros((), dtype=torch.float32))
     if not pieces:

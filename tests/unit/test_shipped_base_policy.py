@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from pjray.recipes.base_judge import shipped_record, weights_sha256
-from pjray.recipes.base_policy import SHIPPED, SHIPPED_RECORD, BasePolicyRecipe, base_policy, recipe_hash
+from pjray.recipes.base_judge import SHIPPED_RECORD, shipped_record, weights_sha256
+from pjray.recipes.base_policy import SHIPPED, BasePolicyRecipe, base_policy, recipe_hash
 
 
 def test_the_shipped_policy_is_the_recipes_build_and_passed_its_gates():
