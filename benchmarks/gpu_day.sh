@@ -5,7 +5,7 @@
 #   1. install: pjray on its pinned set (torch first, then '.[gpu,test]', which pins vLLM), and
 #      flash-attn (the recipes' packed attention), `pip check`, and the installed versions
 #      against pyproject.toml's pins;
-#   2. the CUDA GPUs torch sees;
+#   2. the CUDA GPUs torch sees; on two, the NCCL weight-sync group's GPU-marked tests;
 #   3. vLLM with CUDA graphs, parity and GRPO: every step of benchmarks/gpu_smoke.sh (the VL
 #      engine checks on the GPU; bf16 log-prob parity on Model Runner V1 and V2 and at TP=2;
 #      tests/integration/test_vllm_gpu.py; three GRPO steps colocated (CUDA IPC, sleep mode)
@@ -17,9 +17,10 @@
 #      $RECIPE_DATA when set, else generated scenes. Its table must show a mean log-prob gap
 #      under 0.05 (bf16 kernels differ by ~1e-2) on every step;
 #   4b. ZeRO-3 and offload during generation: three steps of the same recipe colocated on every
-#      GPU (two at least: ZeRO-3 ranks must run the same forwards), ZeRO-3, the optimizer's
-#      states off the GPU while the engines generate, micro-batches cut by a token budget,
-#      dynamic sampling's padding rows and two mini-batches (old log-probs), its gaps checked;
+#      GPU (two at least: ZeRO-3 ranks must run the same forwards), ZeRO-3 (the model loaded
+#      partitioned), the optimizer's states off the GPU while the engines generate, micro-batches
+#      cut by a token budget, dynamic sampling's padding rows and two mini-batches (old
+#      log-probs), the hub checkpoint staged to local disk (model.stage_dir), its gaps checked;
 #   5. three steps of the judge at work, configs/policy_qwen25vl_7b.yaml (a Qwen2.5-VL-7B policy
 #      rewarded by a 7B judge on vLLM engines of its own; the judge jongwooko/Flex-VL-7B from the
 #      hub unless $POLICY_JUDGE names another, its rows $POLICY_DATA or the recipe's dataset):
@@ -91,6 +92,14 @@ print(n, 'GPUs:', [torch.cuda.get_device_name(i) for i in range(n)], 'torch', to
 sys.exit(n == 0)"
 GPUS=$(gpu_count)
 
+# 2b. The GPU-marked tests of the weight-sync group: NCCL forming, naming a member that never
+# joins, and a receive whose sender never sends.
+if [ "$GPUS" -ge 2 ]; then
+  step "NCCL sync group (GPU-marked tests)" 600 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/unit/test_sync_group.py
+else
+  skip "NCCL sync group (GPU-marked tests)" "needs 2 GPUs, $GPUS here"
+fi
+
 # 3. vLLM with CUDA graphs, parity on both model runners and TP=2, colocated, split and async.
 smoke_steps "$ROOT/smoke" "$GPUS"
 
@@ -124,7 +133,7 @@ step "recipe qwen3vl_4b, 3 steps ($LAYOUT)" "${RECIPE_LIMIT:-5400}" \
 if [ "$GPUS" -ge 2 ]; then
   rm -rf "$ROOT/zero3"
   ZERO3=(trainer.steps=3 trainer.save_every=0 trainer.export_hf=false trainer.resume=disable tracking.wandb=false
-         "trainer.run_dir=$ROOT/zero3" data.source=scenes "data.path=''" data.num_items=512
+         "trainer.run_dir=$ROOT/zero3" "model.stage_dir=$ROOT/stage" data.source=scenes "data.path=''" data.num_items=512
          "ray.num_gpus=$GPUS" "learner.num_ranks=$GPUS" "rollout.num_workers=$GPUS" rollout.colocate=true
          learner.num_gpus_per_rank=0.5 rollout.num_gpus_per_worker=0.4 rollout.gpu_memory_utilization=0.35
          trainer.sync_backend=ipc learner.zero_stage=3 learner.offload_during_generation=true

@@ -20,6 +20,7 @@ class LearnerConfig:
     resources: dict[str, float] = field(default_factory=dict)
     # torch intra-op threads per rank; 0: the node's CPUs over its ranks (see rollout.num_threads)
     num_threads: int = opt(0, ge=0)
+    # 3: parameters partitioned too, from the load on (no rank ever holds the whole model)
     zero_stage: int = opt(2, choices=(0, 1, 2, 3))
     # the CPU default's 2.2M-parameter base judge (3e-4 broke its checks, 1e-4 lowered the taught
     # ones with the prefilter; benchmarks/results/README.md); GPU recipes ~1e-6

@@ -102,7 +102,8 @@ class ModelConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     # A node-local directory: the judge's checkpoint is copied there once per node before the
     # actors load it, so a node's ranks and engines do not all read shared storage at start-up
-    # (pjray.staging). Empty: they load `path` (or the resolved judge) directly.
+    # (pjray.staging); a hub id is resolved to one commit and its snapshot staged alike. Empty:
+    # they load `path` (or the resolved judge) directly.
     stage_dir: str = ""
 
     @property

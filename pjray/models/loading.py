@@ -321,7 +321,7 @@ def load_processor(path: str | os.PathLike, budget: ImageBudget = ImageBudget())
 def load_judge(
     path: str | os.PathLike,
     dtype: str = "float32",
-    device: str | torch.device = "cpu",
+    device: str | torch.device | None = "cpu",
     trainable: bool = True,
     attn_implementation: str | None = None,
     budget: ImageBudget = ImageBudget(),
@@ -329,6 +329,7 @@ def load_judge(
     """Load the judge at `path` as `(model, processor)`.
 
     `trainable=False` puts the model in eval mode with gradients off (reference / rollout copy).
+    `device=None` leaves the weights where `from_pretrained` put them (a ZeRO-3 partitioned load).
     `attn_implementation` is passed through ("sdpa", "flash_attention_2", ...); None = default.
     `budget`: the processor's image budget (`load_processor`).
     """
@@ -345,7 +346,8 @@ def load_judge(
         model = auto_cls.from_pretrained(str(path), **kwargs)
     except OSError as err:  # transformers' word for missing or unreadable checkpoint files
         raise ModelError(f"{path}: cannot load the model: {str(err).splitlines()[0]}") from err
-    model.to(device)
+    if device is not None:
+        model.to(device)
     model.train(trainable)
     model.requires_grad_(trainable)
     return model, processor

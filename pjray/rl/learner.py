@@ -45,6 +45,7 @@ from pjray.rl.grpo import LossSettings, grpo_loss, rollout_is_metrics, rollout_i
 from pjray.rl.logprobs import forwarded_positions
 from pjray.rl.policy import Forward, PolicyModel, Sampling, build_policy
 from pjray.rollout.hf_engine import HFEngine
+from pjray.sync.collective import GroupAddress
 from pjray.sync.sender import WeightSender
 from pjray.types import Completion, Experience, JudgePrompt, Timed, TrainBatch
 
@@ -531,8 +532,8 @@ class LearnerRank:
     def sync_address(self) -> tuple[str, int]:
         return self.weights.sync_address()
 
-    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
-        self.weights.init_weight_sync(host, port, world_size, backend)
+    def init_weight_sync(self, address: GroupAddress) -> None:
+        self.weights.init_weight_sync(address)
 
     def broadcast_weights(self, bucket_bytes: int) -> Any:
         return self.weights.broadcast_weights(bucket_bytes)

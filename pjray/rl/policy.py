@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import io
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -331,7 +331,7 @@ def build_policy(
     (`_trainable_model`), wrapped in its DeepSpeed engine with optimizer and schedule, and the
     reference model beside it (`_reference`)."""
     config = ds_config(learner_cfg, grad_accum_steps, world_size, ds_config_overrides)
-    model, processor = _trainable_model(device, model_cfg, model_path)
+    model, processor = _trainable_model(device, model_cfg, model_path, config)
 
     def schedule(step: int) -> float:
         return lr_multiplier(
@@ -354,23 +354,47 @@ def build_policy(
     )
 
 
-def _load(device: torch.device, model_cfg: ModelConfig, model_path: str, trainable: bool) -> tuple[Any, Any]:
+def _load(
+    device: torch.device, model_cfg: ModelConfig, model_path: str, trainable: bool, config: dict[str, Any]
+) -> tuple[Any, Any]:
     """The initial judge and its processor, in the dtype, attention kernels and image budget of
-    `model.*`."""
-    return load_judge(
-        model_path,
-        dtype=model_cfg.dtype,
-        device=device,
-        trainable=trainable,
-        attn_implementation=model_cfg.attn_implementation,
-        budget=model_cfg.image_budget,
-    )
+    `model.*`. Under a ZeRO-3 DeepSpeed `config` it is loaded partitioned: transformers builds
+    each parameter inside `deepspeed.zero.Init` (while an `HfDeepSpeedConfig` of `config` is
+    alive) and reads the checkpoint a module at a time, gathered only while it is written, so no
+    rank ever holds the whole model; the engine built on it finds its parameters partitioned."""
+    partitioned = config["zero_optimization"]["stage"] == 3
+    with _zero3_loading(config) if partitioned else contextlib.nullcontext():
+        return load_judge(
+            model_path,
+            dtype=model_cfg.dtype,
+            device=None if partitioned else device,
+            trainable=trainable,
+            attn_implementation=model_cfg.attn_implementation,
+            budget=model_cfg.image_budget,
+        )
 
 
-def _trainable_model(device: torch.device, model_cfg: ModelConfig, model_path: str) -> tuple[Any, Any]:
-    """The judge to train and its processor: the vision tower frozen (model.freeze_vision),
-    gradient checkpointing and LoRA adapters as configured."""
-    model, processor = _load(device, model_cfg, model_path, trainable=True)
+@contextlib.contextmanager
+def _zero3_loading(config: dict[str, Any]) -> Iterator[None]:
+    """transformers loads partitioned while an `HfDeepSpeedConfig` of a ZeRO-3 `config` is
+    referenced (it keeps a weak reference); dropping it afterwards keeps every later
+    `from_pretrained` in the process (an HF engine, an evaluation) whole."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    held = HfDeepSpeedConfig(config)
+    try:
+        yield
+    finally:
+        del held
+
+
+def _trainable_model(
+    device: torch.device, model_cfg: ModelConfig, model_path: str, config: dict[str, Any]
+) -> tuple[Any, Any]:
+    """The judge to train and its processor (loaded for the engine's DeepSpeed `config`): the
+    vision tower frozen (model.freeze_vision), gradient checkpointing and LoRA adapters as
+    configured."""
+    model, processor = _load(device, model_cfg, model_path, True, config)
     # A text-only judge has no vision tower, so there is nothing for freeze_vision to freeze.
     if model_cfg.freeze_vision and processor.image_token_id is not None:
         visual = vision_tower(model)
@@ -405,12 +429,12 @@ def _reference(
         return None
     if model_cfg.lora.rank > 0:
         return engine
-    ref_model, _ = _load(device, model_cfg, model_path, trainable=False)
     if learner_cfg.zero_stage == 3 or learner_cfg.shard_reference:
-        ref, _, _, _ = ds.initialize(
-            model=ref_model, config=ref_ds_config(config, learner_cfg, world_size), dist_init_required=False
-        )
+        ref_config = ref_ds_config(config, learner_cfg, world_size)
+        ref_model, _ = _load(device, model_cfg, model_path, False, ref_config)
+        ref, _, _, _ = ds.initialize(model=ref_model, config=ref_config, dist_init_required=False)
     else:
+        ref_model, _ = _load(device, model_cfg, model_path, False, config)
         if learner_cfg.bf16:
             # The policy engine computes in bf16; the reference must match it at step 0.
             ref_model.to(torch.bfloat16)

@@ -41,7 +41,7 @@ from pjray.models.loading import is_text_only, load_processor, placeholder_ids, 
 from pjray.rollout.engine import checkpoint_eos_ids, stop_token_ids
 from pjray.sync.adapter import AdapterUpdate
 from pjray.sync.buckets import Bucket, flat_bytes, from_bytes, state_checksums, unpack
-from pjray.sync.collective import WeightSyncGroup, dumps, loads, receive_buckets
+from pjray.sync.collective import GroupAddress, dumps, loads, receive_buckets
 from pjray.sync.ipc import open_ipc_handle, slot_view
 from pjray.sync.shared import SharedBucketReader
 from pjray.types import Completion, JudgePrompt
@@ -123,13 +123,14 @@ class WeightSyncExtension:
     engine core in its own process decodes a tensor argument as a list).
     """
 
-    def pjray_init_sync_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> int:
-        """Join the broadcast group as rank `rank_offset + self.rank`; returns that rank."""
+    def pjray_init_sync_group(self, address: bytes, rank_offset: int) -> int:
+        """Join the broadcast group at `address` (a pickled `GroupAddress`) as rank
+        `rank_offset + self.rank`; returns that rank."""
         old = getattr(self, "_pjray_group", None)
         if old is not None:
             old.close()
         rank = rank_offset + int(self.rank)
-        self._pjray_group = WeightSyncGroup(host, port, rank, world_size, backend)
+        self._pjray_group = loads(address).join(rank)
         return rank
 
     def pjray_receive_broadcast(self, plan: bytes) -> None:
@@ -459,9 +460,10 @@ class VllmEngine:
         self.lora = request
         self._after_load()
 
-    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
-        """Join the learner's broadcast group; returns the ranks of this engine's workers."""
-        return self.llm.collective_rpc("pjray_init_sync_group", args=(host, port, rank_offset, world_size, backend))
+    def init_weight_sync(self, address: GroupAddress, rank_offset: int) -> list[int]:
+        """Join the learner's broadcast group, this engine's workers from rank `rank_offset` on;
+        returns their ranks."""
+        return self.llm.collective_rpc("pjray_init_sync_group", args=(dumps(address), rank_offset))
 
     def receive_weights(self, plan: list[Bucket]) -> None:
         """Broadcast sync: every vLLM rank receives all buckets of `plan` in one RPC."""

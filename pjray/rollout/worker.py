@@ -23,6 +23,7 @@ from pjray.placement import split_evenly
 from pjray.rollout.engine import RolloutEngine
 from pjray.sync.adapter import AdapterUpdate
 from pjray.sync.buckets import Bucket
+from pjray.sync.collective import GroupAddress
 from pjray.types import Completion, JudgePrompt, Timed
 
 if TYPE_CHECKING:
@@ -247,8 +248,8 @@ class RolloutWorker:
     # allows only with rollout.backend=vllm.
 
     @engine_call
-    def init_weight_sync(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> list[int]:
-        return self.engine.init_weight_sync(host, port, rank_offset, world_size, backend)  # type: ignore[attr-defined]
+    def init_weight_sync(self, address: GroupAddress, rank_offset: int) -> list[int]:
+        return self.engine.init_weight_sync(address, rank_offset)  # type: ignore[attr-defined]
 
     @engine_call
     def receive_weights(self, plan: list[Bucket]) -> None:

@@ -12,7 +12,7 @@ from torch import Tensor
 from pjray.models.lora import ExportedParam, export_view
 from pjray.sync.adapter import AdapterUpdate, adapter_update
 from pjray.sync.buckets import Bucket, pack, plan_buckets, state_checksums
-from pjray.sync.collective import WeightSyncGroup, broadcast_buckets
+from pjray.sync.collective import GroupAddress, WeightSyncGroup, broadcast_buckets
 from pjray.sync.ipc import stream_buckets
 from pjray.sync.shared import SharedBuckets
 
@@ -170,12 +170,12 @@ class WeightSender:
 
         return free_address()
 
-    def init_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
+    def init_weight_sync(self, address: GroupAddress) -> None:
         """Rank 0 joins (and hosts) the broadcast group with the engines; other ranks do nothing.
         The engines join concurrently (`RolloutWorker.init_weight_sync`)."""
         if self._sync_group is not None:
             self._sync_group.close()
-        self._sync_group = WeightSyncGroup(host, port, 0, world_size, backend) if self.model.rank == 0 else None
+        self._sync_group = address.join(0) if self.model.rank == 0 else None
 
     def broadcast_weights(self, bucket_bytes: int) -> list[Bucket]:
         """Send every bucket from rank 0 over the broadcast group; returns the plan sent. If the

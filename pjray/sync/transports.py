@@ -19,6 +19,7 @@ import ray
 
 from pjray.config import RolloutConfig
 from pjray.placement import WORKER_FAILURES
+from pjray.sync.collective import GroupAddress
 
 if TYPE_CHECKING:
     from pjray.placement import WorkerPool
@@ -116,19 +117,46 @@ class BroadcastTransport(Transport):
     name = "gloo"
     # How long the members of a collective that lost one may take to fail out of it.
     timeout_s = 120.0
+    # How long forming the group waits for its members (`GroupAddress.join_s`): each member
+    # fails out by then, rank 0 naming the members that never joined.
+    join_s = 120.0
+
+    def members(self, workers: int) -> tuple[str, ...]:
+        """The group's ranks by name: learner rank 0, then each engine's tensor-parallel ranks."""
+        tp = self.tensor_parallel_size
+        return (
+            "learner rank 0",
+            *(
+                f"rollout worker {i}" + (f", tensor-parallel rank {j}" if tp > 1 else "")
+                for i in range(workers)
+                for j in range(tp)
+            ),
+        )
 
     def connect(self, learners: list[Any], workers: WorkerPool) -> None:
-        """Form the group, every member joining at once (each blocks in the rendezvous until all
+        """Form the group, every member joining at once (each waits, at most `join_s`, until all
         have); re-formed on a fresh port after a worker was rebuilt, since a dead member cannot be
-        replaced in place."""
+        replaced in place. A join that has not returned `join_s` and a margin later (a member
+        blocked elsewhere, or in NCCL's first collective) is an error naming it."""
         host, port = ray.get(learners[0].sync_address.remote())
         world = 1 + len(workers) * self.tensor_parallel_size
-        joins = [r.init_weight_sync.remote(host, port, world, self.name) for r in learners]
-        joins += [
-            w.init_weight_sync.remote(host, port, 1 + i * self.tensor_parallel_size, world, self.name)
+        address = GroupAddress(host, port, world, self.name, self.members(len(workers)), self.join_s)
+        joins = {r.init_weight_sync.remote(address): f"learner rank {k}" for k, r in enumerate(learners)}
+        joins |= {
+            w.init_weight_sync.remote(address, 1 + i * self.tensor_parallel_size): f"rollout worker {i}"
             for i, w in enumerate(workers.actors)
-        ]
-        ray.get(joins)
+        }
+        patience = self.join_s + 30.0
+        deadline = time.monotonic() + patience
+        pending = list(joins)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                raise RuntimeError(
+                    f"weight sync ({self.name}): the group did not form within {patience:g}s; "
+                    f"still joining: {', '.join(joins[ref] for ref in pending)}"
+                )
+            ray.get(done[0])  # a member's own error first: rank 0's names the members that never joined
         self.plan = ray.get(learners[0].weight_plan.remote(self.bucket_bytes))
 
     def send(self, learners: list[Any], workers: WorkerPool) -> None:

@@ -1,7 +1,8 @@
-"""Fakes of the colocated learner rank and vLLM rollout worker, for checking on CPU the order in
-which the driver hands GPU memory between them. They keep the real methods' names and
-signatures, do no GPU work, and record every call in a shared `CallLog` actor. Ray workers
-import this module by name (the tests put this directory on their PYTHONPATH)."""
+"""Fakes of the learner rank and the vLLM rollout worker, keeping the real methods' names and
+signatures. The colocated ones check on CPU the order in which the driver hands GPU memory
+between them (no GPU work; every call recorded in a shared `CallLog` actor); the sync-group
+members join the real weight-sync group, or stay away. Ray workers import this module by name
+(the tests put this directory on their PYTHONPATH)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,36 @@ class RecordingRolloutWorker:
 
     def set_weight_version(self, version: int) -> None:
         self._record("set_weight_version")
+
+
+class GroupLearnerRank:
+    """Fake learner rank 0 of the broadcast transport: it hosts and joins the real weight-sync
+    group (`WeightSyncGroup`) and sends an empty plan."""
+
+    def sync_address(self) -> tuple[str, int]:
+        from pjray.placement import free_address
+
+        return free_address()
+
+    def init_weight_sync(self, address: Any) -> None:
+        self.group = address.join(0)
+
+    def weight_plan(self, bucket_bytes: int) -> list:
+        return []
+
+
+class GroupRolloutWorker:
+    """Fake one-rank engine of the broadcast transport: it joins the group, or, `absent`, is
+    busy elsewhere and never does (its call returns only after a minute)."""
+
+    def __init__(self, absent: bool) -> None:
+        self.absent = absent
+
+    def init_weight_sync(self, address: Any, rank_offset: int) -> list[int]:
+        import time
+
+        if self.absent:
+            time.sleep(60)
+            return []
+        self.group = address.join(rank_offset)
+        return [rank_offset]

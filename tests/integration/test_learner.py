@@ -1262,14 +1262,35 @@ def test_lora_trains_only_adapters_and_exports_merged_weights(judge_dir: str, ra
     _same_completions(samples, exported_engine.generate(_judge_prompts(2), n=2, seed=3))
 
 
-def test_a_sharded_reference_gives_the_replicated_ones_logprobs(judge_dir: str, rank_env: None) -> None:
-    """learner.shard_reference under a ZeRO-2 policy: the reference is a ZeRO-3 engine (its
-    parameters partitioned), with the same log-probs as the full copy, before and after a step
-    (the reference does not move with the policy)."""
+def test_sharded_models_load_partitioned_with_the_replicated_ones_logprobs(
+    judge_dir: str, rank_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ZeRO-3 engine's model (the policy under learner.zero_stage=3, the reference under it or
+    learner.shard_reference) is loaded partitioned: every parameter arrives from
+    `from_pretrained` as a ZeRO-3 placeholder, so no rank holds the whole model, while the
+    whole models of ZeRO-2 load as before. The policy's and the reference's log-probs equal the
+    whole copies', before and after a step (the reference does not move with the policy), and no
+    DeepSpeed config is left to partition later loads in the process."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    import pjray.rl.policy as policy_module
+
+    loads: list[tuple[bool, bool]] = []  # (trainable, partitioned) of each load
+
+    def recording_load(*args, **kwargs):
+        model, processor = load_judge(*args, **kwargs)
+        params = list(model.parameters())
+        partitioned = all(hasattr(p, "ds_id") and p.numel() == 0 for p in params)
+        assert partitioned or not any(hasattr(p, "ds_id") for p in params)
+        loads.append((kwargs["trainable"], partitioned))
+        return model, processor
+
+    monkeypatch.setattr(policy_module, "load_judge", recording_load)
     exps = _experiences(6, seed=8)
-    results = []
-    for shard in (False, True):
-        model_cfg, learner_cfg, algo_cfg = _configs(micro_batch_size=3, kl_coef=0.01)
+    results, loaded = [], []
+    for zero_stage, shard in ((2, False), (2, True), (3, False)):
+        loads.clear()
+        model_cfg, learner_cfg, algo_cfg = _configs(zero_stage=zero_stage, micro_batch_size=3, kl_coef=0.01)
         learner_cfg = dataclasses.replace(learner_cfg, shard_reference=shard)
         rank = LearnerRank(
             model_cfg,
@@ -1284,20 +1305,26 @@ def test_a_sharded_reference_gives_the_replicated_ones_logprobs(judge_dir: str, 
             grad_accum_steps=2,
         )
         try:
-            assert hasattr(rank.policy.ref, "zero_optimization_partition_weights") == shard
+            assert not is_deepspeed_zero3_enabled()
+            assert hasattr(rank.policy.ref, "zero_optimization_partition_weights") == (shard or zero_stage == 3)
+            loaded.append(list(loads))
+            policy = rank.compute_logprobs(exps, "policy")
             before = rank.compute_logprobs(exps, "ref")
             with_ref = [dataclasses.replace(e, ref_logprobs=r) for e, r in zip(exps, before)]
             rank.train_step(with_ref, *_counts(with_ref))
-            results.append((before, rank.compute_logprobs(exps, "ref")))
+            results.append((policy, before, rank.compute_logprobs(exps, "ref")))
         finally:
             rank.shutdown()
-    (full_before, full_after), (sharded_before, sharded_after) = results
-    for a, b in [
-        *zip(full_before, sharded_before),
-        *zip(sharded_before, sharded_after),
-        *zip(full_after, sharded_after),
-    ]:
-        assert a == pytest.approx(b, abs=1e-5)
+    assert loaded == [[(True, False), (False, False)], [(True, False), (False, True)], [(True, True), (False, True)]]
+    (whole_policy, whole_before, whole_after), *sharded = results
+    for policy, before, after in sharded:
+        for a, b in [
+            *zip(whole_policy, policy),
+            *zip(whole_before, before),
+            *zip(before, after),
+            *zip(whole_after, after),
+        ]:
+            assert a == pytest.approx(b, abs=1e-5)
 
 
 def test_lora_adapter_export_under_zero3(judge_dir: str, rank_env: None) -> None:

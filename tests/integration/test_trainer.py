@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -358,6 +360,42 @@ def test_sync_is_exact_and_dead_workers_are_replaced(ray_local, tmp_path):
         trainer.shutdown()
     assert buffers
     assert not [p for p in buffers if Path(p).exists()]  # the trainer removed its shared buffers
+
+
+def test_a_sync_group_member_that_never_joins_is_named_and_nothing_waits_for_it(ray_local):
+    """The broadcast transport forms the real gloo group of a (fake) learner rank 0 and two
+    one-rank engines. With both engines joining it forms; with one busy elsewhere, `connect`
+    fails within the group's join bound, naming that engine (as rank 0 saw it), not after the
+    backend's 600 s or never."""
+    from recording_actors import GroupLearnerRank, GroupRolloutWorker
+
+    class Pool:  # the two attributes of a WorkerPool the transport reads
+        def __init__(self, actors):
+            self.actors = actors
+
+        def __len__(self):
+            return len(self.actors)
+
+    actors = []
+    try:
+        for absent in (False, True):
+            learner = ray.remote(num_cpus=0)(GroupLearnerRank).remote()
+            workers = [ray.remote(num_cpus=0)(GroupRolloutWorker).remote(a) for a in (False, absent)]
+            actors += [learner, *workers]
+            transport = make_transport("gloo", 1 << 20)
+            transport.join_s = 3.0
+            start = time.monotonic()
+            if not absent:
+                transport.connect([learner], Pool(workers))
+                assert transport.plan == []
+                continue
+            with pytest.raises(ray.exceptions.RayTaskError) as failed:
+                transport.connect([learner], Pool(workers))
+            assert time.monotonic() - start < 30
+            assert re.search(r"rank 0 of 3.*: never joined within 3s: rollout worker 1 \(rank 2\)", str(failed.value))
+    finally:
+        for actor in actors:
+            ray.kill(actor)
 
 
 def test_colocated_sync_hands_gpu_memory_over_in_order(ray_local, tmp_path):

@@ -22,6 +22,10 @@ on a GPU instead (vLLM's GPU build; the HF reference stays on the CPU). Per arch
    loop (weight names and layout, M-RoPE, the encoder cache) is checked per architecture by
    1-3, and the loop around the engine does not depend on the architecture. A run costs about
    two minutes on 2 cores.
+5. LoRA adapter sync (model.lora.sync=adapter) on image prompts, per architecture: transformers
+   names the adapters of a Qwen-VL judge `base_model.model.model.language_model.*`, and vLLM's
+   weight-name mapping must place each on its own module; after a sync the engine's log-probs
+   on images (teacher-forced and sampled) are the PEFT learner's.
 """
 
 from __future__ import annotations
@@ -47,11 +51,13 @@ from PIL import Image  # noqa: E402
 
 from pjray.config import ImageBudget, load  # noqa: E402
 from pjray.models.loading import image_token_count, load_judge, load_processor, placeholder_ids, render_chat  # noqa: E402
+from pjray.models.lora import apply_lora  # noqa: E402
 from pjray.models.tiny import TINY_ARCHS, build_tiny_judge  # noqa: E402
 from pjray.recipes.training import training_inputs  # noqa: E402
 from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402
 from pjray.rollout.vllm_engine import VllmEngine  # noqa: E402
+from pjray.sync.adapter import adapter_update  # noqa: E402
 from pjray.sync.buckets import pack, plan_buckets  # noqa: E402
 from pjray.sync.shared import SharedBuckets  # noqa: E402
 from pjray.types import Experience, JudgePrompt  # noqa: E402
@@ -329,6 +335,66 @@ def test_a_tied_judges_head_follows_a_sync_of_its_embedding(arch: str, tmp_path:
             f"\n{arch} tied: after a sync that changed the embedding only, served vs tied HF {gap:.2e}; moved {moved:.2e}"
         )
         assert gap <= 1e-4 and moved > 1e-2, (gap, moved)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_adapter_sync_serves_a_vision_language_lora_policy(arch: str, tmp_path: Path) -> None:
+    """A Qwen-VL judge's LoRA adapter, every language-model linear layer adapted, served by vLLM
+    (its LoRA support on its CPU build) on image prompts: before a sync the base judge's
+    log-probs, after it the learner's (the text path's tolerance, 2e-3), teacher-forced and
+    sampled. A module the engine failed to map would serve the base weights there, off by the
+    adapters' change (> 5e-2)."""
+    path = str(build_tiny_judge(tmp_path / arch, arch=arch, seed=0))
+    lora = ["model.lora.rank=8", "model.lora.alpha=16", "model.lora.sync=adapter"]
+    cfg = load(overrides=_overrides(arch) + lora)
+    engine = VllmEngine(path, cfg.model, cfg.rollout)
+    try:
+        model, processor = load_judge(path, trainable=True, budget=ImageBudget(max_pixels=BUDGET))
+        learner = apply_lora(model, cfg.model.lora)
+        continuations = [engine.generate([p], n=1, seed=11)[0].token_ids for p in PROMPTS]
+
+        def served() -> list[torch.Tensor]:
+            return [torch.tensor(engine.continuation_logprobs(p, c)) for p, c in zip(PROMPTS, continuations)]
+
+        def gap(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+            return max(_max_gap(x, y) for x, y in zip(a, b))
+
+        base = _learner_logprobs_on(learner, processor, PROMPTS, continuations)  # B = 0: the base judge
+        assert gap(served(), base) <= 2e-3
+        with torch.no_grad():  # the adapters as after training: every B nonzero
+            noise = torch.Generator().manual_seed(0)
+            for name, p in learner.named_parameters():
+                if ".lora_B." in name:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=noise))
+        message = adapter_update(learner)
+        assert {n.split(".layers.")[0] for n in message.tensors} == {"base_model.model.model.language_model"}
+        assert len(message.tensors) == 2 * sum(".lora_B." in n for n, _ in learner.named_parameters())
+        trained = _learner_logprobs_on(learner, processor, PROMPTS, continuations)
+        assert gap(trained, base) > 5e-2  # the adapters change what is served: the check can fail
+        engine.load_adapter(message)
+        after = served()
+        print(
+            f"\n{arch}: after an adapter sync, served vs learner {gap(after, trained):.2e}; moved {gap(after, base):.2e}"
+        )
+        assert gap(after, trained) <= 2e-3
+
+        out = engine.generate(PROMPTS, n=2, seed=3)
+        experiences = [
+            Experience(
+                prompt_text=render_chat(processor, PROMPTS[c.prompt_index]),
+                image=PROMPTS[c.prompt_index].image,
+                response_ids=c.token_ids,
+                advantage=0.0,
+            )
+            for c in out
+        ]
+        batch = collate(processor, experiences)
+        with torch.no_grad():
+            logp = forward_logprobs(learner, processor, batch, banned=engine.banned_ids)[0]
+        mask = batch.response_mask[:, 1:].bool()
+        assert max(_max_gap(c.logprobs, logp[i][mask[i]]) for i, c in enumerate(out)) <= 2e-3
     finally:
         engine.close()
 

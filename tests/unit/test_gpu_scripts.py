@@ -125,15 +125,16 @@ def test_gpu_smoke_fails_when_a_step_fails_and_runs_every_step(tmp_path: Path, f
 def test_gpu_day_runs_its_checks_in_order_and_fails_when_the_recipe_fails(tmp_path: Path) -> None:
     done, rows, calls = _run("gpu_day.sh", tmp_path, "configs/qwen3vl_4b.yaml")
     names = [r[1] for r in rows]
-    assert names[:6] == [
+    assert names[:7] == [
         "install torch==2.13.0",
         "install pjray[gpu,test]",
         "install flash-attn",
         "pip check",
         "pinned versions",
         "CUDA GPUs",
+        "NCCL sync group (GPU-marked tests)",
     ]
-    assert names[6:-3] == SMOKE_STEPS
+    assert names[7:-3] == SMOKE_STEPS
     assert names[-3] == "recipe qwen3vl_4b, 3 steps (split: 1 learner + 1 engine GPUs, NCCL)"
     assert names[-2] == "recipe qwen3vl_4b, ZeRO-3 and offload during generation, 3 steps (colocated on 2 GPUs)"
     # The judge at work needs 8 GPUs: listed as skipped here, not failed.
@@ -148,3 +149,5 @@ def test_gpu_day_runs_its_checks_in_order_and_fails_when_the_recipe_fails(tmp_pa
     assert "configs/qwen3vl_4b.yaml" in zero3 and "learner.num_ranks=2" in zero3
     for key in ("learner.zero_stage=3", "learner.offload_during_generation=true", "algo.filter_zero_std=true"):
         assert key in zero3
+    assert any(c.startswith("model.stage_dir=") for c in zero3)  # the hub id staged, then loaded partitioned
+    assert any("-m gpu tests/unit/test_sync_group.py" in c for c in calls)

@@ -6,6 +6,7 @@ gloo group here is the NCCL path's code on CPU tensors."""
 from __future__ import annotations
 
 import errno
+import re
 import socket
 import subprocess
 import sys
@@ -59,12 +60,57 @@ def test_two_members_form_the_group_and_broadcast():
         group.close()
 
 
-def test_a_member_that_never_joins_fails_the_set_up_with_the_groups_address():
+def _one_never_joins(backend: str) -> dict[int, BaseException]:
+    """Three members, ranks 0 and 1 joining (with NCCL each on its GPU), rank 2 never: what each
+    raised, by rank; both must have raised within 30 s."""
     _, port = free_address()
-    with pytest.raises(
-        RuntimeError, match=rf"weight-sync group \(gloo, rank 0 of 2, store 127\.0\.0\.1:{port}, timeout 2s\)"
-    ):
-        WeightSyncGroup("127.0.0.1", port, 0, 2, "gloo", timeout_s=2)
+    names = ("learner rank 0", "rollout worker 0", "rollout worker 1")
+    errors: dict[int, BaseException] = {}
+
+    def join(rank: int) -> None:
+        try:
+            if backend == "nccl":
+                torch.cuda.set_device(rank)
+            WeightSyncGroup("127.0.0.1", port, rank, 3, backend, timeout_s=600, join_s=2, members=names)
+        except BaseException as err:  # noqa: BLE001 - checked below
+            errors[rank] = err
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert time.monotonic() - start < 30 and sorted(errors) == [0, 1]
+    assert re.search(
+        rf"weight-sync group \({backend}, rank 0 of 3, store 127\.0\.0\.1:{port}, timeout 600s\): never joined "
+        r"within 2s: rollout worker 1 \(rank 2\)$",
+        str(errors[0]),
+    ), errors[0]
+    assert "rank 1 of 3" in str(errors[1])
+    assert "learner rank 0 (rank 0) did not see every member join" in str(errors[1])
+    return errors
+
+
+def test_a_member_that_never_joins_is_named_by_rank_0_and_the_others_fail_out_too():
+    """One member never joins: rank 0 fails within `join_s` naming it (and the group's address),
+    and the member that did join fails out at the same bound, instead of both waiting in the
+    backend's rendezvous for its timeout (600 s here)."""
+    _one_never_joins("gloo")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_an_nccl_group_names_a_member_that_never_joins():
+    """The same on NCCL, whose first collective (which builds the communicator) would otherwise
+    wait for the missing member with no bound at all."""
+    _one_never_joins("nccl")
+
+
+def test_a_member_whose_rank_0_never_comes_fails_naming_its_store():
+    _, port = free_address()
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2, store .*: could not reach the store of rank 0 within 1s"):
+        WeightSyncGroup("127.0.0.1", port, 1, 2, "gloo", join_s=1)
 
 
 def test_a_reserved_port_is_kept_from_other_binds_and_open_to_the_store_it_is_for():
