@@ -20,9 +20,8 @@ Batch protocol, two answer styles:
   the released Perception-Judge prompt; the ranking is the letters sorted by score.
 
 Pair protocol: `scores` (two scores, equal scores mean a tie) or `ranking` (one verdict letter,
-`A`, `B`, or `C` for a tie). Score protocol: one integer 1-10.
-
-Every system prompt is a constant (independent of K), so prompt prefixes stay cacheable.
+`A`, `B`, or `C` for a tie). Score protocol: one integer 1-10. Every system prompt is a
+constant (independent of K), so prompt prefixes stay cacheable.
 """
 
 from __future__ import annotations

@@ -19,10 +19,8 @@ MM-JudgeBias (naver-ai/MM-JudgeBias, `mm_judgebias/metrics.py`, `evaluate.py`), 
 dropped and counted; `bias_metric` / `bias_summary` give the official report
 (`evaluate.compute_report`) or pjray's strict one (see BIAS_CONVENTIONS). The perceptual-judgment
 bias diagnosis (the paper's Mode a / Mode b): `mode_rates`. Paired exact McNemar tests:
-`paired_test`, `paired_verdicts`.
-
-Unreadable judge outputs are never dropped silently: every function that drops or penalises
-them returns how many there were.
+`paired_test`, `paired_verdicts`. Unreadable judge outputs are never dropped silently: every
+function that drops or penalises them returns how many there were.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ from typing import Any
 
 from pjray.data.prompts import render_question
 from pjray.data.scenes import COLORS, SceneQA, render, scene_ref, split_qas
-from pjray.ppjd.perturb import normalize_answer, stated_view
+from pjray.ppjd.perturb import normalize_answer
+from pjray.ppjd.scene_checks import stated_view
 from pjray.reward.answer import answer_reward
 
 # The colours whose checks the shipped base judge was never taught (pjray.models.base_judge).

@@ -36,7 +36,6 @@ from pjray.data.scenes import (
     KINDS,
     LOCATIONS,
     SHAPES,
-    SIZE_FRACTION,
     SIZE_QUESTION,
     SIZES,
     SceneQA,
@@ -47,7 +46,6 @@ from pjray.data.scenes import (
     location_name,
     matches,
     mentioned_attributes,
-    object_ref,
     render,
     split_qas,
     true_view,
@@ -186,7 +184,8 @@ def normalize_answer(s: str) -> str:
     return " ".join(words)
 
 
-def _same(a: str | None, b: str | None) -> bool:
+def same_answer(a: str | None, b: str | None) -> bool:
+    """Whether two final answers are the same once normalized (neither missing)."""
     return a is not None and b is not None and normalize_answer(a) == normalize_answer(b)
 
 
@@ -263,7 +262,7 @@ def perception_options(p: Perturbed) -> list[tuple[Change, ...]]:
                 if value == current or (attribute == "location" and value in claimed):
                     continue
                 change = Change(i, attribute, getattr(qa.scene.objects[i], attribute), value)
-                if not _same(_perception_final(qa, _set(view, i, attribute, value)), truth):
+                if not same_answer(_perception_final(qa, _set(view, i, attribute, value)), truth):
                     options.append((change,))
     # Real scenes never hold two objects of the same colour and shape; a listing that does would
     # give the perturbation away without a look at the image, so avoid it where possible.
@@ -352,7 +351,7 @@ def _build(
         step = next(i for i, (x, y) in enumerate(zip(clean_steps, broken_steps)) if x != y)
         rebuilt.append(replace(b, value=value, step=step))
     steps, final = compose_answer(qa.spec, view, {b.slot: b.value for b in rebuilt})
-    if errors and _same(final, qa.final):
+    if errors and same_answer(final, qa.final):
         raise AssertionError(f"perturbed answer became right: {qa.question!r} -> {final!r}")
     return Perturbed(qa, view, errors, tuple(rebuilt), steps, final)
 
@@ -377,101 +376,6 @@ def add_reasoning_error(p: Perturbed, rng: random.Random) -> Perturbed:
     kind, slot = sites[rng.randrange(len(sites))]
     new = Break(kind, slot, step=-1, value="", salt=rng.randrange(1 << 30))
     return _build(p.qa, p.view, p.errors, p.breaks + (new,))
-
-
-# --------------------------------------------------------------------------- checks
-
-
-_LOC = "|".join(sorted(LOCATIONS, key=len, reverse=True))
-_COLOR, _SHAPE, _SIZE = "|".join(COLORS), "|".join(SHAPES), "|".join(SIZES)
-_FRACTION_SIZE = {f: s for s, f in SIZE_FRACTION.items()}
-_LISTED = re.compile(rf"At the ({_LOC}) there is a ({_SIZE}) ({_COLOR}) ({_SHAPE})\.")
-
-
-def _split(text: str) -> tuple[list[str], str | None]:
-    body = re.split(r"\n\s*final\s+answer", text, flags=re.IGNORECASE)[0]
-    return [s for s in re.split(r"(?<=\.)\s+", body.strip()) if s], final_answer(text)
-
-
-def _stated_view(qa: SceneQA, steps: list[str]) -> tuple[tuple[Seen, ...], list[int]]:
-    """The view the fact steps state, and which steps are facts. Raises ValueError if unreadable."""
-    view = list(true_view(qa.scene))
-    kind, subjects = qa.kind, qa.spec.subjects
-
-    def read(index: int, pattern: str) -> tuple[str, ...]:
-        m = re.fullmatch(pattern, steps[index])
-        if m is None:
-            raise ValueError(f"step {index} is not a recognised statement: {steps[index]!r}")
-        return m.groups()
-
-    if kind == "color":
-        size, shape = read(1, rf"It is a ({_SIZE}) ({_SHAPE})\.")
-        (color,) = read(2, rf"Its fill is a flat ({_COLOR})\.")
-        view[subjects[0]] = replace(view[subjects[0]], size=size, shape=shape, color=color)
-        return tuple(view), [1, 2]
-    if kind == "size":
-        shape, color = read(1, rf"It is a ({_SHAPE}) colored ({_COLOR})\.")
-        (fraction,) = read(2, r"Its width is about (\d+/\d+) of the image width\.")
-        if fraction not in _FRACTION_SIZE:
-            raise ValueError(f"step 2 states an unknown width {fraction}")
-        size = _FRACTION_SIZE[fraction]
-        view[subjects[0]] = replace(view[subjects[0]], shape=shape, color=color, size=size)
-        return tuple(view), [1, 2]
-    if kind == "spatial":
-        for index, i in enumerate(subjects):
-            size, loc = read(index, rf"The .+ is a ({_SIZE}) shape at the ({_LOC})\.")
-            view[i] = replace(view[i], size=size, location=loc)
-        return tuple(view), [0, 1]
-    for index, i in enumerate(subjects, start=1):
-        loc, size, color, shape = read(index, _LISTED.pattern)
-        view[i] = Seen(shape, color, size, loc)
-    return tuple(view), list(range(1, len(subjects) + 1))
-
-
-def reasoning_problems(qa: SceneQA, text: str) -> list[str]:
-    """Where an answer to `qa` (in the scene answer format) contradicts itself; [] if coherent.
-
-    Reads the facts the answer states, recomposes the derived steps and the final from them,
-    and reports every step or final that does not follow. Says nothing about the image.
-    """
-    steps, final = _split(text)
-    if len(steps) != len(qa.steps):
-        return [f"expected {len(qa.steps)} steps, found {len(steps)}"]
-    try:
-        view, fact_steps = _stated_view(qa, steps)
-    except ValueError as e:
-        return [str(e)]
-    expected, expected_final = compose_answer(qa.spec, view)
-    problems = [
-        f"step {i} does not follow: {steps[i]!r} (expected {expected[i]!r})"
-        for i in range(len(steps))
-        if i not in fact_steps and steps[i] != expected[i]
-    ]
-    if not _same(final, expected_final):
-        problems.append(f"final {final!r} does not follow from the stated facts (expected {expected_final!r})")
-    return problems
-
-
-def perception_problems(qa: SceneQA, text: str) -> list[str]:
-    """Facts an answer to `qa` states that the image contradicts; [] if all are true."""
-    steps, _ = _split(text)
-    try:
-        view, _ = _stated_view(qa, steps)
-    except (ValueError, IndexError) as e:
-        return [f"unreadable answer: {e}"]
-    truth = true_view(qa.scene)
-    return [
-        f"{object_ref(qa.scene.objects[i])}: {attribute} stated {getattr(view[i], attribute)!r}, "
-        f"true {getattr(truth[i], attribute)!r}"
-        for i in qa.spec.subjects
-        for attribute in mentioned_attributes(qa.kind)
-        if getattr(view[i], attribute) != getattr(truth[i], attribute)
-    ]
-
-
-def is_correct(qa: SceneQA, text: str) -> bool:
-    """Whether the response's final answer matches the scene's true answer."""
-    return _same(final_answer(text), qa.final)
 
 
 # --------------------------------------------------------------------------- ranked items
@@ -589,18 +493,6 @@ def construct_levels(
     if construction == "independent":
         return independent_levels(qa, num_candidates, rng)
     raise ValueError(f"unknown PPJD construction {construction!r}; expected one of {CONSTRUCTIONS}")
-
-
-def stated_view(qa: SceneQA, text: str) -> tuple[Seen, ...] | None:
-    """The view an answer to `qa` (in the scene answer format) states: its perception facts as
-    written, not what follows from them; None if the answer cannot be read."""
-    steps, _ = _split(text)
-    if len(steps) != len(qa.steps):
-        return None
-    try:
-        return _stated_view(qa, steps)[0]
-    except (ValueError, IndexError):
-        return None
 
 
 def item_id(qa: SceneQA) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 
 from pjray.data.scenes import SceneQA, qa_from_ref
 from pjray.ppjd.lexicon import find_mentions, lexemes
-from pjray.ppjd.perturb import reasoning_problems, stated_view
+from pjray.ppjd.scene_checks import reasoning_problems, stated_view
 from pjray.types import JudgeItem
 
 Ranking = list[list[int]]  # candidate indices in tied groups, best group first

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, replace
 
 from pjray.data.scenes import _CELL_GAP, Scene, SceneQA, make_qa, render, size_radius
-from pjray.ppjd.perturb import stated_view
+from pjray.ppjd.scene_checks import stated_view
 from pjray.ppjd.shortcuts import scene_qa
 from pjray.types import JudgeItem
 

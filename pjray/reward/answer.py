@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from pjray.data.scenes import qa_from_ref, true_view
-from pjray.ppjd.perturb import final_answer, normalize_answer, stated_view
+from pjray.ppjd.perturb import final_answer, normalize_answer
+from pjray.ppjd.scene_checks import stated_view
 from pjray.types import RewardResult
 
 _ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

@@ -20,9 +20,10 @@ from support.ppjd import only_attribute_words_differ
 
 from pjray.config import PPJDConfig, load
 from pjray.data.sources import read_items
-from pjray.ppjd.perturb import perception_problems, reasoning_problems
-from pjray.ppjd.pipeline import _qa_of, run_ppjd
+from pjray.ppjd.pipeline import run_ppjd
+from pjray.ppjd.scene_checks import perception_problems, reasoning_problems
 from pjray.ppjd.sources import scene_rows
+from pjray.ppjd.stages import _qa_of
 
 
 def scene_cfg(out: Path, **kw) -> PPJDConfig:
@@ -329,8 +330,9 @@ def test_free_text_rows_with_the_rules_backend(ray_local, tmp_path):
     from pjray.models.tiny import build_tiny_judge
     from pjray.ppjd.lexicon import NUMBER_WORDS, WORDS
     from pjray.ppjd.perturb import final_answer, normalize_answer
-    from pjray.ppjd.pipeline import (
-        _frame,
+    from pjray.ppjd.pipeline import _frame
+    from pjray.ppjd.sources import read_source
+    from pjray.ppjd.stages import (
         check_finals,
         each_live_row,
         extract_rules,
@@ -340,7 +342,6 @@ def test_free_text_rows_with_the_rules_backend(ray_local, tmp_path):
         to_item,
         verify_with_truth,
     )
-    from pjray.ppjd.sources import read_source
 
     buf = io.BytesIO()
     Image.new("RGB", (32, 32), (0, 0, 200)).save(buf, format="PNG")

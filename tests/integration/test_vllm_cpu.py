@@ -54,8 +54,9 @@ from pjray.models.loading import load_judge, processor_inputs, render_chat  # no
 from pjray.models.lora import apply_lora  # noqa: E402
 from pjray.models.tiny import build_tiny_judge  # noqa: E402
 from pjray.ppjd import llm as ppjd_llm  # noqa: E402
-from pjray.ppjd.pipeline import LlmStage, _frame  # noqa: E402
+from pjray.ppjd.pipeline import _frame  # noqa: E402
 from pjray.ppjd.sources import RawRow  # noqa: E402
+from pjray.ppjd.stages import LlmStage  # noqa: E402
 from pjray.recipes.training import training_inputs  # noqa: E402
 from pjray.rl.logprobs import collate, forward_logprobs  # noqa: E402
 from pjray.rl.trainer import Trainer  # noqa: E402

@@ -9,22 +9,18 @@ import pytest
 from PIL import Image
 
 from pjray.config import load
+from pjray.eval.bias_images import TRANSFORM_FAMILIES, black_image, insert_text, query_keywords, visual_transform
 from pjray.eval.metrics import BIAS_TYPES
 from pjray.eval.mm_judgebias import (
-    TRANSFORM_FAMILIES,
     BiasDataError,
-    black_image,
     canonical_bias_type,
     evaluate_bias,
-    insert_text,
     judge_prompt,
     make_records,
     parse_bias_score,
-    query_keywords,
     read_records,
     scan_records,
     scene_caption,
-    visual_transform,
 )
 from pjray.ppjd.perturb import scene_items
 

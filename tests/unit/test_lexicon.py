@@ -18,15 +18,12 @@ from pjray.ppjd.lexicon import (
     choices,
     find_mentions,
     mentioned_attributes,
-    perception_options,
-    perceptual_perturb,
     probe_question,
-    ranked_rewrites,
-    reasoning_perturb,
 )
 from pjray.ppjd.perturb import final_answer, normalize_answer
-from pjray.ppjd.pipeline import perturb_rules
+from pjray.ppjd.rewrites import perception_options, perceptual_perturb, ranked_rewrites, reasoning_perturb
 from pjray.ppjd.shortcuts import stated_fact, text_only_ranking
+from pjray.ppjd.stages import perturb_rules
 
 CHART_Q = "Which bar in the chart is the tallest?"
 CHART = """The chart shows four bars. The blue bar on the left reaches 40, and the Blue label sits above it.

@@ -23,17 +23,15 @@ from pjray.data.scenes import (
 from pjray.ppjd.perturb import (
     MAX_CANDIDATES,
     final_answer,
-    is_correct,
     normalize_answer,
-    perception_problems,
     perceptual_perturb,
     ranked_item,
     ranked_levels,
     reasoning_perturb,
-    reasoning_problems,
     scene_items,
     unperturbed,
 )
+from pjray.ppjd.scene_checks import is_correct, perception_problems, reasoning_problems
 
 # Words a perception error may change: attribute values, directions, counts and verdicts.
 ATTRIBUTE_WORDS = (

@@ -18,8 +18,9 @@ from pjray.ppjd.llm import (
     rewrite_messages,
     verify_messages,
 )
-from pjray.ppjd.pipeline import WORK_COLUMNS, LlmStage, _frame
+from pjray.ppjd.pipeline import _frame
 from pjray.ppjd.sources import RawRow
+from pjray.ppjd.stages import WORK_COLUMNS, LlmStage
 
 CHOSEN = "The ball is red and there are 2 cats on the left. So the cats sit by the red ball.\nFinal Answer: 2"
 

@@ -9,11 +9,13 @@ import pyarrow.parquet as pq
 import pytest
 from support.ppjd import only_attribute_words_differ
 
-from pjray.ppjd.perturb import perception_problems, reasoning_problems, scene_items
-from pjray.ppjd.pipeline import (
+from pjray.ppjd.perturb import scene_items
+from pjray.ppjd.pipeline import ShardWriter, _frame
+from pjray.ppjd.rejects import RejectRateError, RowDataError
+from pjray.ppjd.scene_checks import perception_problems, reasoning_problems
+from pjray.ppjd.sources import ANSWER_KEYS, file_rows, mmpr_rows, read_source, scene_rows
+from pjray.ppjd.stages import (
     MIN_ROWS_CHECKED,
-    ShardWriter,
-    _frame,
     check_finals,
     each_live_row,
     load_row,
@@ -21,8 +23,6 @@ from pjray.ppjd.pipeline import (
     to_item,
     vqa_oracle,
 )
-from pjray.ppjd.rejects import RejectRateError, RowDataError
-from pjray.ppjd.sources import ANSWER_KEYS, file_rows, mmpr_rows, read_source, scene_rows
 
 
 def test_mmpr_meta_and_answer_field_names(tmp_path):
@@ -152,7 +152,7 @@ def test_rules_levels_on_scenes_are_verifiably_wrong_and_ordered(k):
     for row in frame.to_dict("records"):
         assert load_row(row) is None and perturb_rules(row, k) is None
         assert check_finals(row) is None and vqa_oracle(row) is None
-        from pjray.ppjd.pipeline import _scene_qa
+        from pjray.ppjd.stages import _scene_qa
 
         qa = _scene_qa(row)
         texts = [lv["text"] for lv in json.loads(row["levels"])]

@@ -9,7 +9,7 @@ from fractions import Fraction
 import pytest
 
 from pjray.ppjd.perturb import scene_items
-from pjray.ppjd.pipeline import _frame, perturb_rules, to_item
+from pjray.ppjd.pipeline import _frame
 from pjray.ppjd.shortcuts import (
     TextSignals,
     audit,
@@ -23,6 +23,7 @@ from pjray.ppjd.shortcuts import (
     text_signals,
 )
 from pjray.ppjd.sources import RawRow, scene_rows
+from pjray.ppjd.stages import perturb_rules, to_item
 
 
 def one_object_tuples(construction: str) -> list:

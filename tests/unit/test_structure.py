@@ -1,9 +1,10 @@
 """Where responsibilities live: each layer of the package imports only the layers below it, one
 module connects to Ray, the driver does not import the evaluation, the learner file holds no
-weight transport, one chunking helper, one EOS constant."""
+weight transport, one chunking helper, one EOS constant; modules short, their docstrings brief."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 import subprocess
@@ -19,6 +20,19 @@ PACKAGE = Path(__file__).parents[2] / "pjray"
 
 def _sources() -> dict[str, str]:
     return {str(p.relative_to(PACKAGE.parent)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_modules_stay_short_and_their_docstrings_say_why_in_a_few_lines():
+    """No module of pjray over 600 lines, and no module docstring over 25: a longer module is
+    two jobs, and measured numbers and lab notes belong in benchmarks/results, not docstrings."""
+    sources = _sources()
+    assert [f"{name}: {text.count(chr(10))} lines" for name, text in sources.items() if text.count("\n") > 600] == []
+    long_docs = []
+    for name, text in sources.items():
+        doc = ast.get_docstring(ast.parse(text), clean=False)
+        if doc and doc.count("\n") + 1 > 25:
+            long_docs.append(f"{name}: {doc.count(chr(10)) + 1} lines")
+    assert long_docs == []
 
 
 def test_only_the_cluster_module_connects_to_ray():
@@ -257,6 +271,7 @@ LAYERS = (
     (
         "pjray.data.scenes",
         "pjray.ppjd.perturb",
+        "pjray.ppjd.scene_checks",
         "pjray.ppjd.rejects",
         "pjray.ppjd.lexicon",
         "pjray.ppjd.shortcuts",

@@ -8,7 +8,8 @@ from support.pixels import measure, measured_size
 
 from pjray.data.prompts import render_batch
 from pjray.eval.looking import top_choice
-from pjray.ppjd.perturb import is_correct, perception_problems, reasoning_problems, scene_items
+from pjray.ppjd.perturb import scene_items
+from pjray.ppjd.scene_checks import is_correct, perception_problems, reasoning_problems
 from pjray.ppjd.shortcuts import scene_qa
 from pjray.ppjd.swap import counterfactual_pair, swap_pair
 
