@@ -17,13 +17,15 @@ VERBOSE_ENV = "PJRAY_VERBOSE"
 # huggingface_hub's switch for its progress bars, which transformers' follow (model loads, shard writes).
 NO_PROGRESS_BARS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"
 
-# Warnings the actors print on every run, about choices pjray made on purpose: weight buckets
-# are sent zero-copy and only ever copied by receivers (pjray.sync). PYTHONWARNINGS syntax:
-# action:message-prefix, comma separated.
+# Warnings the actors print on every run that the user cannot act on: about choices pjray made
+# on purpose (weight buckets are sent zero-copy and only ever copied by receivers, pjray.sync),
+# and DeepSpeed's ZeRO-3 calling torch.distributed functions torch has deprecated (dozens a
+# step). PYTHONWARNINGS syntax: action:message-prefix, comma separated.
 ACTOR_WARNING_FILTERS = ",".join(
     [
         "ignore:Zero-copy tensor serialization is enabled",
         "ignore:The given NumPy array is not writable",
+        "ignore:`torch.distributed.",
     ]
 )
 

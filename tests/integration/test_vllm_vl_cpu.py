@@ -147,6 +147,12 @@ def _learner_logprobs(
     """The learner's teacher-forced log-probs of each completion (its own forward function), its
     processor under the served engine's image budget."""
     model, processor = load_judge(path, trainable=False, budget=ImageBudget(max_pixels=BUDGET))
+    return _sampled_logprobs(model, processor, prompts, completions, temperature, banned)
+
+
+def _sampled_logprobs(model, processor, prompts, completions, temperature: float, banned: bool) -> list[torch.Tensor]:
+    """`model`'s log-probs of each sampled completion after its prompt, at `temperature`, with
+    the placeholder ban the engine applies or without it."""
     experiences = [
         Experience(
             prompt_text=render_chat(processor, prompts[c.prompt_index]),
@@ -381,20 +387,8 @@ def test_adapter_sync_serves_a_vision_language_lora_policy(arch: str, tmp_path: 
         assert gap(after, trained) <= 2e-3
 
         out = engine.generate(PROMPTS, n=2, seed=3)
-        experiences = [
-            Experience(
-                prompt_text=render_chat(processor, PROMPTS[c.prompt_index]),
-                image=PROMPTS[c.prompt_index].image,
-                response_ids=c.token_ids,
-                advantage=0.0,
-            )
-            for c in out
-        ]
-        batch = collate(processor, experiences)
-        with torch.no_grad():
-            logp = forward_logprobs(learner, processor, batch, banned=engine.banned_ids)[0]
-        mask = batch.response_mask[:, 1:].bool()
-        assert max(_max_gap(c.logprobs, logp[i][mask[i]]) for i, c in enumerate(out)) <= 2e-3
+        sampled = _sampled_logprobs(learner, processor, PROMPTS, out, engine.rollout_cfg.temperature, banned=True)
+        assert max(_max_gap(c.logprobs, lp) for c, lp in zip(out, sampled)) <= 2e-3
     finally:
         engine.close()
 
