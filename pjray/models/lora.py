@@ -17,6 +17,7 @@ alone instead: the engines hold the frozen base weights already.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ __all__ = ["ExportedParam", "apply_lora", "base_model", "export_view", "is_lora"
 
 ADAPTER = "default"  # PEFT's name of the one adapter we train
 _PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the HF model
+_VISION_TOWER = r".*\bvisual\b.*"  # the modules of a Qwen-VL vision tower, as PEFT matches names
 
 
 @dataclass(frozen=True)
@@ -59,12 +61,15 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     from peft import get_peft_model
 
     targets = cfg.target_modules
+    # The vision tower is left out by name where there is one (a text-only judge has none, and
+    # PEFT warns about an exclusion that matches nothing).
+    has_tower = any(re.search(_VISION_TOWER, name) for name, _ in model.named_modules())
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules="all-linear" if targets == ["all-linear"] else list(targets),
-        exclude_modules=None if cfg.vision else r".*\bvisual\b.*",
+        exclude_modules=_VISION_TOWER if has_tower and not cfg.vision else None,
     )
     return get_peft_model(model, peft_cfg)
 

@@ -54,6 +54,19 @@ def _learner(judge_dir: str, rank: int = 8, targets: tuple[str, ...] = ("all-lin
     return peft
 
 
+def test_a_text_only_judge_takes_adapters_without_a_vision_exclusion(judge_dir: str) -> None:
+    """A text-only judge has no vision tower to leave out: its LoRA config excludes nothing (PEFT
+    warns about an exclusion that matches no module), and every linear layer is adapted."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        peft = _learner(judge_dir)
+    assert not [w for w in caught if "exclude_modules" in str(w.message)]
+    assert peft.peft_config["default"].exclude_modules is None
+    assert any(".lora_A." in n for n, _ in peft.named_parameters())
+
+
 def _step_adapters(peft: torch.nn.Module, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
