@@ -18,6 +18,7 @@ from torch import Tensor
 from pjray.sync.buckets import Bucket, pack
 
 __all__ = [
+    "JOIN_S",
     "GroupAddress",
     "SyncStalled",
     "WeightSyncGroup",
@@ -30,6 +31,7 @@ __all__ = [
 
 _STORE_PREFIX = "pjray/weight-sync"
 _ALL_JOINED = "joined/all"  # rank 0's word that every member has joined
+JOIN_S = 120.0  # how long forming a group waits for its members, by default
 # Gloo groups dropped with a collective in flight (`WeightSyncGroup.abort`).
 _ABANDONED: list[Any] = []
 
@@ -59,7 +61,7 @@ class GroupAddress:
     world_size: int
     backend: str
     members: tuple[str, ...] = ()
-    join_s: float = 120.0
+    join_s: float = JOIN_S
 
     def join(self, rank: int) -> WeightSyncGroup:
         """Join as `rank` (rank 0 hosts the store); returns the formed group."""
@@ -100,7 +102,7 @@ class WeightSyncGroup:
         backend: str,
         timeout_s: float = 600.0,
         wait_s: float = 60.0,
-        join_s: float = 120.0,
+        join_s: float = JOIN_S,
         members: Sequence[str] = (),
     ) -> None:
         if backend not in ("gloo", "nccl"):

@@ -19,7 +19,7 @@ import ray
 
 from pjray.config import RolloutConfig
 from pjray.placement import WORKER_FAILURES
-from pjray.sync.collective import GroupAddress
+from pjray.sync.collective import JOIN_S, GroupAddress
 
 if TYPE_CHECKING:
     from pjray.placement import WorkerPool
@@ -119,7 +119,7 @@ class BroadcastTransport(Transport):
     timeout_s = 120.0
     # How long forming the group waits for its members (`GroupAddress.join_s`): each member
     # fails out by then, rank 0 naming the members that never joined.
-    join_s = 120.0
+    join_s = JOIN_S
 
     def members(self, workers: int) -> tuple[str, ...]:
         """The group's ranks by name: learner rank 0, then each engine's tensor-parallel ranks."""
