@@ -149,6 +149,7 @@ class BroadcastTransport(Transport):
         patience = self.join_s + 30.0
         deadline = time.monotonic() + patience
         pending = list(joins)
+        leader = pending[0]  # learner rank 0's join
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
@@ -156,7 +157,15 @@ class BroadcastTransport(Transport):
                     f"weight sync ({self.name}): the group did not form within {patience:g}s; "
                     f"still joining: {', '.join(joins[ref] for ref in pending)}"
                 )
-            ray.get(done[0])  # a member's own error first: rank 0's names the members that never joined
+            try:
+                ray.get(done[0])
+            except ray.exceptions.RayTaskError:
+                # Every member fails at the same bound; rank 0's error is the one that names who
+                # never joined, so it is raised in preference when it comes within seconds.
+                if done[0] is not leader:
+                    with contextlib.suppress(ray.exceptions.GetTimeoutError):
+                        ray.get(leader, timeout=10)
+                raise
         self.plan = ray.get(learners[0].weight_plan.remote(self.bucket_bytes))
 
     def send(self, learners: list[Any], workers: WorkerPool) -> None:
