@@ -187,9 +187,9 @@ class Experience:
 class TrainBatch:
     """What the learner needs for one GRPO update of B sequences (prompt + response).
 
-    Multimodal inputs are kept per sequence in the processor's own layout (for Qwen-VL:
-    pixel_values [sum of patches, D] and image_grid_thw [n_images, 3]); the learner
-    concatenates them for the micro-batch it runs.
+    Images are kept per sequence, as the judge family's processor lays one prompt's out
+    (`pjray.models.families.Family.row_vision`; for Qwen-VL pixel_values [patches, D] and
+    image_grid_thw [n_images, 3]); the learner joins them for the micro-batch it runs.
     """
 
     input_ids: torch.Tensor  # [B, T] long, right-padded with pad_token_id
@@ -197,8 +197,7 @@ class TrainBatch:
     response_mask: torch.Tensor  # [B, T] float, 1 on response tokens that are trained on
     old_logprobs: torch.Tensor  # [B, T] float, logprob of token t under the rollout policy (0 off-mask)
     advantages: torch.Tensor  # [B] float, one per sequence (broadcast over its tokens)
-    pixel_values: list[torch.Tensor]  # per sequence, [P_b, D]
-    image_grid_thw: list[torch.Tensor]  # per sequence, [n_images_b, 3] long
+    vision: list[dict[str, torch.Tensor]]  # per sequence, its image tensors ({} without an image)
     ref_logprobs: torch.Tensor | None = None  # [B, T] float, filled by the learner when KL is on
     rollout_logprobs: torch.Tensor | None = None  # [B, T] float, the rollout engine's (NaN where none)
     # [B] long: prompt tokens at the start of each row (its response follows them).

@@ -81,7 +81,11 @@ class ModelConfig:
     # earns a reward: set algo.prefilter_zero_std=false, which would leave it nothing);
     # base_policy = the base policy (task.kind=policy: pjray.recipes.base_policy), built once.
     init: str = opt("one_disposition", choices=("base_judge", "never_shown", "one_disposition", "base_policy", "tiny"))
-    tiny_arch: str = opt("qwen2_vl", choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2"))  # qwen2: text-only
+    # qwen2: text-only; llava_onevision, internvl, gemma3, idefics3: the other judge families.
+    tiny_arch: str = opt(
+        "qwen2_vl",
+        choices=("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen2", "llava_onevision", "internvl", "gemma3", "idefics3"),
+    )
     dtype: str = opt("float32", choices=("float32", "bfloat16"))
     freeze_vision: bool = True
     gradient_checkpointing: bool = False
@@ -96,7 +100,8 @@ class ModelConfig:
     # checkpoint's own setting and never raises it; 1,003,520 = 1,280 x 28 x 28 keeps an image
     # under ~1,280 tokens on Qwen2/2.5-VL (28 px a token) and ~980 on Qwen3-VL (32 px), where
     # their checkpoints allow up to 16,384. 0: the checkpoint's own. min_pixels 0: the
-    # checkpoint's own, lowered to max_pixels if above it.
+    # checkpoint's own, lowered to max_pixels if above it. Qwen-VL judges only: the other
+    # families cut an image into their processor's fixed tiles.
     min_pixels: int = opt(0, ge=0, why="0: the checkpoint's own")
     max_pixels: int = opt(1_003_520, ge=0, why="0: the checkpoint's own")
     lora: LoraConfig = field(default_factory=LoraConfig)

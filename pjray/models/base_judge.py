@@ -459,7 +459,7 @@ def build_untrained(out_dir: str, recipe: BaseJudgeRecipe) -> None:
     """Write the recipe's randomly initialised judge (weights, tokenizer, processor) to `out_dir`."""
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
-    from pjray.models.loading import IMAGE_ONLY_PROCESSORS
+    from pjray.models.families import IMAGE_ONLY_PROCESSORS
     from pjray.models.tiny import CHAT_TEMPLATE, build_tokenizer, image_processor
 
     tok = build_tokenizer(recipe.vocab_size, tokenizer_corpus(recipe))

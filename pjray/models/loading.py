@@ -1,25 +1,17 @@
 """Load a judge (model + processor) from a local HF directory or a hub id, one path for both.
 
-The same functions serve the tiny random VLMs built by `pjray.models.tiny` and real checkpoints
-such as `Qwen/Qwen3-VL-4B-Thinking`. The processor is always built from the PIL image processor
-and the tokenizer, never through `AutoProcessor`:
+The same functions serve the tiny random judges built by `pjray.models.tiny` and real
+checkpoints such as `Qwen/Qwen3-VL-4B-Thinking`. What differs between vision-language families
+is read from `pjray.models.families`; the processors are those of `pjray.models.processors`.
 
-* the stock Qwen*-VL processors require a video processor, which exists only as a torchvision
-  class, and torchvision does not import beside the CPU torch wheel;
-* `AutoProcessor` on a directory whose processor it cannot build silently returns the bare
-  tokenizer, which then fails much later, far from the cause;
-* one preprocessing path means CPU tests and GPU runs feed the model identical pixel values.
-
-Judges see images only, so the processors here carry no video processor at all.
-
-Text-only judges (a plain causal LM such as Qwen2 or SmolLM2; vLLM's CPU build serves only
-these) load as `AutoModelForCausalLM` with a `TextOnlyProcessor`: the tokenizer behind the same
-interface, with no image token. Giving such a judge an image is an error, never a silent drop.
+Text-only judges (a plain causal LM such as Qwen2 or SmolLM2) load as `AutoModelForCausalLM`
+with a `TextOnlyProcessor`: the tokenizer behind the same interface, with no image token. Giving
+such a judge an image is an error, never a silent drop.
 
 Prompt text and model inputs are kept apart on purpose (see DESIGN "Known traps"):
-`render_chat` returns the raw chat text with ONE un-expanded image placeholder, which is what
-vLLM wants next to `multi_modal_data`; `processor_inputs` expands the placeholder into the
-per-image number of image-pad tokens for the HF model (trainer and CPU rollouts).
+`render_chat` returns the raw chat text with ONE un-expanded image placeholder per image, which
+is what vLLM wants next to `multi_modal_data`; `processor_inputs` expands each placeholder into
+the image's tokens for the HF model (trainer and CPU rollouts).
 """
 
 from __future__ import annotations
@@ -35,35 +27,27 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
-    AutoTokenizer,
     PreTrainedModel,
 )
 from transformers.image_utils import SizeDict
-from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
-from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
 from pjray.config import ImageBudget
 from pjray.data.images import decode_image
 from pjray.errors import InputError
+from pjray.models.families import FAMILIES, family_of, family_of_type, token_types
+from pjray.models.processors import TextOnlyProcessor
 from pjray.types import JudgePrompt
 
 __all__ = [
-    "IMAGE_ONLY_PROCESSORS",
     "ModelError",
-    "ImageOnlyQwen2VLProcessor",
-    "ImageOnlyQwen2_5_VLProcessor",
-    "ImageOnlyQwen3VLProcessor",
-    "TextOnlyProcessor",
+    "save_judge",
     "ban_tokens",
     "truncate_logits",
     "image_token_count",
     "is_text_only",
     "load_judge",
     "load_processor",
-    "mm_token_type_ids",
     "opens_think",
     "placeholder_ids",
     "processor_inputs",
@@ -87,113 +71,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # --------------------------------------------------------------------------------------------
 
 
-class _ImageOnlyMixin:
-    """Drops `video_processor` from the processor's signature.
-
-    `ProcessorMixin` derives its sub-processors from the `__init__` signature, so without the
-    parameter it neither builds, checks, saves nor reloads a video processor. `from_pretrained`
-    loads the PIL image processor explicitly: the auto class would pick the torchvision one
-    whenever torchvision is installed, even when it cannot be imported (the CPU machines).
-    """
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        # The Qwen parent still hands `video_processor=None` on to `ProcessorMixin.__init__`
-        # positionally; that one zips the arguments with `get_attributes()` (image_processor,
-        # tokenizer here), so the None is dropped rather than checked or stored.
-        super().__init__(  # type: ignore[call-arg]
-            image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **kwargs
-        )
-
-    @classmethod
-    def stock_class_name(cls) -> str:
-        """The transformers processor this one narrows (the next class in the MRO from
-        transformers): the name saved checkpoints carry."""
-        return next(c.__name__ for c in cls.__mro__ if c.__module__.startswith("transformers."))
-
-    def to_dict(self) -> dict[str, Any]:
-        out = super().to_dict()  # type: ignore[misc]
-        out["processor_class"] = self.stock_class_name()
-        return out
-
-    def save_pretrained(self, save_directory, **kwargs):
-        """Saved as the stock processor, so that plain `AutoProcessor` builds it where torchvision
-        imports (given an unknown class name it would silently return the bare tokenizer), plus
-        the image processor's own preprocessor_config.json, which `AutoImageProcessor` and
-        serving stacks read. pjray reloads either name (`load_processor`)."""
-        files = super().save_pretrained(save_directory, **kwargs)  # type: ignore[misc]
-        tokenizer_config = Path(save_directory) / "tokenizer_config.json"
-        if tokenizer_config.is_file():
-            config = json.loads(tokenizer_config.read_text())
-            config["processor_class"] = self.stock_class_name()
-            tokenizer_config.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-        self.image_processor.save_pretrained(save_directory)  # type: ignore[attr-defined]
-        return files
-
-    @classmethod
-    def _get_arguments_from_pretrained(cls, pretrained_model_name_or_path, processor_dict=None, **kwargs):
-        kwargs.pop("subfolder", None)
-        image_processor = _load_pil_image_processor(pretrained_model_name_or_path, processor_dict, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path, **kwargs)
-        # Order follows the `__init__` signature (image_processor, tokenizer).
-        return [image_processor, tokenizer]
-
-
-class ImageOnlyQwen2VLProcessor(_ImageOnlyMixin, Qwen2VLProcessor):
-    """`Qwen2VLProcessor` without a video processor."""
-
-
-class ImageOnlyQwen2_5_VLProcessor(_ImageOnlyMixin, Qwen2_5_VLProcessor):
-    """`Qwen2_5_VLProcessor` without a video processor."""
-
-
-class ImageOnlyQwen3VLProcessor(_ImageOnlyMixin, Qwen3VLProcessor):
-    """`Qwen3VLProcessor` without a video processor."""
-
-
-# model_type (config.json) -> processor class. Qwen3-VL-MoE shares the Qwen3-VL processor.
-IMAGE_ONLY_PROCESSORS: dict[str, type[ProcessorMixin]] = {
-    "qwen2_vl": ImageOnlyQwen2VLProcessor,
-    "qwen2_5_vl": ImageOnlyQwen2_5_VLProcessor,
-    "qwen3_vl": ImageOnlyQwen3VLProcessor,
-    "qwen3_vl_moe": ImageOnlyQwen3VLProcessor,
-}
-
-
-class TextOnlyProcessor:
-    """The processor interface of a text-only judge: its tokenizer, and no image tokens.
-
-    `image_token`, `image_token_id` and `video_token_id` are None, which is how the rest of
-    pjray tells a text-only judge from a VLM (`is_text_only`).
-    """
-
-    image_token: str | None = None
-    image_token_id: int | None = None
-    video_token_id: int | None = None
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.chat_template = tokenizer.chat_template
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> TextOnlyProcessor:
-        return cls(AutoTokenizer.from_pretrained(str(path), **kwargs))
-
-    def __call__(
-        self,
-        text: list[str],
-        images: Any = None,
-        padding: bool = True,
-        padding_side: str = "right",
-        return_tensors: str = "pt",
-    ) -> Any:
-        if images:
-            raise ValueError("a text-only judge cannot take images")
-        return self.tokenizer(text, padding=padding, padding_side=padding_side, return_tensors=return_tensors)
-
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        self.tokenizer.save_pretrained(str(path))
-
-
 def is_text_only(processor: Any) -> bool:
     """True for a text-only judge's processor (no image placeholder token)."""
     return getattr(processor, "image_token", None) is None
@@ -203,6 +80,9 @@ def placeholder_ids(processor: Any) -> tuple[int, ...]:
     """The image and video placeholder ids: never sampled, so every engine and the learner take
     them out of the distribution (`ban_tokens`); () for a text-only judge."""
     ids = {getattr(processor, a, None) for a in ("image_token_id", "video_token_id")}
+    family = family_of(processor)
+    if family is not None:
+        ids.add(family.slot_id(processor))
     return tuple(sorted(i for i in ids if i is not None))
 
 
@@ -243,21 +123,6 @@ def truncate_logits(
     return logits.masked_fill_(cut, low)
 
 
-def _load_pil_image_processor(
-    path: str | os.PathLike, processor_dict: dict[str, Any] | None = None, **kwargs: Any
-) -> Qwen2VLImageProcessorPil:
-    """The Qwen2-VL PIL image processor (used by Qwen2-, 2.5- and 3-VL) configured from `path`.
-
-    Newer saves nest the image processor's settings in `processor_config.json`; released
-    checkpoints keep them in `preprocessor_config.json`, which `from_pretrained` reads.
-    """
-    nested = (processor_dict or {}).get("image_processor")
-    if isinstance(nested, dict):
-        settings = {k: v for k, v in nested.items() if k not in ("image_processor_type", "processor_class")}
-        return Qwen2VLImageProcessorPil(**settings)
-    return Qwen2VLImageProcessorPil.from_pretrained(path, **kwargs)
-
-
 def _config_dict(path: str | os.PathLike) -> dict[str, Any]:
     local_config = Path(path) / "config.json"
     if local_config.is_file():
@@ -273,16 +138,17 @@ def _model_type(path: str | os.PathLike) -> str:
 def _has_vision(path: str | os.PathLike) -> bool:
     """Whether the checkpoint at `path` has a vision part (else it is a text-only judge)."""
     config = _config_dict(path)
-    return config["model_type"] in IMAGE_ONLY_PROCESSORS or "vision_config" in config
+    return family_of_type(config["model_type"]) is not None or "vision_config" in config
 
 
 def load_processor(path: str | os.PathLike, budget: ImageBudget = ImageBudget()) -> ProcessorMixin:
     """The image-only processor of the judge at `path` (local dir or hub id), its images resized
-    within `budget` (`ModelConfig.image_budget`; by default the checkpoint's own).
+    within `budget` (`ModelConfig.image_budget`; by default the checkpoint's own) where its family
+    sizes images by pixel count (Qwen-VL).
 
-    Has `.tokenizer`, `.image_processor`, and `__call__(text=..., images=...)` returning
-    input_ids, attention_mask, mm_token_type_ids, pixel_values and image_grid_thw. A checkpoint
-    without a vision part gets a `TextOnlyProcessor` (tokenizer only).
+    Has `.tokenizer`, `.image_processor`, and `__call__(text=..., images=...)` returning the
+    family's model inputs (`pjray.models.families`). A checkpoint without a vision part gets a
+    `TextOnlyProcessor` (tokenizer only).
     """
     if not _has_vision(path):
         try:
@@ -296,20 +162,22 @@ def load_processor(path: str | os.PathLike, budget: ImageBudget = ImageBudget())
             processor.tokenizer.pad_token = processor.tokenizer.eos_token
         return processor
     model_type = _model_type(path)
-    try:
-        processor_cls = IMAGE_ONLY_PROCESSORS[model_type]
-    except KeyError:
+    family = family_of_type(model_type)
+    if family is None:
+        supported = sorted(t for f in FAMILIES for t in f.model_types)
         raise ModelError(
-            f"{path}: model_type {model_type!r} is not a supported judge architecture; "
-            f"supported: {sorted(IMAGE_ONLY_PROCESSORS)}"
-        ) from None
-    processor = processor_cls.from_pretrained(str(path))
-    if processor.tokenizer.pad_token_id is None:
+            f"{path}: model_type {model_type!r} is not a supported judge architecture; supported: {supported}"
+        )
+    processor = family.processor.from_pretrained(str(path))
+    tokenizer = processor.tokenizer
+    if tokenizer.pad_token_id is None:
         # Batched inputs need a pad id; Qwen checkpoints pad with <|endoftext|>.
-        processor.tokenizer.pad_token = "<|endoftext|>"
-    size = processor.image_processor.size
-    lower, upper = budget.edges(size.shortest_edge, size.longest_edge)
-    processor.image_processor.size = SizeDict(shortest_edge=lower, longest_edge=upper)
+        known = "<|endoftext|>" in tokenizer.get_vocab()
+        tokenizer.pad_token = "<|endoftext|>" if known else tokenizer.eos_token
+    if family.pixel_budget:  # the other families cut images into their processor's fixed tiles
+        size = processor.image_processor.size
+        lower, upper = budget.edges(size.shortest_edge, size.longest_edge)
+        processor.image_processor.size = SizeDict(shortest_edge=lower, longest_edge=upper)
     return processor
 
 
@@ -353,6 +221,28 @@ def load_judge(
     return model, processor
 
 
+def save_judge(
+    model: PreTrainedModel, path: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None
+) -> None:
+    """`model.save_pretrained(path)` (weights and config; `state_dict` instead of the model's
+    own), its weights under the names released checkpoints of its family carry
+    (`Family.released_names`), which vLLM loads and transformers reads back."""
+    model.save_pretrained(str(path), state_dict=state_dict)
+    family = family_of_type(model.config.model_type)
+    if family is None or not family.released_names:
+        return
+    from safetensors.torch import load_file, save_file
+
+    for file in Path(path).glob("*.safetensors"):
+        weights = load_file(str(file))
+        save_file({family.released_name(k): v for k, v in weights.items()}, str(file), metadata={"format": "pt"})
+    index = Path(path) / "model.safetensors.index.json"
+    if index.is_file():
+        table = json.loads(index.read_text())
+        table["weight_map"] = {family.released_name(k): v for k, v in table["weight_map"].items()}
+        index.write_text(json.dumps(table, indent=2) + "\n")
+
+
 # --------------------------------------------------------------------------------------------
 # Prompts and inputs
 # --------------------------------------------------------------------------------------------
@@ -387,8 +277,12 @@ def render_chat(processor: ProcessorMixin, prompt: JudgePrompt, think_prefix: bo
     user_content.append({"type": "text", "text": prompt.user})
     messages: list[dict[str, Any]] = []
     if prompt.system:
-        # A plain string: every Qwen template accepts it for the system turn.
-        messages.append({"role": "system", "content": prompt.system})
+        # Qwen templates take a plain string; others (Idefics3's) only content parts.
+        family = family_of(processor)
+        parts = family is not None and family.system_parts
+        messages.append(
+            {"role": "system", "content": [{"type": "text", "text": prompt.system}] if parts else prompt.system}
+        )
     messages.append({"role": "user", "content": user_content})
     text = processor.tokenizer.apply_chat_template(
         messages, chat_template=_chat_template(processor), tokenize=False, add_generation_prompt=True
@@ -412,22 +306,11 @@ def _as_image(image: bytes | PIL.Image.Image) -> PIL.Image.Image:
 
 
 def image_token_count(processor: ProcessorMixin, image: bytes | PIL.Image.Image) -> int:
-    """How many image-pad tokens one image expands to: grid t*h*w / merge_size**2."""
-    out = processor.image_processor(images=[_as_image(image)], return_tensors="pt")
-    merge = processor.image_processor.merge_size
-    return int(out["image_grid_thw"][0].prod().item()) // (merge * merge)
-
-
-def mm_token_type_ids(processor: ProcessorMixin, input_ids: torch.Tensor) -> torch.Tensor:
-    """Per-token modality ids (0 text, 1 image, 2 video) for `input_ids` [B, T] -> [B, T] long.
-
-    transformers 5.x Qwen-VL models refuse images without this tensor (it drives M-RoPE). The
-    processor returns it for a prompt; a learner that appends response tokens rebuilds it here.
-    """
-    types = torch.zeros_like(input_ids, dtype=torch.long)
-    types[input_ids == processor.image_token_id] = 1
-    types[input_ids == processor.video_token_id] = 2
-    return types
+    """How many image-feature slots one image expands to in a prompt."""
+    family = family_of(processor)
+    assert family is not None, "a text-only judge takes no images"
+    ids = processor_inputs(processor, [processor.image_token], [image])["input_ids"]
+    return int((ids == family.slot_id(processor)).sum())
 
 
 def prompt_positions(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -467,32 +350,28 @@ def processor_inputs(
     texts: list[str],
     images: list[bytes | PIL.Image.Image | None],
     padding_side: str = "right",
-) -> dict[str, torch.Tensor | None]:
-    """Padded model inputs for a batch of rendered prompts, images expanded into pad tokens.
+) -> dict[str, torch.Tensor]:
+    """Padded model inputs for a batch of rendered prompts, images expanded into their tokens.
 
     `texts[i]` holds one placeholder when `images[i]` is set and none otherwise; rows with and
-    without images may be mixed. Returns input_ids / attention_mask / mm_token_type_ids [B, T]
-    (long), pixel_values [sum of patches, D] and image_grid_thw [n_images, 3] (both None when
-    no row has an image; mm_token_type_ids too for a text-only judge). `padding_side` "left"
-    suits generate, "right" the learner.
+    without images may be mixed. Returns input_ids / attention_mask [B, T] (long), the family's
+    modality ids [B, T] where its forward takes them (`Family.token_types`), and the family's
+    image tensors (`Family.vision_keys`, in the processor's layout) when a row has an image. A
+    text-only judge gets input_ids and attention_mask alone. `padding_side` "left" suits
+    generate, "right" the learner.
     """
     if len(texts) != len(images):
         raise ValueError(f"got {len(texts)} texts but {len(images)} images (use None for no image)")
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    placeholder = processor.image_token
-    if placeholder is None:  # a text-only judge
+    family = family_of(processor)
+    if family is None:  # a text-only judge
         if any(image is not None for image in images):
             raise ValueError("processor_inputs: the judge is text-only but an image was given")
         out = processor(text=list(texts), padding=True, padding_side=padding_side, return_tensors="pt")
-        return {
-            "input_ids": out["input_ids"],
-            "attention_mask": out["attention_mask"],
-            "mm_token_type_ids": None,  # a causal LM takes no modality ids
-            "pixel_values": None,
-            "image_grid_thw": None,
-        }
-    pil_images = []
+        return {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"]}
+    placeholder = processor.image_token
+    per_row: list[list[PIL.Image.Image]] = []
     for i, (text, image) in enumerate(zip(texts, images)):
         n = text.count(placeholder)
         expected = 0 if image is None else 1
@@ -501,22 +380,19 @@ def processor_inputs(
                 f"row {i}: text has {n} {placeholder} placeholder(s) but {expected} image(s); "
                 "render the text with render_chat from the same prompt"
             )
-        if image is not None:
-            pil_images.append(_as_image(image))
+        per_row.append([] if image is None else [_as_image(image)])
+    flat = [image for row in per_row for image in row]
     out = processor(
         text=list(texts),
-        images=pil_images or None,
+        images=(per_row if family.nested_images else flat) if flat else None,
         padding=True,
         padding_side=padding_side,
         return_tensors="pt",
     )
-    types = out.get("mm_token_type_ids")
-    return {
-        "input_ids": out["input_ids"],
-        "attention_mask": out["attention_mask"],
-        "mm_token_type_ids": (
-            mm_token_type_ids(processor, out["input_ids"]) if types is None else torch.as_tensor(types).long()
-        ),
-        "pixel_values": out.get("pixel_values"),
-        "image_grid_thw": out.get("image_grid_thw"),
-    }
+    inputs = {"input_ids": out["input_ids"], "attention_mask": out["attention_mask"]}
+    if family.token_types is not None:
+        inputs[family.token_types] = token_types(processor, out["input_ids"])
+    if flat:
+        keys = (*family.vision_keys, family.image_counts) if family.image_counts else family.vision_keys
+        inputs.update({k: torch.as_tensor(out[k]) for k in keys if out.get(k) is not None})
+    return inputs

@@ -2,7 +2,7 @@
 
 `model.lora.rank > 0` wraps the learner's judge in a `peft.PeftModel`: low-rank adapters on the
 linear layers (`model.lora.target_modules`, by default every linear layer but the output
-projection, as PEFT's "all-linear" selects them), none in the vision tower unless
+projection, as PEFT's "all-linear" selects them), none in the vision part (encoder and projector) unless
 `model.lora.vision` asks for them, as the Perception-Judge release trains its 32B Flex judge.
 Only the adapters train; the base weights stay frozen, so the reference model of the KL term is
 the same module with its adapters disabled (no second copy).
@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from pjray.models.families import VISION_PARTS
+
 if TYPE_CHECKING:
     from pjray.config import LoraConfig
 
@@ -33,7 +35,6 @@ __all__ = ["ExportedParam", "apply_lora", "base_model", "export_view", "is_lora"
 
 ADAPTER = "default"  # PEFT's name of the one adapter we train
 _PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the HF model
-_VISION_TOWER = r".*\bvisual\b.*"  # the modules of a Qwen-VL vision tower, as PEFT matches names
 
 
 @dataclass(frozen=True)
@@ -61,15 +62,15 @@ def apply_lora(model: torch.nn.Module, cfg: LoraConfig) -> torch.nn.Module:
     from peft import get_peft_model
 
     targets = cfg.target_modules
-    # The vision tower is left out by name where there is one (a text-only judge has none, and
+    # The vision part is left out by name where there is one (a text-only judge has none, and
     # PEFT warns about an exclusion that matches nothing).
-    has_tower = any(re.search(_VISION_TOWER, name) for name, _ in model.named_modules())
+    has_tower = any(re.search(VISION_PARTS, name) for name, _ in model.named_modules())
     peft_cfg = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha,
         lora_dropout=cfg.dropout,
         target_modules="all-linear" if targets == ["all-linear"] else list(targets),
-        exclude_modules=_VISION_TOWER if has_tower and not cfg.vision else None,
+        exclude_modules=VISION_PARTS if has_tower and not cfg.vision else None,
     )
     return get_peft_model(model, peft_cfg)
 

@@ -31,7 +31,7 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from pjray.models.loading import IMAGE_ONLY_PROCESSORS
+from pjray.models.families import IMAGE_ONLY_PROCESSORS
 
 __all__ = [
     "TEXT_ONLY_ARCHS",

@@ -86,6 +86,7 @@ def tiny_judge(cfg: Config, say: Say) -> Path:
     """A tiny random judge (`model.tiny_arch`, seeded by trainer.seed) in `<run_dir>/base_model`,
     built aside and renamed when complete, so an interrupted build is never reused."""
     from pjray.models.tiny import build_tiny_judge
+    from pjray.models.tiny_families import FAMILY_ARCHS, build_tiny_family_judge
 
     target = Path(cfg.trainer.run_dir).resolve() / "base_model"
     if target.exists():
@@ -93,7 +94,8 @@ def tiny_judge(cfg: Config, say: Say) -> Path:
     started = time.perf_counter()
     partial = target.with_name("base_model.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    build_tiny_judge(partial, arch=cfg.model.tiny_arch, seed=cfg.trainer.seed)
+    build = build_tiny_family_judge if cfg.model.tiny_arch in FAMILY_ARCHS else build_tiny_judge
+    build(partial, arch=cfg.model.tiny_arch, seed=cfg.trainer.seed)
     partial.rename(target)
     say(
         f"pjray: judge: a tiny random {cfg.model.tiny_arch} judge built in {time.perf_counter() - started:.1f}s, {target}"

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
+from pjray.models.loading import save_judge
 from pjray.models.lora import base_model
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ class RankCheckpoints:
                     m.engine.module.save_pretrained(os.path.join(path, "adapter"))
         if m.rank == 0:
             module: PreTrainedModel = base_model(m.engine.module)
-            module.save_pretrained(path, state_dict=state)
+            save_judge(module, path, state)
             m.processor.save_pretrained(path)
         if m.world_size > 1:
             # Nobody reads the directory before it is complete.

@@ -98,15 +98,6 @@ def optimizer(model: torch.nn.Module, lc: LearnerConfig) -> torch.optim.Optimize
     return torch.optim.AdamW(groups, lr=lc.lr, betas=(0.9, 0.999), eps=1e-8)
 
 
-def vision_tower(model: torch.nn.Module) -> torch.nn.Module | None:
-    """The vision encoder of a Qwen2/2.5/3-VL model (transformers 5: `model.model.visual`)."""
-    for owner in (model, getattr(model, "model", None)):
-        visual = getattr(owner, "visual", None) if owner is not None else None
-        if isinstance(visual, torch.nn.Module):
-            return visual
-    return None
-
-
 def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """Recursive dict merge; `extra` wins."""
     out = dict(base)

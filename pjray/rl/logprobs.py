@@ -20,10 +20,11 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from pjray.models.families import family_of, token_types
 from pjray.models.loading import (
     ban_tokens,
     continued_positions,
-    mm_token_type_ids,
+    placeholder_ids,
     processor_inputs,
     prompt_positions,
     truncate_logits,
@@ -67,12 +68,11 @@ class TokenStats(NamedTuple):
 def collate(processor: ProcessorMixin, experiences: Sequence[Experience], pad_to: int | None = None) -> TrainBatch:
     """Model inputs for prompt + response sequences, right-padded to one length.
 
-    The prompts go through the processor together (it expands each image placeholder into the
-    image's pad tokens), the processor's padding is stripped by its attention mask (so left- and
-    right-padded prompts both work), the response ids are appended, and each row is right-padded.
-    Right padding keeps every real token at the position it has in an unpadded sequence, for
-    1-D RoPE and for Qwen-VL's M-RoPE alike (the model computes M-RoPE positions over the
-    attended tokens only).
+    Each distinct prompt goes through the processor once (it expands each image placeholder into
+    the image's tokens), the response ids are appended, and each row is right-padded. Right
+    padding keeps every real token at the position it has in an unpadded sequence, for 1-D RoPE
+    and for Qwen-VL's M-RoPE alike (the model computes M-RoPE positions over the attended tokens
+    only).
 
     Args:
         processor: the judge's processor (`pjray.models.loading.load_processor`).
@@ -84,8 +84,8 @@ def collate(processor: ProcessorMixin, experiences: Sequence[Experience], pad_to
         TrainBatch with input_ids / attention_mask / response_mask / old_logprobs [B, T]
         (response_mask is 1 on the response tokens that `loss_mask` keeps; old_logprobs holds
         the given values on response positions, NaN where an experience has none, meaning "use
-        the current policy"), advantages [B], per-row pixel_values [P_b, D] and image_grid_thw [n_b, 3]
-        (empty for rows without an image), ref_logprobs / rollout_logprobs [B, T] when any
+        the current policy"), advantages [B], per-row image tensors (`TrainBatch.vision`; {} for
+        rows without an image), ref_logprobs / rollout_logprobs [B, T] when any
         experience has them (NaN on the response positions of those that do not), prompt_lens
         [B] and prompt_group [B] (the first row with the same prompt text and image).
     """
@@ -98,39 +98,21 @@ def collate(processor: ProcessorMixin, experiences: Sequence[Experience], pad_to
             if values is not None and len(values) != n:
                 raise ValueError(f"experience {i}: {field_name} has {len(values)} values for {n} response tokens")
 
-    enc = processor_inputs(
-        processor, [e.prompt_text for e in experiences], [e.image for e in experiences], padding_side="right"
-    )
-    prompt_ids: Tensor = enc["input_ids"]  # [B, P] padded
-    prompt_mask: Tensor = enc["attention_mask"]  # [B, P]
     pad_id = processor.tokenizer.pad_token_id
-
-    # Per-row pixel values: the processor concatenates the images' patches in row order.
-    pixel_values: Tensor | None = enc["pixel_values"]
-    grid_thw: Tensor | None = enc["image_grid_thw"]
-    dim = pixel_values.shape[-1] if pixel_values is not None else 0
-    row_pixels: list[Tensor] = []
-    row_grids: list[Tensor] = []
-    image_index, patch_offset = 0, 0
-    for e in experiences:
-        if e.image is None:
-            row_pixels.append(torch.zeros(0, dim, dtype=torch.float32))
-            row_grids.append(torch.zeros(0, 3, dtype=torch.long))
-            continue
-        assert pixel_values is not None and grid_thw is not None
-        grid = grid_thw[image_index : image_index + 1]
-        patches = int(grid.prod(-1).sum())
-        row_pixels.append(pixel_values[patch_offset : patch_offset + patches])
-        row_grids.append(grid)
-        image_index += 1
-        patch_offset += patches
+    family = family_of(processor)
+    first_row: dict[tuple[str, bytes | None], int] = {}
+    prompt_group = [first_row.setdefault((e.prompt_text, e.image), i) for i, e in enumerate(experiences)]
+    encoded: dict[int, tuple[Tensor, dict[str, Tensor]]] = {}  # first row -> (prompt ids, images)
+    for i in sorted(set(prompt_group)):
+        e = experiences[i]
+        enc = processor_inputs(processor, [e.prompt_text], [e.image])
+        images = family.row_vision(enc) if family is not None and e.image is not None else {}
+        encoded[i] = (enc["input_ids"][0][enc["attention_mask"][0].bool()], images)
 
     rows: list[Tensor] = []
     prompt_lens: list[int] = []
-    first_row: dict[tuple[str, bytes | None], int] = {}
-    prompt_group = [first_row.setdefault((e.prompt_text, e.image), i) for i, e in enumerate(experiences)]
     for i, e in enumerate(experiences):
-        prompt = prompt_ids[i][prompt_mask[i].bool()]
+        prompt = encoded[prompt_group[i]][0]
         response = torch.tensor(e.response_ids, dtype=torch.long)
         row = torch.cat([prompt, response])
         if row.numel() == 0:
@@ -170,8 +152,7 @@ def collate(processor: ProcessorMixin, experiences: Sequence[Experience], pad_to
         response_mask=response_mask,
         old_logprobs=old_logprobs,
         advantages=torch.tensor([float(e.advantage) for e in experiences], dtype=torch.float32),
-        pixel_values=row_pixels,
-        image_grid_thw=row_grids,
+        vision=[encoded[g][1] for g in prompt_group],
         ref_logprobs=optional.get("ref_logprobs"),
         rollout_logprobs=optional.get("rollout_logprobs"),
         prompt_lens=torch.tensor(prompt_lens, dtype=torch.long),
@@ -207,8 +188,7 @@ def take_rows(batch: TrainBatch, rows: Sequence[int], trained: bool = True) -> T
         response_mask=response_mask,
         old_logprobs=batch.old_logprobs[index, :length].clone(),
         advantages=batch.advantages[index].clone(),
-        pixel_values=[batch.pixel_values[r] for r in rows],
-        image_grid_thw=[batch.image_grid_thw[r] for r in rows],
+        vision=[batch.vision[r] for r in rows],
         ref_logprobs=cut(batch.ref_logprobs),
         rollout_logprobs=cut(batch.rollout_logprobs),
         prompt_lens=None if batch.prompt_lens is None else batch.prompt_lens[index].clone(),
@@ -216,34 +196,29 @@ def take_rows(batch: TrainBatch, rows: Sequence[int], trained: bool = True) -> T
     )
 
 
-def model_inputs(processor: ProcessorMixin, batch: TrainBatch, device: torch.device) -> dict[str, Tensor | None]:
-    """Keyword arguments for a Qwen-VL forward of `batch` on `device`.
+def model_inputs(processor: ProcessorMixin, batch: TrainBatch, device: torch.device) -> dict[str, Tensor]:
+    """Keyword arguments for a forward of `batch` on `device`.
 
-    A sampled response may contain an image or video pad id (a random or badly behaved policy
-    can emit one). The model treats every such id as a slot for image features and would fail
-    (or misplace features), so on response positions it is fed as the pad token instead: its
-    own log-prob is still read against the real id, only later tokens see the substitute.
+    A sampled response may contain an image placeholder id (a random or badly behaved policy can
+    emit one). The model treats every such id as a slot for image features and would fail (or
+    misplace features), so on response positions it is fed as the pad token instead: its own
+    log-prob is still read against the real id, only later tokens see the substitute.
     """
     ids = batch.input_ids
-    if processor.image_token_id is None:
+    family = family_of(processor)
+    if family is None:
         # A text-only judge (a causal LM): token ids and the mask are all it takes.
         return {"input_ids": ids.to(device), "attention_mask": batch.attention_mask.to(device)}
     model_ids = _image_pads_as_pad(processor, ids, batch.response_mask > 0)
-    with_images = [i for i, g in enumerate(batch.image_grid_thw) if g.numel() > 0]
-    pixel_values = torch.cat([batch.pixel_values[i] for i in with_images]) if with_images else None
-    grid_thw = torch.cat([batch.image_grid_thw[i] for i in with_images]) if with_images else None
-    return {
-        "input_ids": model_ids.to(device),
-        "attention_mask": batch.attention_mask.to(device),
-        "mm_token_type_ids": mm_token_type_ids(processor, model_ids).to(device),
-        "pixel_values": pixel_values.to(device) if pixel_values is not None else None,
-        "image_grid_thw": grid_thw.to(device) if grid_thw is not None else None,
-    }
+    inputs = {"input_ids": model_ids, "attention_mask": batch.attention_mask, **family.join(batch.vision)}
+    if family.token_types is not None:
+        inputs[family.token_types] = token_types(processor, model_ids)
+    return {k: v.to(device) for k, v in inputs.items()}
 
 
 def _image_pads_as_pad(processor: ProcessorMixin, ids: Tensor, where: Tensor) -> Tensor:
-    """`ids` with the image and video pad ids at `where` replaced by the pad token."""
-    placeholder = (ids == processor.image_token_id) | (ids == processor.video_token_id)
+    """`ids` with the image placeholder ids (`placeholder_ids`) at `where` replaced by the pad."""
+    placeholder = torch.isin(ids, torch.tensor(placeholder_ids(processor), dtype=ids.dtype))
     return torch.where(placeholder & where, torch.full_like(ids, processor.tokenizer.pad_token_id), ids)
 
 
@@ -475,15 +450,14 @@ def _packed_hidden(
     inputs = model_inputs(processor, batch, torch.device("cpu"))
     real = batch.attention_mask.bool()
     text = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: 0, 1, ... per row
-    packed: dict[str, Any] = {"input_ids": inputs["input_ids"][real][None]}
-    if processor.image_token_id is not None:
-        rope_inputs = {k: inputs[k] for k in ("input_ids", "attention_mask", "mm_token_type_ids")}
-        if inputs["image_grid_thw"] is not None:
-            rope_inputs["image_grid_thw"] = inputs["image_grid_thw"]
-        rope, _ = prompt_positions(model, rope_inputs)  # [3, B, T]
+    family = family_of(processor)
+    packed: dict[str, Any] = {k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    packed["input_ids"] = inputs["input_ids"][real][None]
+    if family is not None and family.token_types is not None:
+        packed[family.token_types] = inputs[family.token_types][real][None]
+    if family is not None and family.mrope:
+        rope, _ = prompt_positions(model, inputs)  # [3, B, T]
         packed["position_ids"] = torch.cat([text[real][None, None], rope[:, real][:, None]])
-        packed["mm_token_type_ids"] = inputs["mm_token_type_ids"][real][None]
-        packed["pixel_values"], packed["image_grid_thw"] = inputs["pixel_values"], inputs["image_grid_thw"]
     else:
         packed["position_ids"] = text[real][None]
     with _projection_inputs(head) as seen:
@@ -558,12 +532,11 @@ def _shared_prefix_hidden(
         n = int(plens[h])
         ids[u, P - n :], mask[u, P - n :] = batch.input_ids[h, :n], 1
     prompt: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
-    if processor.image_token_id is not None:
-        images = [h for h in heads if batch.image_grid_thw[h].numel() > 0]
-        prompt["mm_token_type_ids"] = mm_token_type_ids(processor, ids)
-        if images:
-            prompt["pixel_values"] = torch.cat([batch.pixel_values[h] for h in images])
-            prompt["image_grid_thw"] = torch.cat([batch.image_grid_thw[h] for h in images])
+    family = family_of(processor)
+    if family is not None:
+        prompt.update(family.join([batch.vision[h] for h in heads]))
+        if family.token_types is not None:
+            prompt[family.token_types] = token_types(processor, ids)
     # [3, U, P] for Qwen-VL (M-RoPE), [U, P] for a causal LM; following [U]: the position after each prompt
     prompt["position_ids"], following = prompt_positions(model, prompt)
 
@@ -572,7 +545,7 @@ def _shared_prefix_hidden(
     cols = (plens[:, None] + steps[None, :]).clamp(max=T - 1)
     response = torch.where(real, batch.input_ids.gather(1, cols), torch.full_like(cols, pad_id))
     fed = response
-    if processor.image_token_id is not None:  # as in `model_inputs`: a sampled image pad is fed as pad
+    if family is not None:  # as in `model_inputs`: a sampled image pad is fed as pad
         fed = _image_pads_as_pad(processor, response, real)
     positions = continued_positions(prompt["position_ids"], following[index], R)
     with _projection_inputs(head) as seen:

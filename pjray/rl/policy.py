@@ -28,10 +28,11 @@ from PIL import Image
 from torch import Tensor
 
 from pjray.config import AlgoConfig, LearnerConfig, ModelConfig
+from pjray.models.families import family_of
 from pjray.models.loading import is_text_only, load_judge, placeholder_ids
 from pjray.models.lora import apply_lora
 from pjray.placement import split_evenly
-from pjray.rl.ds_setup import ds_config, lr_multiplier, optimizer, ref_ds_config, vision_tower
+from pjray.rl.ds_setup import ds_config, lr_multiplier, optimizer, ref_ds_config
 from pjray.rl.logprobs import TokenStats, can_share_prefix, collate, forward_logprobs, take_rows
 from pjray.rl.microbatch import token_budget_batches
 from pjray.types import Experience, TrainBatch
@@ -232,7 +233,7 @@ class PolicyModel:
         whole = collate(self.processor, [*experiences, filler] if filler else experiences)
 
         def rows_of(rows: list[int]) -> list[int]:
-            if filler is None or any(whole.image_grid_thw[r].numel() for r in rows):
+            if filler is None or any(whole.vision[r] for r in rows):
                 return rows
             return [*rows, n]
 
@@ -395,12 +396,11 @@ def _trainable_model(
     vision tower frozen (model.freeze_vision), gradient checkpointing and LoRA adapters as
     configured."""
     model, processor = _load(device, model_cfg, model_path, True, config)
-    # A text-only judge has no vision tower, so there is nothing for freeze_vision to freeze.
-    if model_cfg.freeze_vision and processor.image_token_id is not None:
-        visual = vision_tower(model)
-        if visual is None:
-            raise ValueError(f"model.freeze_vision: no vision tower found in {type(model).__name__}")
-        visual.requires_grad_(False)
+    # A text-only judge has no vision part, so there is nothing for freeze_vision to freeze.
+    family = family_of(processor)
+    if model_cfg.freeze_vision and family is not None:
+        for part in family.vision_modules(model):
+            part.requires_grad_(False)
     if model_cfg.gradient_checkpointing:
         # Non-reentrant: reentrant checkpointing silently drops the gradients of a segment
         # whose inputs do not require grad, which freezing parts of the model can cause.

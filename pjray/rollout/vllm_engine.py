@@ -37,7 +37,8 @@ import torch
 
 from pjray.config import VLLM_LORA_RANKS, ModelConfig, RolloutConfig
 from pjray.data.images import decode_image
-from pjray.models.loading import is_text_only, load_processor, placeholder_ids, render_chat
+from pjray.models.families import family_of, family_of_type
+from pjray.models.loading import load_processor, placeholder_ids, render_chat
 from pjray.rollout.engine import checkpoint_eos_ids, stop_token_ids
 from pjray.sync.adapter import AdapterUpdate
 from pjray.sync.buckets import Bucket, flat_bytes, from_bytes, state_checksums, unpack
@@ -214,8 +215,10 @@ class WeightSyncExtension:
     def _pjray_load(self, bucket: Bucket, flat: torch.Tensor) -> None:
         from vllm.config import set_current_vllm_config
 
-        # The model's own loader maps HF names onto vLLM's fused, tensor-parallel layout.
-        weights = unpack(bucket, flat)
+        # The model's own loader maps HF names (in the layout of the family's released
+        # checkpoints) onto vLLM's fused, tensor-parallel layout.
+        family = family_of_type(self.vllm_config.model_config.hf_config.model_type)
+        weights = {family.released_name(n) if family else n: t for n, t in unpack(bucket, flat).items()}
         with set_current_vllm_config(self.vllm_config):
             served_model(self).load_weights(weights=list(weights.items()))
             # A tied head (tie_word_embeddings) shares the embedding's tensor, and the model's
@@ -273,19 +276,26 @@ def llm_kwargs(model_path: str, model_cfg: ModelConfig, rollout_cfg: RolloutConf
         # TP ranks as processes of this actor, on the GPUs Ray gave it (one node).
         if rollout_cfg.tensor_parallel_size > 1:
             kwargs["distributed_executor_backend"] = "mp"
+    family = family_of(processor)
+    if model_cfg.lora.sync == "adapter" and family is not None and not family.vllm_lora:
+        raise ValueError(
+            f"model.lora.sync=adapter: vLLM serves no LoRA adapter on a {family.name} judge; "
+            "set model.lora.sync=merged (the engines get merged weights)"
+        )
     if model_cfg.lora.sync == "adapter":
         # Adapter sync: vLLM applies the learner's adapter; one at a time (each sync replaces it).
         kwargs["enable_lora"] = True
         kwargs["max_loras"] = 1
         kwargs["max_lora_rank"] = min(r for r in VLLM_LORA_RANKS if r >= model_cfg.lora.rank)
-    if not is_text_only(processor):
+    if family is not None:
         kwargs["limit_mm_per_prompt"] = {"image": 1, "video": 0}
-        # The learner's image budget (`ModelConfig.image_budget`, `load_processor`), so
-        # both sides resize an image to the same grid.
-        size = processor.image_processor.size
-        kwargs["mm_processor_kwargs"] = {
-            "size": {"shortest_edge": size.shortest_edge, "longest_edge": size.longest_edge}
-        }
+        if family.pixel_budget:
+            # The learner's image budget (`ModelConfig.image_budget`, `load_processor`), so
+            # both sides resize an image to the same grid.
+            size = processor.image_processor.size
+            kwargs["mm_processor_kwargs"] = {
+                "size": {"shortest_edge": size.shortest_edge, "longest_edge": size.longest_edge}
+            }
         if sleep:
             # Every sleep clears the processor cache (its front-end half, and with it what the
             # engine core mirrors), so a sleeping engine gains nothing from it but its host

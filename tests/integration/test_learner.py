@@ -178,10 +178,10 @@ def test_collate_layout(judge_dir: str) -> None:
             assert response.tolist() == list(range(length - len(e.response_ids), length))
             assert tuple(batch.input_ids[i, response].tolist()) == e.response_ids
         if e.image is None:
-            assert batch.pixel_values[i].shape[0] == 0 and batch.image_grid_thw[i].shape == (0, 3)
+            assert batch.vision[i] == {}
         else:
-            grid = batch.image_grid_thw[i]
-            assert grid.shape == (1, 3) and batch.pixel_values[i].shape[0] == int(grid.prod())
+            grid = batch.vision[i]["image_grid_thw"]
+            assert grid.shape == (1, 3) and batch.vision[i]["pixel_values"].shape[0] == int(grid.prod())
             # The placeholder was expanded to (t*h*w)/merge^2 image tokens.
             n_image_tokens = int((batch.input_ids[i] == processor.image_token_id).sum())
             assert n_image_tokens == int(grid.prod()) // processor.image_processor.merge_size**2

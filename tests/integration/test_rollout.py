@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pjray.config import ModelConfig, RolloutConfig
-from pjray.models.loading import load_judge, mm_token_type_ids, processor_inputs, render_chat
+from pjray.models.families import token_types
+from pjray.models.loading import load_judge, processor_inputs, render_chat
 from pjray.models.tiny import build_tiny_judge
 from pjray.placement import RankGroup
 from pjray.rollout import hf_engine as rollout_module
@@ -167,7 +168,7 @@ def _assert_teacher_forced(engine: HFEngine, completions: list[Completion], temp
         kwargs = {
             "input_ids": input_ids,
             "attention_mask": torch.ones_like(input_ids),
-            "mm_token_type_ids": mm_token_type_ids(processor, input_ids),
+            "mm_token_type_ids": token_types(processor, input_ids),
         }
         if prompt.image is not None:
             kwargs["pixel_values"] = inputs["pixel_values"]

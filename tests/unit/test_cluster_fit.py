@@ -121,7 +121,12 @@ def test_every_gpu_training_recipe_states_what_it_needs() -> None:
     assert (
         trains_on_gpus
         == set(RECIPES)
-        == {"configs/qwen3vl_4b.yaml", "configs/flex_judge_7b.yaml", "configs/policy_qwen25vl_7b.yaml"}
+        == {
+            "configs/qwen3vl_4b.yaml",
+            "configs/flex_judge_7b.yaml",
+            "configs/llava_ov_7b.yaml",
+            "configs/policy_qwen25vl_7b.yaml",
+        }
     )
     for recipe, need in RECIPES.items():
         cfg = load(REPO / recipe)

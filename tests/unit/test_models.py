@@ -19,11 +19,11 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from pjray.data.images import decode_image
+from pjray.models.families import token_types
 from pjray.models.loading import (
     image_token_count,
     load_judge,
     load_processor,
-    mm_token_type_ids,
     opens_think,
     processor_inputs,
     render_chat,
@@ -273,7 +273,7 @@ def test_placeholder_expands_to_image_token_count(tiny_dirs: dict[str, Path], ar
     assert int((ids == processor.image_token_id).sum()) == n
     grid = inputs["image_grid_thw"]
     assert grid.shape == (1, 3) and inputs["pixel_values"].shape[0] == int(grid.prod())
-    assert torch.equal(inputs["mm_token_type_ids"], mm_token_type_ids(processor, inputs["input_ids"]))
+    assert torch.equal(inputs["mm_token_type_ids"], token_types(processor, inputs["input_ids"]))
 
 
 def test_processor_inputs_mixed_batch(tiny_dirs: dict[str, Path]) -> None:
@@ -299,7 +299,7 @@ def test_processor_inputs_mixed_batch(tiny_dirs: dict[str, Path]) -> None:
 def test_processor_inputs_text_only_batch(tiny_dirs: dict[str, Path]) -> None:
     model, processor = load_judge(tiny_dirs["qwen3_vl"], trainable=False)
     inputs = processor_inputs(processor, [render_chat(processor, _prompt(None))], [None])
-    assert inputs["pixel_values"] is None and inputs["image_grid_thw"] is None
+    assert "pixel_values" not in inputs and "image_grid_thw" not in inputs
     with torch.no_grad():
         assert model(**inputs).logits.shape[1] == inputs["input_ids"].shape[1]
 

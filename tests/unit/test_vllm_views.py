@@ -283,6 +283,25 @@ def test_the_engine_arguments_follow_the_layout(vlm_processor) -> None:
     assert llm_kwargs("judge", compiled.model, compiled.rollout, vlm_processor)["enforce_eager"] is False
 
 
+def test_other_families_keep_their_own_image_sizes_and_refuse_what_vllm_cannot_serve(tmp_path) -> None:
+    """A judge of another family is given no Qwen pixel budget (its processor's tiles size the
+    image on both sides); an adapter sync where vLLM serves no LoRA for the family is refused with
+    the way out, before an engine starts."""
+    from pjray.models.tiny_families import build_tiny_family_judge
+
+    cfg = load(overrides=VLLM_CPU)
+    adapter = load(overrides=VLLM_CPU + ["model.lora.rank=8", "model.lora.sync=adapter"])
+    for arch in ("llava_onevision", "gemma3"):
+        processor = load_processor(build_tiny_family_judge(tmp_path / arch, arch=arch))
+        kwargs = llm_kwargs("judge", cfg.model, cfg.rollout, processor)
+        assert kwargs["limit_mm_per_prompt"] == {"image": 1, "video": 0} and "mm_processor_kwargs" not in kwargs
+        if arch == "gemma3":
+            assert llm_kwargs("judge", adapter.model, adapter.rollout, processor)["enable_lora"] is True
+        else:
+            with pytest.raises(ValueError, match="model.lora.sync=merged"):
+                llm_kwargs("judge", adapter.model, adapter.rollout, processor)
+
+
 # ---------------------------------------------------------------------------------------------
 # An engine whose own processes died (needs vLLM's exception types: the vLLM venv)
 # ---------------------------------------------------------------------------------------------
