@@ -121,40 +121,26 @@ def _images_in(family: Family, row: dict[str, Tensor]) -> int:
     return 0 if not row else int(row[family.vision_keys[0]].shape[0])
 
 
+def _qwen_vl(name: str, model_types: tuple[str, ...], processor: type) -> Family:
+    """A Qwen-VL generation: M-RoPE, patches and grids, the pixel budget, `model.visual`."""
+    return Family(
+        name=name,
+        model_types=model_types,
+        processor=processor,
+        vision_parts=("visual",),
+        vision_keys=("pixel_values", "image_grid_thw"),
+        token_types="mm_token_type_ids",
+        mrope=True,
+        pixel_budget=True,
+        system_parts=False,
+    )
+
+
 FAMILIES: tuple[Family, ...] = (
-    Family(
-        name="qwen2_vl",
-        model_types=("qwen2_vl",),
-        processor=ImageOnlyQwen2VLProcessor,
-        vision_parts=("visual",),
-        vision_keys=("pixel_values", "image_grid_thw"),
-        token_types="mm_token_type_ids",
-        mrope=True,
-        pixel_budget=True,
-        system_parts=False,
-    ),
-    Family(
-        name="qwen2_5_vl",
-        model_types=("qwen2_5_vl",),
-        processor=ImageOnlyQwen2_5_VLProcessor,
-        vision_parts=("visual",),
-        vision_keys=("pixel_values", "image_grid_thw"),
-        token_types="mm_token_type_ids",
-        mrope=True,
-        pixel_budget=True,
-        system_parts=False,
-    ),
-    Family(
-        name="qwen3_vl",
-        model_types=("qwen3_vl", "qwen3_vl_moe"),  # Qwen3-VL-MoE shares the Qwen3-VL processor
-        processor=ImageOnlyQwen3VLProcessor,
-        vision_parts=("visual",),
-        vision_keys=("pixel_values", "image_grid_thw"),
-        token_types="mm_token_type_ids",
-        mrope=True,
-        pixel_budget=True,
-        system_parts=False,
-    ),
+    _qwen_vl("qwen2_vl", ("qwen2_vl",), ImageOnlyQwen2VLProcessor),
+    _qwen_vl("qwen2_5_vl", ("qwen2_5_vl",), ImageOnlyQwen2_5_VLProcessor),
+    # Qwen3-VL-MoE shares the Qwen3-VL processor.
+    _qwen_vl("qwen3_vl", ("qwen3_vl", "qwen3_vl_moe"), ImageOnlyQwen3VLProcessor),
     Family(
         name="llava_onevision",
         model_types=("llava_onevision",),
