@@ -381,7 +381,9 @@ def test_a_tied_judges_head_follows_a_sync_of_its_embedding(arch: str, tmp_path:
         engine.close()
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS + ("internvl", "gemma3", "idefics3"))
+# Of the other families, Idefics3's: its language model is `text_model`, not `language_model`
+# (InternVL's and Gemma 3's adapters, named as Qwen-VL's, served alike when measured: 4.8e-7).
+@pytest.mark.parametrize("arch", TINY_ARCHS + ("idefics3",))
 def test_adapter_sync_serves_a_vision_language_lora_policy(arch: str, tmp_path: Path) -> None:
     """A vision-language judge's LoRA adapter, every language-model linear layer adapted, served by vLLM
     (its LoRA support on its CPU build) on image prompts: before a sync the base judge's
