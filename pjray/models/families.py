@@ -112,6 +112,8 @@ class Family:
         return int(owner.image_token_id)
 
 
+_TOWER_AND_PROJECTOR = ("vision_tower", "multi_modal_projector")  # the LLaVA-style vision part
+
 # transformers 5 names a SigLIP tower's parameters without the `vision_model.` level that released
 # checkpoints and vLLM's SigLIP carry (it adds the level back only when loading).
 _SIGLIP = ((r"^(model\.)?vision_tower\.(?!vision_model\.)", r"\1vision_tower.vision_model."),)
@@ -145,7 +147,7 @@ FAMILIES: tuple[Family, ...] = (
         name="llava_onevision",
         model_types=("llava_onevision",),
         processor=ImageOnlyLlavaOnevisionProcessor,
-        vision_parts=("vision_tower", "multi_modal_projector"),
+        vision_parts=_TOWER_AND_PROJECTOR,
         vision_keys=("pixel_values", "image_sizes"),
         padded_keys=("pixel_values",),
         image_counts="batch_num_images",
@@ -156,14 +158,14 @@ FAMILIES: tuple[Family, ...] = (
         name="internvl",
         model_types=("internvl",),
         processor=ImageOnlyInternVLProcessor,
-        vision_parts=("vision_tower", "multi_modal_projector"),
+        vision_parts=_TOWER_AND_PROJECTOR,
         vision_keys=("pixel_values",),
     ),
     Family(
         name="gemma3",
         model_types=("gemma3",),
         processor=ImageOnlyGemma3Processor,
-        vision_parts=("vision_tower", "multi_modal_projector"),
+        vision_parts=_TOWER_AND_PROJECTOR,
         vision_keys=("pixel_values",),
         token_types="token_type_ids",
         nested_images=True,

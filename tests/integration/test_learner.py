@@ -34,6 +34,7 @@ from pjray.rollout.hf_engine import HFEngine
 from pjray.sync.buckets import pack, state_checksums, unpack
 from pjray.types import Experience, JudgePrompt
 from tests.support.images import noisy_png
+from tests.support.prompts import batch_prompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -677,17 +678,7 @@ def test_logprobs_at_the_rollout_temperature_match_the_engine(tmp_path: Path, ra
     _sharpen(judge)
     engine = HFEngine(str(judge), ModelConfig(), RolloutConfig(max_new_tokens=8, temperature=0.7), device=str(DEVICE))
     prompts = [
-        JudgePrompt(
-            item_id=str(i),
-            system="Judge.",
-            user=user,
-            image=image,
-            protocol="batch",
-            style="ranking",
-            num_candidates=3,
-            shown=(0, 1, 2),
-            target="ABC",
-        )
+        batch_prompt(str(i), "Judge.", user, image)
         for i, (user, image) in enumerate(
             [("Rank the answers A, B and C.", noisy_png(84, 56, 3)), ("No image here.", None)]
         )

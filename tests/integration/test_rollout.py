@@ -36,6 +36,7 @@ from pjray.rollout.hf_engine import HFEngine
 from pjray.rollout.worker import RolloutWorker, submit_generation
 from pjray.sync.buckets import Bucket, BucketEntry, pack, plan_buckets, state_checksums
 from pjray.types import Completion, JudgePrompt, Timed
+from tests.support.prompts import batch_prompt
 
 MAX_NEW_TOKENS = 16
 N = 4
@@ -48,17 +49,7 @@ def _png(colour: str, size: int) -> bytes:
 
 
 def _prompt(item_id: str, user: str, image: bytes | None, system: str = "Judge the answers.") -> JudgePrompt:
-    return JudgePrompt(
-        item_id=item_id,
-        system=system,
-        user=user,
-        image=image,
-        protocol="batch",
-        style="ranking",
-        num_candidates=3,
-        shown=(0, 1, 2),
-        target="ABC",
-    )
+    return batch_prompt(item_id, system, user, image)
 
 
 # Different lengths and image sizes, and one text-only prompt: left padding, several image

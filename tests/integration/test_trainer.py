@@ -75,16 +75,14 @@ def test_timer_counts_the_slowest_worker_per_call():
     assert metrics["timing_s/ray_overhead"] == pytest.approx(0.3)
 
 
-def test_learns_a_trivial_reward_with_two_ranks(ray_local, tmp_path):
-    """Sign and plumbing of the whole loop: reward 1 when the response opens with a space
-    (chance ~0.2 for the random judge); the mean reward rises to >= 0.9."""
+def _learn_trivial_reward(run_dir: Path, overrides: list[str], target: float) -> tuple[dict, float, int]:
+    """Train the tiny judge on the reward 1 when the response opens with a space, up to 40 steps
+    or until the mean reward reaches `target`: (step 1's metrics, the best mean reward, steps)."""
     cfg = load(
         overrides=TINY
         + [
-            f"trainer.run_dir={tmp_path / 'learn'}",
+            f"trainer.run_dir={run_dir}",
             "reward.function=learnable_rewards:starts_with_space",
-            "learner.num_ranks=2",
-            "learner.micro_batch_size=2",
             "learner.lr=1e-2",
             "algo.kl_coef=0.0",
             "algo.group_size=8",
@@ -92,6 +90,7 @@ def test_learns_a_trivial_reward_with_two_ranks(ray_local, tmp_path):
             "trainer.steps=40",
             "trainer.save_every=0",
             "trainer.export_hf=false",
+            *overrides,
         ]
     )
     trainer = Trainer(cfg, training_inputs(cfg))
@@ -102,12 +101,21 @@ def test_learns_a_trivial_reward_with_two_ranks(ray_local, tmp_path):
         best = first["reward/mean"]
         for trainer.step in range(2, cfg.trainer.steps + 1):
             best = max(best, trainer.train_step()["reward/mean"])
-            if best >= 0.9:
+            if best >= target:
                 break
     finally:
         trainer.shutdown()
+    return first, best, trainer.step
+
+
+def test_learns_a_trivial_reward_with_two_ranks(ray_local, tmp_path):
+    """Sign and plumbing of the whole loop: reward 1 when the response opens with a space
+    (chance ~0.2 for the random judge); the mean reward rises to >= 0.9."""
+    first, best, steps = _learn_trivial_reward(
+        tmp_path / "learn", ["learner.num_ranks=2", "learner.micro_batch_size=2"], target=0.9
+    )
     assert first["reward/mean"] < 0.5
-    assert best >= 0.9, f"mean reward only reached {best:.2f} in {trainer.step} steps"
+    assert best >= 0.9, f"mean reward only reached {best:.2f} in {steps} steps"
     # Every role's peak memory is logged: the learner ranks (which generate here) hold a model,
     # the reward worker does not, and nothing runs on a GPU.
     peaks = {k: v for k, v in first.items() if k.startswith("memory/")}
@@ -120,36 +128,20 @@ def test_a_judge_of_each_family_learns_the_trivial_reward(ray_local, tmp_path, a
     """`pjray train` with a tiny LLaVA-OneVision, InternVL, Gemma 3 or Idefics3 judge on images
     (hybrid engine, packed micro-batches, the vision part trained): the trivial reward rises from
     chance (~0.2) to >= 0.8."""
-    cfg = load(
-        overrides=TINY
-        + [
-            f"trainer.run_dir={tmp_path / arch}",
+    first, best, steps = _learn_trivial_reward(
+        tmp_path / arch,
+        [
             f"model.tiny_arch={arch}",
             "model.freeze_vision=false",
             "learner.packing=true",
             "learner.micro_batch_tokens=2048",
-            "reward.function=learnable_rewards:starts_with_space",
-            "learner.lr=1e-2",
-            "algo.kl_coef=0.0",
-            "algo.group_size=8",
             "learner.micro_batch_size=8",
-            "rollout.max_new_tokens=4",
-            "trainer.steps=40",
-            "trainer.save_every=0",
-            "trainer.export_hf=false",
-        ]
+        ],
+        target=0.8,
     )
-    trainer = Trainer(cfg, training_inputs(cfg))
-    try:
-        trainer.setup()
-        first = best = trainer.train_step()["reward/mean"]
-        for trainer.step in range(2, cfg.trainer.steps + 1):
-            best = max(best, trainer.train_step()["reward/mean"])
-            if best >= 0.8:
-                break
-    finally:
-        trainer.shutdown()
-    assert first < 0.5 and best >= 0.8, f"{arch}: mean reward {first:.2f} -> at best {best:.2f} in {trainer.step} steps"
+    assert first["reward/mean"] < 0.5 and best >= 0.8, (
+        f"{arch}: mean reward {first['reward/mean']:.2f} -> at best {best:.2f} in {steps} steps"
+    )
 
 
 def test_lora_learns_the_trivial_reward_and_exports_merged_weights(ray_local, tmp_path):

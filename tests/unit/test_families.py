@@ -26,6 +26,7 @@ from pjray.rl.microbatch import token_budget_batches
 from pjray.rollout.hf_engine import HFEngine
 from pjray.types import Experience, JudgePrompt
 from tests.support.images import noisy_png
+from tests.support.prompts import batch_prompt
 
 ARCHS = ("qwen2_vl", *FAMILY_ARCHS)  # a Qwen-VL judge beside the others: the same checks hold
 
@@ -41,17 +42,7 @@ def judges(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _prompt(i: int, image: bytes | None) -> JudgePrompt:
-    return JudgePrompt(
-        item_id=str(i),
-        system="You are a careful judge.",
-        user="Rank the answers A, B and C. " * (1 + i % 2),
-        image=image,
-        protocol="batch",
-        style="ranking",
-        num_candidates=3,
-        shown=(0, 1, 2),
-        target="ABC",
-    )
+    return batch_prompt(str(i), "You are a careful judge.", "Rank the answers A, B and C. " * (1 + i % 2), image)
 
 
 def _experiences(processor, seed: int = 1) -> list[Experience]:

@@ -30,6 +30,7 @@ from pjray.models.loading import (
 )
 from pjray.models.tiny import TINY_ARCHS, build_tiny_judge
 from pjray.types import JudgePrompt
+from tests.support.prompts import batch_prompt
 
 
 def _png(size: tuple[int, int] = (96, 80), colour: tuple[int, int, int] = (200, 30, 30), mode: str = "RGB") -> bytes:
@@ -39,16 +40,11 @@ def _png(size: tuple[int, int] = (96, 80), colour: tuple[int, int, int] = (200, 
 
 
 def _prompt(image: bytes | None) -> JudgePrompt:
-    return JudgePrompt(
-        item_id="item-0",
-        system="You are a careful judge. Look at the image first.",
-        user="Question: what colour is the circle?\nA: red\nB: blue\nC: green\nRank the answers.",
-        image=image,
-        protocol="batch",
-        style="ranking",
-        num_candidates=3,
-        shown=(0, 1, 2),
-        target="ABC",
+    return batch_prompt(
+        "item-0",
+        "You are a careful judge. Look at the image first.",
+        "Question: what colour is the circle?\nA: red\nB: blue\nC: green\nRank the answers.",
+        image,
     )
 
 

@@ -14,8 +14,9 @@ from pjray.models.loading import render_chat, truncate_logits
 from pjray.models.tiny import build_tiny_judge
 from pjray.rl.logprobs import collate, forward_logprobs
 from pjray.rollout.hf_engine import HFEngine
-from pjray.types import Experience, JudgePrompt
+from pjray.types import Experience
 from tests.support.images import noisy_png
+from tests.support.prompts import batch_prompt
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.7), (20, 0.9), (1, 1.0), (0, 1.0)])
@@ -46,17 +47,7 @@ def test_learner_logprobs_equal_the_engines_under_top_k_and_top_p(tmp_path):
     rollout = RolloutConfig(max_new_tokens=8, temperature=0.8, top_k=8, top_p=0.9)
     engine = HFEngine(str(judge), ModelConfig(), rollout, device="cpu")
     prompts = [
-        JudgePrompt(
-            item_id=str(i),
-            system="Judge.",
-            user=user,
-            image=image,
-            protocol="batch",
-            style="ranking",
-            num_candidates=3,
-            shown=(0, 1, 2),
-            target="ABC",
-        )
+        batch_prompt(str(i), "Judge.", user, image)
         for i, (user, image) in enumerate([("Rank the answers A, B and C.", noisy_png(84, 56, 3)), ("No image.", None)])
     ]
     completions = engine.generate(prompts, n=3, seed=0)

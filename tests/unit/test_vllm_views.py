@@ -24,6 +24,7 @@ from pjray.rl.logprobs import collate
 from pjray.rollout import vllm_engine
 from pjray.rollout.vllm_engine import VllmEngine, llm_kwargs, vllm_request
 from pjray.types import Experience, JudgePrompt
+from tests.support.prompts import batch_prompt
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -35,17 +36,7 @@ def _png(size: tuple[int, int], colour: str = "red") -> bytes:
 
 
 def _prompt(image: bytes | None) -> JudgePrompt:
-    return JudgePrompt(
-        item_id="p0",
-        system="You are a careful judge.",
-        user="Rank the answers A, B, C.",
-        image=image,
-        protocol="batch",
-        style="ranking",
-        num_candidates=3,
-        shown=(0, 1, 2),
-        target="ABC",
-    )
+    return batch_prompt("p0", "You are a careful judge.", "Rank the answers A, B, C.", image)
 
 
 @pytest.fixture(scope="module", params=TINY_ARCHS)
